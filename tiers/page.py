@@ -1,0 +1,115 @@
+"""Page identity: what a page is, how it is keyed, and its byte layout.
+
+A page is ``page_size`` consecutive prompt tokens and their K/V for every layer.
+Its key chains the key of the page before it with its own tokens::
+
+    key[-1] = H(namespace)            key[i] = H(key[i-1] || tokens of page i)
+
+so a key names a whole prefix, never a page out of context. ``H`` is BLAKE2b
+(16-byte digest), stable across processes and machines. The namespace holds
+everything that changes KV content, so different models, dtypes, page sizes,
+layouts, adapters or tenants (``cache_salt``) never share a key.
+
+Only full pages are keyed. The last prompt token is always computed (its logits
+start decoding), so an ``n``-token prompt has at most ``(n - 1) // page_size``
+reusable pages.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import asdict, dataclass
+from enum import Enum
+from typing import NewType, Sequence
+
+import msgpack
+import numpy as np
+
+LAYOUT_VERSION = 1
+KEY_BYTES = 16
+
+PageKey = NewType("PageKey", bytes)
+
+
+class Source(str, Enum):
+    """Where a prompt token's KV finally came from (exactly one per token)."""
+
+    L1 = "L1"
+    L2 = "L2"
+    L3 = "L3"
+    RECOMPUTED = "recomputed"
+
+
+def _hash(*parts: bytes) -> bytes:
+    h = hashlib.blake2b(digest_size=KEY_BYTES)
+    for part in parts:
+        h.update(part)
+    return h.digest()
+
+
+@dataclass(frozen=True)
+class Namespace:
+    """Everything that changes the KV of a token sequence."""
+
+    model_fingerprint: str
+    kv_dtype: str
+    page_size: int
+    layout_version: int = LAYOUT_VERSION
+    adapter_id: str = ""
+    cache_salt: str = ""
+
+    def digest(self) -> bytes:
+        """Stable 16-byte digest; the root of every page key in this namespace."""
+        return _hash(msgpack.packb(asdict(self), use_bin_type=True))
+
+
+def page_keys(namespace: Namespace, tokens: Sequence[int]) -> list[PageKey]:
+    """Chained keys of every full page of ``tokens`` (the partial tail has none)."""
+    size = namespace.page_size
+    prev = namespace.digest()
+    keys = []
+    for start in range(0, len(tokens) - size + 1, size):
+        page = np.asarray(tokens[start : start + size], dtype="<u4").tobytes()
+        prev = _hash(prev, page)
+        keys.append(PageKey(prev))
+    return keys
+
+
+def reusable_pages(num_tokens: int, page_size: int) -> int:
+    """Pages of an ``num_tokens`` prompt that may be reused (the last token is computed)."""
+    return max(num_tokens - 1, 0) // page_size
+
+
+_NUMPY_STORAGE = {"bfloat16": "<u2", "float16": "<f2", "float32": "<f4"}
+
+
+@dataclass(frozen=True)
+class PageGeometry:
+    """Shape and dtype of one page's KV: ``(layers, 2, kv_heads, page_size, head_dim)``.
+
+    The payload bytes of a page are this array in C order, K before V within a
+    layer, so one page is one contiguous buffer in every tier.
+    """
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    page_size: int
+    dtype: str
+
+    @property
+    def shape(self) -> tuple[int, int, int, int, int]:
+        return (self.num_layers, 2, self.num_kv_heads, self.page_size, self.head_dim)
+
+    @property
+    def storage_dtype(self) -> np.dtype:
+        """Numpy dtype with the same bytes (bfloat16 travels as uint16)."""
+        return np.dtype(_NUMPY_STORAGE[self.dtype])
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape)) * self.storage_dtype.itemsize
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.nbytes // self.page_size
