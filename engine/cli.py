@@ -1,0 +1,247 @@
+"""``kvtier`` command line (DESIGN §8). Library code logs; this module prints."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import re
+import sys
+from pathlib import Path
+from typing import Sequence
+
+from tiers.hierarchy import StoreConfig
+
+from .blas import blas_in_use
+from .paths import default_store_dir
+
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": 10**6, "mb": 10**6,
+          "mib": 1 << 20, "g": 10**9, "gb": 10**9, "gib": 1 << 30, "t": 10**12, "tb": 10**12, "tib": 1 << 40}
+
+
+class UsageError(Exception):
+    """Bad input from the user: one line on stderr, exit status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, not usage + message
+        raise UsageError(message)
+
+
+def parse_size(text: str) -> int:
+    """Bytes from ``512MiB``, ``4GiB``, ``1.5GB`` or a plain number."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    if not match or match.group(2).lower() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"bad size {text!r} (use e.g. 512MiB, 4GiB or bytes)")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def positive_int(text: str) -> int:
+    if not text.isdigit() or int(text) <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive whole number, got {text!r}")
+    return int(text)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="kvtier", description="Tiered KV-cache offload for MLX inference.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log what the engine does")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    run = sub.add_parser("run", help="generate with a tiered KV cache")
+    run.add_argument("--model", help="mlx-lm model directory or hub id (default: embedded model)")
+    src = run.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", action="append", help="raw completion prompt (repeat for a burst)")
+    src.add_argument("--prompts-file", type=Path, help="JSONL: {\"prompt\": text} or {\"tokens\": [ids]}")
+    run.add_argument("--max-tokens", type=positive_int, default=32)
+    run.add_argument("--temperature", type=float, default=0.0)
+    run.add_argument("--top-p", type=float, default=1.0)
+    run.add_argument("--store", type=Path, default=None, help="L3 directory (default: user cache)")
+    run.add_argument("--l1-bytes", type=parse_size, default=parse_size("1GiB"))
+    run.add_argument("--l2-bytes", type=parse_size, default=parse_size("4GiB"))
+    run.add_argument("--l3-bytes", type=parse_size, default=parse_size("32GiB"))
+    run.add_argument("--page-size", type=positive_int, default=128)
+    run.add_argument("--codec", choices=["raw", "zstd"], default="raw", help="L3 payload codec")
+    run.add_argument("--cache-salt", default="", help="isolate this tenant's pages")
+    run.add_argument("--no-offload", action="store_true", help="no store: recompute every prompt")
+    run.add_argument("--sequential", action="store_true", help="submit each prompt after the previous finishes")
+    run.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
+    run.add_argument("--json", action="store_true", help="one JSON object per request, then counters")
+
+    stats = sub.add_parser("stats", help="counters persisted in a store")
+    stats.add_argument("--store", type=Path, default=None)
+    fmt = stats.add_mutually_exclusive_group()
+    fmt.add_argument("--json", action="store_true")
+    fmt.add_argument("--prometheus", action="store_true")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+        logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                            format="kvtier: %(levelname)s: %(message)s")
+        if args.command == "run":
+            return cmd_run(args)
+        return cmd_stats(args)
+    except UsageError as err:
+        print(f"kvtier: error: {err}", file=sys.stderr)
+        return 2
+
+
+def _read_prompts(args: argparse.Namespace, tokenizer) -> list[list[int]]:
+    if args.prompt is not None:
+        texts: list = list(args.prompt)
+    else:
+        texts = _read_jsonl(args.prompts_file)
+    prompts = []
+    for item in texts:
+        if isinstance(item, list):
+            prompts.append(item)
+        elif args.chat:
+            messages = [{"role": "user", "content": item}]
+            prompts.append(list(tokenizer.apply_chat_template(messages, add_generation_prompt=True)))
+        else:
+            prompts.append(tokenizer.encode(item))
+    return prompts
+
+
+def _read_jsonl(path: Path) -> list:
+    try:
+        lines = path.read_text().splitlines()
+    except OSError as err:
+        raise UsageError(f"cannot read {path}: {err.strerror}") from None
+    items = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+            item = record["tokens"] if "tokens" in record else record["prompt"]
+        except (ValueError, KeyError, TypeError):
+            raise UsageError(f"{path}:{number}: expected {{\"prompt\": text}} or {{\"tokens\": [ids]}}") from None
+        if not isinstance(item, (str, list)) or (isinstance(item, list) and not all(isinstance(t, int) for t in item)):
+            raise UsageError(f"{path}:{number}: prompt must be text, tokens a list of ids")
+        items.append(item)
+    if not items:
+        raise UsageError(f"{path} holds no prompts")
+    return items
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    # Imported here so that `kvtier --help` and bad arguments answer at once.
+    from .engine import Engine, EngineConfig, InputError
+    from .model import ModelError, load_model
+    from .request import SamplingParams
+
+    log = logging.getLogger("kvtier")
+    log.info("BLAS: %s", blas_in_use())
+    try:
+        loaded = load_model(args.model)
+    except ModelError as err:
+        raise UsageError(str(err)) from None
+    prompts = _read_prompts(args, loaded.tokenizer)
+    store = StoreConfig(args.l1_bytes, args.l2_bytes, args.l3_bytes,
+                        args.store or default_store_dir(), args.codec)
+    config = EngineConfig(page_size=args.page_size, offload=not args.no_offload,
+                          store=store, cache_salt=args.cache_salt)
+    params = SamplingParams(args.max_tokens, args.temperature, args.top_p)
+    engine = Engine(loaded, config)
+    try:
+        requests = [engine.submit(p, params) for p in ([] if args.sequential else prompts)]
+        engine.run()
+        for prompt in prompts if args.sequential else []:
+            requests.append(engine.submit(prompt, params))
+            engine.run()
+    except InputError as err:
+        raise UsageError(str(err)) from None
+    finally:
+        engine.close()
+    results = [engine.result(r) for r in requests]
+    if args.json:
+        for result in results:
+            print(json.dumps(result))
+        print(json.dumps({"counters": engine.stats()}))
+    else:
+        _print_human(results, engine.stats())
+    return 0
+
+
+def _print_human(results: list[dict], stats: dict) -> None:
+    for r in results:
+        print(f"── request {r['id']}: {r['prompt_tokens']} prompt tokens, "
+              f"ttft {r['ttft_s'] * 1000:.0f} ms, {len(r['output_token_ids'])} tokens out")
+        print(r["text"])
+        print("   sources: " + "  ".join(f"{k}={v}" for k, v in r["sources"].items()))
+    print()
+    print(format_tier_table(stats))
+
+
+def format_tier_table(stats: dict) -> str:
+    """Per-tier and per-link counters as a small text table."""
+    cols = ("capacity", "bytes_used", "pages", "lookups", "hit_pages", "hit_tokens",
+            "inserts", "evictions", "checksum_failures", "writes_dropped")
+    lines = ["tier " + " ".join(f"{c:>12.12}" for c in cols)]
+    for name, tier in stats.get("tiers", {}).items():
+        lines.append(f"{name:<4} " + " ".join(f"{tier.get(c, 0):>12}" for c in cols))
+    lines.append("")
+    lines.append(f"{'link':<7} {'bytes':>14} {'pages':>8} {'seconds':>10} {'GiB/s':>8}")
+    for name, link in stats.get("links", {}).items():
+        if link.get("pages"):
+            rate = link["bytes"] / link["seconds"] / (1 << 30) if link["seconds"] else 0.0
+            lines.append(f"{name:<7} {link['bytes']:>14} {link['pages']:>8} {link['seconds']:>10.4f} {rate:>8.2f}")
+    return "\n".join(lines)
+
+
+def cmd_stats(args: argparse.Namespace) -> int:
+    from tiers.disk import DiskTier, StoreError
+
+    path = args.store or default_store_dir()
+    if not (path / "data.mdb").exists():
+        raise UsageError(f"no kvtier store at {path}")
+    try:
+        disk = DiskTier(path, capacity_bytes=0)
+    except StoreError as err:
+        raise UsageError(str(err)) from None
+    try:
+        counters = disk.persistent_counters()
+        counters.setdefault("tiers", {}).setdefault("L3", {}).update(
+            bytes_used=disk.counters.bytes_used, pages=disk.counters.pages)
+    finally:
+        disk.close()
+    if args.json:
+        print(json.dumps(counters))
+    elif args.prometheus:
+        print(format_prometheus(counters), end="")
+    else:
+        print(format_tier_table(counters))
+        engine = counters.get("engine", {})
+        if engine:
+            print()
+            print("requests {requests}  prompt tokens {prompt_tokens}  generated {generated_tokens}".format(
+                **{k: engine.get(k, 0) for k in ("requests", "prompt_tokens", "generated_tokens")}))
+            print("sources: " + "  ".join(f"{k}={v}" for k, v in engine.get("sources", {}).items()))
+    return 0
+
+
+def format_prometheus(counters: dict) -> str:
+    """Store counters in the Prometheus text exposition format."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    registry = CollectorRegistry()
+    _add_gauges(registry, "tier", counters.get("tiers", {}))
+    _add_gauges(registry, "link", counters.get("links", {}))
+    engine = counters.get("engine", {})
+    _add_gauges(registry, "source", {s: {"prompt_tokens": v} for s, v in engine.get("sources", {}).items()})
+    return generate_latest(registry).decode()
+
+
+def _add_gauges(registry, label: str, table: dict[str, dict]) -> None:
+    """One gauge per field, labelled by row: ``kvtier_tier_pages{tier="L1"}``."""
+    from prometheus_client import Gauge
+
+    gauges: dict[str, Gauge] = {}
+    for row, fields in table.items():
+        for name, value in fields.items():
+            if name not in gauges:
+                gauges[name] = Gauge(f"kvtier_{label}_{name}", f"kvtier {name} per {label}", [label], registry=registry)
+            gauges[name].labels(**{label: row}).set(value)

@@ -1,0 +1,129 @@
+"""Model loading through mlx-lm, and what the store needs to know about a model.
+
+The namespace of every page starts from ``model_fingerprint``: a hash of the
+config and weight files' contents, so two models with one name never share KV.
+Hashing gigabytes is slow, so fingerprints are remembered per (path, size,
+mtime) of each file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm import load as mlx_load
+from mlx_lm.models.cache import KVCache, make_prompt_cache
+from mlx_lm.utils import _download
+
+from tiers.page import PageGeometry
+
+from .default_model import DEFAULT_MODEL, ensure_default_model
+from .paths import kvtier_home
+
+log = logging.getLogger(__name__)
+
+_HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
+
+
+class ModelError(Exception):
+    """The model cannot be found, loaded or used with kvtier (one clear line)."""
+
+
+@dataclass
+class LoadedModel:
+    name: str
+    path: Path
+    model: nn.Module
+    tokenizer: Any  # mlx_lm TokenizerWrapper
+    fingerprint: str
+
+    def geometry(self, page_size: int) -> PageGeometry:
+        """KV page geometry, read off a one-token forward pass."""
+        cache = make_prompt_cache(self.model)
+        if not all(type(c) is KVCache for c in cache):
+            kinds = sorted({type(c).__name__ for c in cache})
+            raise ModelError(f"kvtier needs a plain KVCache per layer; this model uses {kinds}")
+        self.model(mx.array([[0]]), cache=cache)
+        keys, values = cache[0].state[:2]
+        if keys.shape[-1] != values.shape[-1]:
+            raise ModelError("kvtier needs equal key and value head dimensions")
+        return PageGeometry(
+            num_layers=len(cache),
+            num_kv_heads=keys.shape[1],
+            head_dim=keys.shape[3],
+            page_size=page_size,
+            dtype=str(keys.dtype).removeprefix("mlx.core."),
+        )
+
+
+def resolve_model_path(name: str | None) -> Path:
+    """Local directory of a model: the embedded default, a directory, or a hub id."""
+    if name in (None, DEFAULT_MODEL):
+        return ensure_default_model()
+    path = Path(name).expanduser()
+    if path.is_dir():
+        return path
+    if path.exists() or not _HUB_ID.match(name):
+        raise ModelError(f"model {name!r} is not an mlx-lm model directory or hub id")
+    try:
+        return _download(name)
+    except Exception as err:  # hub errors come in many types
+        raise ModelError(f"cannot fetch model {name!r}: {type(err).__name__}") from None
+
+
+def load_model(name: str | None = None) -> LoadedModel:
+    """Load a model and tokenizer with ``mlx_lm.load``."""
+    path = resolve_model_path(name)
+    if not (path / "config.json").exists():
+        raise ModelError(f"{path} has no config.json; not an mlx-lm model directory")
+    try:
+        model, tokenizer = mlx_load(str(path))
+    except Exception as err:
+        raise ModelError(f"cannot load model from {path}: {err}") from None
+    return LoadedModel(name or DEFAULT_MODEL, path, model, tokenizer, model_fingerprint(path))
+
+
+def model_fingerprint(path: Path) -> str:
+    """BLAKE2b over config and weight file contents (cached by size and mtime)."""
+    files = sorted(p for p in path.iterdir() if p.suffix in (".json", ".safetensors"))
+    stamp = [[p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in files]
+    cache_file = kvtier_home() / "fingerprints.json"
+    known = _read_json(cache_file)
+    entry = known.get(str(path.resolve()))
+    if entry and entry["stamp"] == stamp:
+        return entry["fingerprint"]
+    digest = hashlib.blake2b(digest_size=16)
+    for p in files:
+        digest.update(p.name.encode())
+        with p.open("rb") as f:
+            while chunk := f.read(1 << 24):
+                digest.update(chunk)
+    fingerprint = digest.hexdigest()
+    known[str(path.resolve())] = {"stamp": stamp, "fingerprint": fingerprint}
+    _write_json(cache_file, known)
+    return fingerprint
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _write_json(path: Path, value: dict) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(value))
+        tmp.replace(path)
+    except OSError as err:
+        log.debug("fingerprint cache not written: %s", err)

@@ -1,0 +1,54 @@
+"""A request's life: prompt, sampling settings, restored prefix, outputs and labels."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from tiers.hierarchy import RestoredPrefix
+from tiers.page import PageKey, Source
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 64
+    temperature: float = 0.0  # 0 is greedy
+    top_p: float = 1.0
+
+
+@dataclass
+class Request:
+    """One prompt in the engine.
+
+    ``sources`` always sums to ``len(prompt)``: restored pages count by the tier
+    they came from, every other token (the last one always) as recomputed.
+    """
+
+    rid: int
+    prompt: list[int]
+    params: SamplingParams
+    page_size: int
+    keys: list[PageKey]  # keys of the reusable full pages
+    uid: int | None = None  # BatchGenerator's id once admitted
+    restored: RestoredPrefix | None = None
+    published: int = 0  # leading pages known to be in the store
+    output: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    t_submit: float = field(default_factory=time.perf_counter)
+    t_first_token: float | None = None
+    t_done: float | None = None
+
+    @property
+    def restored_tokens(self) -> int:
+        return self.restored.num_pages * self.page_size if self.restored else 0
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    def sources(self) -> dict[str, int]:
+        counts = {s.value: 0 for s in Source}
+        for source in self.restored.sources if self.restored else []:
+            counts[source.value] += self.page_size
+        counts[Source.RECOMPUTED.value] = len(self.prompt) - sum(counts.values())
+        return counts

@@ -1,0 +1,116 @@
+"""Engine behaviour against the outside oracle (mlx_lm's own greedy generation)."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from engine.engine import Engine, EngineConfig, InputError
+from engine.request import SamplingParams
+from tiers.hierarchy import StoreConfig
+from tiers.page import reusable_pages
+
+from .conftest import mlx_lm_greedy, text_prompt
+
+PAGE = 64
+GREEDY = SamplingParams(max_tokens=8)
+
+
+def make_engine(loaded, store_dir=None, l1_bytes=1 << 30, l2_bytes=1 << 30, step=2048) -> Engine:
+    store = StoreConfig(l1_bytes=l1_bytes, l2_bytes=l2_bytes, l3_bytes=1 << 30, store_dir=store_dir)
+    return Engine(loaded, EngineConfig(page_size=PAGE, store=store, prefill_step_size=step))
+
+
+def run_one(engine: Engine, prompt: list[int]):
+    (request,) = engine.generate([prompt], GREEDY)
+    return request
+
+
+# page-aligned + 1, page-aligned, short, and over 1,000 tokens
+PROMPTS = {"aligned+1": 4 * PAGE + 1, "aligned": 3 * PAGE, "short": 100, "long": 1100}
+
+
+@pytest.mark.parametrize("name", PROMPTS)
+def test_restored_output_equals_mlx_lm_from_every_tier(loaded, tmp_path, name):
+    prompt = text_prompt(loaded, PROMPTS[name], seed=len(name))
+    expected = mlx_lm_greedy(loaded, prompt, GREEDY.max_tokens)
+    reusable = reusable_pages(len(prompt), PAGE) * PAGE
+
+    engine = make_engine(loaded, tmp_path)
+    cold = run_one(engine, prompt)
+    warm = run_one(engine, prompt)
+    engine.close()
+    assert cold.output == expected and cold.sources()["recomputed"] == len(prompt)
+    assert warm.output == expected and warm.sources()["L1"] == reusable
+
+    engine = make_engine(loaded, tmp_path)  # a restart: only L3 has the pages
+    from_l3 = run_one(engine, prompt)
+    from_l1 = run_one(engine, prompt)
+    engine.close()
+    assert from_l3.output == expected and from_l3.sources()["L3"] == reusable
+    assert from_l1.sources()["L1"] == reusable
+
+
+def test_restored_output_equals_mlx_lm_from_l2(loaded):
+    prompt = text_prompt(loaded, 5 * PAGE + 7, seed=3)
+    engine = make_engine(loaded, None, l1_bytes=0)
+    run_one(engine, prompt)
+    again = run_one(engine, prompt)
+    assert again.sources()["L2"] == 5 * PAGE
+    assert again.output == mlx_lm_greedy(loaded, prompt, GREEDY.max_tokens)
+
+
+def test_sources_sum_to_prompt_length_and_last_token_is_computed(loaded):
+    engine = make_engine(loaded)
+    for n in (1, PAGE, PAGE + 1, 2 * PAGE, 2 * PAGE + 5):
+        prompt = text_prompt(loaded, n, seed=n)
+        run_one(engine, prompt)
+        request = run_one(engine, prompt)
+        sources = request.sources()
+        assert sum(sources.values()) == n
+        assert sources["recomputed"] >= 1
+
+
+def test_next_token_logits_after_restore_match_full_recompute(loaded):
+    prompt = text_prompt(loaded, 6 * PAGE + 10, seed=11)
+    engine = make_engine(loaded)
+    run_one(engine, prompt)
+    restored = engine.store.restore(engine.submit(prompt).keys, prompt)
+    engine._waiting.clear()
+    cut = restored.num_pages * PAGE
+    cache = engine._cache_from(restored.kv, cut)
+    after_restore = loaded.model(mx.array([prompt[cut:]]), cache=cache)[0, -1]
+    full = loaded.model(mx.array([prompt]))[0, -1]
+    assert cut == 6 * PAGE
+    np.testing.assert_allclose(np.array(after_restore.astype(mx.float32)),
+                               np.array(full.astype(mx.float32)), atol=0.05, rtol=0.05)
+
+
+def test_pages_are_published_after_every_prefill_step(loaded):
+    prompt = text_prompt(loaded, 8 * PAGE, seed=5)
+    engine = make_engine(loaded, step=2 * PAGE)
+    engine.submit(prompt, GREEDY)
+    engine.step()
+    assert engine.store.l1.counters.pages == 2, "the first step's full pages must be visible at once"
+    engine.run()
+    assert engine.store.l1.counters.pages == reusable_pages(len(prompt), PAGE)
+
+
+def test_burst_of_prompts_each_matches_mlx_lm(loaded):
+    prompts = [text_prompt(loaded, n, seed=n) for n in (150, 300, 230)]
+    engine = make_engine(loaded)
+    requests = engine.generate(prompts, GREEDY)
+    for prompt, request in zip(prompts, requests):
+        assert request.output == mlx_lm_greedy(loaded, prompt, GREEDY.max_tokens)
+
+
+def test_no_offload_recomputes_everything(loaded):
+    prompt = text_prompt(loaded, 3 * PAGE + 1, seed=9)
+    engine = Engine(loaded, EngineConfig(page_size=PAGE, offload=False))
+    run_one(engine, prompt)
+    assert run_one(engine, prompt).sources()["recomputed"] == len(prompt)
+
+
+@pytest.mark.parametrize("prompt", [[], [10**9]])
+def test_bad_prompts_are_refused(loaded, prompt):
+    with pytest.raises(InputError):
+        make_engine(loaded).submit(prompt)

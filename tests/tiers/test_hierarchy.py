@@ -1,0 +1,203 @@
+"""The tier invariants of tiers/hierarchy.py, one test (or more) each."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from tiers.hierarchy import StoreConfig, TieredStore
+from tiers.page import Namespace, PageGeometry, Source, page_keys
+from tiers.tier import kv_to_host
+
+GEOMETRY = PageGeometry(num_layers=2, num_kv_heads=1, head_dim=8, page_size=4, dtype="bfloat16")
+NS = Namespace("test-model", "bfloat16", 4)
+PAGE = GEOMETRY.nbytes
+TOKENS = list(range(100, 100 + 4 * 16))
+KEYS = page_keys(NS, TOKENS)
+
+
+def kv(i: int) -> mx.array:
+    values = np.random.default_rng(i).standard_normal(GEOMETRY.shape).astype(np.float32)
+    page = mx.array(values).astype(mx.bfloat16)
+    mx.eval(page)
+    return page
+
+
+KV = [kv(i) for i in range(16)]
+
+
+def page_tokens(i: int) -> list[int]:
+    return TOKENS[4 * i : 4 * i + 4]
+
+
+def make_store(l1_pages: int, l2_pages: int, store_dir=None, namespace=NS, codec="raw") -> TieredStore:
+    config = StoreConfig(l1_pages * PAGE, l2_pages * PAGE, 64 * PAGE, store_dir, codec)
+    return TieredStore(GEOMETRY, namespace, config)
+
+
+def publish(store: TieredStore, *pages: int) -> None:
+    for i in pages:
+        store.publish(KEYS[i], page_tokens(i), KV[i])
+
+
+def same_bytes(a: mx.array, b: mx.array) -> bool:
+    return np.array_equal(kv_to_host(a), kv_to_host(b))
+
+
+def test_spill_order_l1_to_l2_to_l3(tmp_path):
+    store = make_store(1, 1, tmp_path)
+    publish(store, 0, 1, 2)
+    store.disk.flush()
+    assert KEYS[2] in store.l1 and KEYS[1] in store.l2 and store.disk.contains(KEYS[0])
+    assert KEYS[0] not in store.l1 and KEYS[0] not in store.l2
+    assert store.links["L1->L2"].bytes == 2 * PAGE
+    assert store.links["L2->L3"].bytes == PAGE
+    assert np.array_equal(store.l2.read(KEYS[1]), kv_to_host(KV[1]))
+    assert store.locate(KEYS[:4], TOKENS) == [Source.L3, Source.L2, Source.L1]
+    store.close()
+
+
+@pytest.mark.parametrize("codec", ["raw", "zstd"])
+@pytest.mark.parametrize("tier", ["L1", "L2", "L3"])
+def test_round_trip_is_byte_identical(tmp_path, tier, codec):
+    l1, l2 = {"L1": (4, 4), "L2": (0, 4), "L3": (0, 0)}[tier]
+    store = make_store(l1, l2, tmp_path, codec=codec)
+    publish(store, 0, 1)
+    if tier == "L3":  # a new process finds the pages only in L3
+        store.close()
+        store = make_store(l1, l2, tmp_path, codec=codec)
+    restored = store.restore(KEYS[:2], TOKENS)
+    assert restored.sources == [Source(tier)] * 2
+    assert same_bytes(restored.kv, mx.concatenate([KV[0], KV[1]], axis=3))
+    store.release(restored.keys)
+    store.close()
+
+
+def test_l3_hit_is_kept_in_l2_and_l1(tmp_path):
+    store = make_store(0, 0, tmp_path)
+    publish(store, 0)
+    store.close()
+    store = make_store(4, 4, tmp_path)
+    restored = store.restore(KEYS[:1], TOKENS)
+    assert restored.sources == [Source.L3]
+    assert KEYS[0] in store.l1 and KEYS[0] in store.l2
+    assert store.links["L3->L2"].pages == 1 and store.links["L2->L1"].pages == 1
+    store.release(restored.keys)
+    assert store.restore(KEYS[:1], TOKENS).sources == [Source.L1]
+    store.close()
+
+
+def test_pins_block_eviction():
+    store = make_store(2, 0)
+    publish(store, 0, 1)
+    restored = store.restore(KEYS[:1], TOKENS)
+    publish(store, 2, 3, 4)
+    assert KEYS[0] in store.l1, "a pinned page was evicted"
+    store.release(restored.keys)
+    publish(store, 5, 6)
+    assert KEYS[0] not in store.l1, "an unpinned page must become evictable"
+
+
+def test_all_pinned_tier_refuses_instead_of_overflowing():
+    store = make_store(1, 0)
+    publish(store, 0)
+    store.restore(KEYS[:1], TOKENS)
+    publish(store, 1)  # no room anywhere: dropped and counted
+    assert store.l1.counters.bytes_used <= PAGE
+    assert KEYS[1] not in store.l1 and store.l2.counters.writes_dropped == 1
+
+
+def test_spilling_a_page_already_in_l3_writes_nothing(tmp_path):
+    store = make_store(0, 1, tmp_path)
+    publish(store, 0)
+    store.flush()
+    written = store.links["L2->L3"].bytes + store.links["L1->L3"].bytes
+    assert written == PAGE
+    publish(store, 1)  # evicts page 0 from L2; L3 has it already
+    assert store.links["L2->L3"].bytes + store.links["L1->L3"].bytes == written
+    store.close()
+
+
+def test_namespaces_never_share_pages(tmp_path):
+    store = make_store(4, 4, tmp_path)
+    publish(store, 0, 1)
+    store.close()
+    salted = Namespace("test-model", "bfloat16", 4, cache_salt="tenant-b")
+    other = make_store(4, 4, tmp_path, namespace=salted)
+    assert other.locate(page_keys(salted, TOKENS)[:2], TOKENS) == []
+    other.close()
+    same = make_store(4, 4, tmp_path)
+    assert same.locate(KEYS[:2], TOKENS) == [Source.L3, Source.L3]
+    same.close()
+
+
+def test_token_mismatch_is_a_miss():
+    store = make_store(4, 4)
+    publish(store, 0)
+    wrong = [7] * 4 + TOKENS[4:]
+    assert store.locate(KEYS[:1], wrong) == []
+    assert store.restore(KEYS[:1], wrong).num_pages == 0
+
+
+def test_counters_persist_across_reopen(tmp_path):
+    store = make_store(1, 1, tmp_path)
+    publish(store, 0, 1, 2)
+    store.close(extra_counters={"engine": {"requests": 3}})
+    store = make_store(1, 1, tmp_path)
+    publish(store, 3, 4, 5)
+    store.close(extra_counters={"engine": {"requests": 2}})
+    store = make_store(1, 1, tmp_path)
+    saved = store.disk.persistent_counters()
+    assert saved["engine"]["requests"] == 5
+    assert saved["tiers"]["L1"]["inserts"] == 6
+    assert store.disk.counters.pages == 6
+    store.close()
+
+
+class TierMachine(RuleBasedStateMachine):
+    """Random publish / restore / release: caps hold and pinned pages stay put."""
+
+    def __init__(self):
+        super().__init__()
+        self.store = make_store(3, 2)
+        self.pinned: list[list] = []  # one list of keys per outstanding restore
+        self.resident: dict = {}  # pinned key -> tier set it must stay in
+
+    @rule(i=st.integers(0, 15))
+    def publish(self, i):
+        publish(self.store, i)
+
+    @rule(n=st.integers(1, 6))
+    def restore(self, n):
+        restored = self.store.restore(KEYS[:n], TOKENS)
+        for key in restored.keys:
+            tier = self.store.l1 if key in self.store.l1 else self.store.l2 if key in self.store.l2 else None
+            if tier is not None:
+                self.resident.setdefault(key, tier)
+        self.pinned.append(restored.keys)
+
+    @precondition(lambda self: self.pinned)
+    @rule(data=st.data())
+    def release(self, data):
+        keys = self.pinned.pop(data.draw(st.integers(0, len(self.pinned) - 1)))
+        self.store.release(keys)
+        for key in keys:
+            if not self.store.pinned(key):
+                self.resident.pop(key, None)
+
+    @invariant()
+    def caps_hold(self):
+        for tier in (self.store.l1, self.store.l2):
+            assert tier.counters.bytes_used <= tier.counters.capacity
+            assert len(tier.entries) * PAGE == tier.counters.bytes_used
+
+    @invariant()
+    def pinned_pages_stay(self):
+        for key, tier in self.resident.items():
+            assert key in tier, f"pinned page left {tier.name}"
+
+
+TestTierMachine = TierMachine.TestCase
+TestTierMachine.settings = settings(max_examples=40, stateful_step_count=30, deadline=None)

@@ -1,0 +1,54 @@
+import subprocess
+import sys
+from dataclasses import replace
+
+import pytest
+
+from tiers.page import Namespace, PageGeometry, page_keys, reusable_pages
+
+NS = Namespace("fingerprint", "bfloat16", 4)
+
+
+def test_only_full_pages_are_keyed():
+    assert len(page_keys(NS, list(range(11)))) == 2
+    assert len(page_keys(NS, list(range(12)))) == 3
+    assert page_keys(NS, [1, 2, 3]) == []
+
+
+def test_keys_chain_the_whole_prefix():
+    a = page_keys(NS, list(range(12)))
+    b = page_keys(NS, [99] + list(range(1, 12)))
+    assert all(x != y for x, y in zip(a, b)), "changing page 0 must change every later key"
+    c = page_keys(NS, list(range(8)) + [7, 7, 7, 7])
+    assert a[:2] == c[:2] and a[2] != c[2]
+
+
+@pytest.mark.parametrize("field,value", [
+    ("model_fingerprint", "other"), ("kv_dtype", "float32"), ("page_size", 4),
+    ("layout_version", 2), ("adapter_id", "lora-1"), ("cache_salt", "tenant-b"),
+])
+def test_every_namespace_field_changes_keys(field, value):
+    other = replace(NS, **{field: value})
+    if other == NS:  # page_size 4 equals NS; use a different one
+        other = replace(NS, page_size=8)
+    tokens = list(range(16))
+    assert set(page_keys(NS, tokens)).isdisjoint(page_keys(other, tokens))
+
+
+def test_keys_are_stable_across_processes():
+    code = ("import engine; from tiers.page import Namespace, page_keys;"
+            "print(page_keys(Namespace('fingerprint','bfloat16',4), list(range(8)))[1].hex())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == page_keys(NS, list(range(8)))[1].hex()
+
+
+def test_last_token_is_never_reused():
+    assert reusable_pages(8, 4) == 1
+    assert reusable_pages(9, 4) == 2
+    assert reusable_pages(1, 4) == 0
+
+
+def test_geometry_bytes():
+    g = PageGeometry(24, 2, 64, 128, "bfloat16")
+    assert g.bytes_per_token == 24 * 2 * 2 * 64 * 2 == 12288
+    assert g.nbytes == 128 * 12288

@@ -1,0 +1,125 @@
+"""L1 (device) and L2 (host RAM) tiers: bounded LRU indexes of pages.
+
+Invariants kept here:
+- Capacity is a hard cap: ``bytes_used <= capacity`` at every moment; ``add``
+  refuses a page that does not fit (the caller makes room first).
+- ``victim`` only ever names an unpinned page, least recently used first, so a
+  pinned page is never evicted.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Callable, Generic, Iterator, TypeVar
+
+import mlx.core as mx
+import numpy as np
+
+from .counters import TierCounters
+from .page import PageGeometry, PageKey
+
+Entry = TypeVar("Entry")
+
+
+class Tier(Generic[Entry]):
+    """LRU index of same-sized pages with a hard byte cap."""
+
+    def __init__(self, name: str, capacity: int, page_nbytes: int) -> None:
+        self.name = name
+        self.page_nbytes = page_nbytes
+        self.max_pages = capacity // page_nbytes
+        self.entries: OrderedDict[PageKey, Entry] = OrderedDict()
+        self.counters = TierCounters(capacity=capacity)
+
+    def __contains__(self, key: PageKey) -> bool:
+        return key in self.entries
+
+    def __iter__(self) -> Iterator[PageKey]:
+        return iter(list(self.entries))
+
+    def get(self, key: PageKey) -> Entry | None:
+        """The entry, marked most recently used; None when absent."""
+        entry = self.entries.get(key)
+        if entry is not None:
+            self.entries.move_to_end(key)
+        return entry
+
+    def has_room(self) -> bool:
+        return len(self.entries) < self.max_pages
+
+    def victim(self, pinned: Callable[[PageKey], bool]) -> PageKey | None:
+        """Least recently used unpinned page, or None when every page is pinned."""
+        return next((k for k in self.entries if not pinned(k)), None)
+
+    def add(self, key: PageKey, entry: Entry) -> None:
+        if not self.has_room():
+            raise MemoryError(f"{self.name} is full")
+        self.entries[key] = entry
+        self.counters.inserts += 1
+        self._update_gauges()
+
+    def pop(self, key: PageKey) -> Entry:
+        entry = self.entries.pop(key)
+        self._update_gauges()
+        return entry
+
+    def _update_gauges(self) -> None:
+        self.counters.pages = len(self.entries)
+        self.counters.bytes_used = len(self.entries) * self.page_nbytes
+
+
+@dataclass(frozen=True)
+class DevicePage:
+    """An L1 page: its token ids and one mx array of shape ``geometry.shape``."""
+
+    tokens: tuple[int, ...]
+    kv: mx.array
+
+
+@dataclass(frozen=True)
+class HostPage:
+    """An L2 page: its token ids and the arena slot holding its bytes."""
+
+    tokens: tuple[int, ...]
+    slot: int
+
+
+class HostTier(Tier[HostPage]):
+    """L2: one preallocated arena of page slots, so spilling never allocates."""
+
+    def __init__(self, capacity: int, geometry: PageGeometry) -> None:
+        super().__init__("L2", capacity, geometry.nbytes)
+        self.arena = np.empty((self.max_pages, geometry.nbytes), dtype=np.uint8)
+        self.free_slots = list(range(self.max_pages - 1, -1, -1))
+
+    def write(self, key: PageKey, tokens: tuple[int, ...], data: np.ndarray | bytes) -> None:
+        """Copy one page's bytes into a free slot."""
+        if not self.has_room():
+            raise MemoryError("L2 is full")
+        slot = self.free_slots.pop()
+        self.arena[slot] = np.frombuffer(data, dtype=np.uint8)
+        self.add(key, HostPage(tokens, slot))
+
+    def read(self, key: PageKey) -> np.ndarray:
+        """The page's bytes, a view into the arena (valid until the page leaves L2)."""
+        return self.arena[self.entries[key].slot]
+
+    def pop(self, key: PageKey) -> HostPage:
+        entry = super().pop(key)
+        self.free_slots.append(entry.slot)
+        return entry
+
+
+def kv_to_host(kv: mx.array) -> np.ndarray:
+    """A page's device array as raw bytes (uint8, C order)."""
+    if kv.dtype == mx.bfloat16:
+        kv = kv.view(mx.uint16)
+    return np.asarray(kv).reshape(-1).view(np.uint8)
+
+
+def kv_to_device(data: np.ndarray | bytes, geometry: PageGeometry) -> mx.array:
+    """Raw page bytes as a device array of ``geometry.shape`` (one copy)."""
+    host = np.frombuffer(data, dtype=geometry.storage_dtype).reshape(geometry.shape)
+    kv = mx.array(host)
+    return kv.view(mx.bfloat16) if geometry.dtype == "bfloat16" else kv
