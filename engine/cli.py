@@ -245,3 +245,7 @@ def _add_gauges(registry, label: str, table: dict[str, dict]) -> None:
             if name not in gauges:
                 gauges[name] = Gauge(f"kvtier_{label}_{name}", f"kvtier {name} per {label}", [label], registry=registry)
             gauges[name].labels(**{label: row}).set(value)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

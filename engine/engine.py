@@ -57,7 +57,8 @@ class Engine:
             if self.config.offload else None
         )
         # Freed buffers are reused only below mlx's cache limit; restores need it raised.
-        mx.set_cache_limit(max(mx.get_cache_limit(), 1 << 30))
+        previous = mx.set_cache_limit(1 << 30)
+        mx.set_cache_limit(max(previous, 1 << 30))
         self.generator = BatchGenerator(
             loaded.model,
             stop_tokens=[[t] for t in loaded.tokenizer.eos_token_ids],

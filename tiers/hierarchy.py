@@ -78,6 +78,7 @@ class TieredStore:
         self.links = {name: LinkCounters() for name in (*LINKS, "L3->L1", "L1->L3")}
         self._pins: Counter[PageKey] = Counter()
         self._lock = threading.RLock()
+        self._closed = False
 
     # -- queries -------------------------------------------------------------
 
@@ -260,16 +261,16 @@ class TieredStore:
             self.disk.flush()
 
     def close(self, extra_counters: dict | None = None) -> None:
-        """Flush to L3, add this process's counters to the store's, close L3."""
+        """Flush to L3, add this process's counters to the store's, close L3 (once)."""
         with self._lock:
-            if self.disk is None:
+            if self.disk is None or self._closed:
                 return
             self.flush()
             delta = self._cumulative()
             add_into(delta, extra_counters or {})
             self.disk.add_persistent_counters(delta)
             self.disk.close()
-            self.disk = None
+            self._closed = True
 
     def _cumulative(self) -> dict:
         tiers = {t.name: t.counters.cumulative() for t in (self.l1, self.l2)}

@@ -1,0 +1,94 @@
+"""`kvtier` as a user runs it: a fresh process per command."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+PROMPT = " ".join(["the system prompt of an agent with tools and a long history"] * 8)  # ~500 tokens
+PAGE = 128
+
+
+def kvtier(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    done = subprocess.run([sys.executable, "-m", "engine.cli", *args], capture_output=True, text=True, timeout=300)
+    if check:
+        assert done.returncode == 0, done.stderr
+    return done
+
+
+def run_json(*args: str) -> tuple[list[dict], dict]:
+    lines = [json.loads(line) for line in kvtier("run", "--json", "--max-tokens", "8", *args).stdout.splitlines()]
+    return lines[:-1], lines[-1]["counters"]
+
+
+def test_second_process_restores_from_l3(tmp_path):
+    (first,), _ = run_json("--store", str(tmp_path), "--prompt", PROMPT)
+    (second,), counters = run_json("--store", str(tmp_path), "--prompt", PROMPT)
+    n = second["prompt_tokens"]
+    assert first["sources"]["recomputed"] == n
+    assert second["sources"]["L3"] >= n - PAGE - 1
+    assert second["output_token_ids"] == first["output_token_ids"]
+    assert sum(second["sources"].values()) == n
+    for key in ("page_size", "model", "text", "ttft_s", "latency_s"):
+        assert key in second
+    assert counters["tiers"]["L3"]["hit_pages"] == second["sources"]["L3"] // PAGE
+
+
+def test_sequential_repeat_hits_l1(tmp_path):
+    results, _ = run_json("--store", str(tmp_path), "--sequential", "--prompt", PROMPT, "--prompt", PROMPT)
+    n = results[1]["prompt_tokens"]
+    assert results[1]["sources"]["L1"] >= n - PAGE - 1
+    assert results[0]["output_token_ids"] == results[1]["output_token_ids"]
+
+
+def test_small_l1_spills_to_l2(tmp_path):
+    results, counters = run_json("--store", str(tmp_path), "--sequential", "--l1-bytes", "1MiB",
+                                 "--prompt", PROMPT, "--prompt", PROMPT)
+    assert results[1]["sources"]["L2"] >= results[1]["prompt_tokens"] - PAGE - 1
+    assert counters["tiers"]["L1"]["bytes_used"] <= 1 << 20
+
+
+def test_stats_reads_what_runs_persisted(tmp_path):
+    run_json("--store", str(tmp_path), "--prompt", PROMPT)
+    run_json("--store", str(tmp_path), "--prompt", PROMPT)
+    stats = json.loads(kvtier("stats", "--store", str(tmp_path), "--json").stdout)
+    assert stats["engine"]["requests"] == 2
+    assert stats["tiers"]["L3"]["pages"] >= 3
+    text = kvtier("stats", "--store", str(tmp_path), "--prometheus").stdout
+    assert 'kvtier_tier_pages{tier="L3"}' in text
+    assert 'kvtier_source_prompt_tokens{source="L3"}' in text
+
+
+def test_unwritable_store_runs_without_l3(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    done = kvtier("run", "--store", str(blocker / "store"), "--prompt", "hello there", "--max-tokens", "2")
+    assert "running without L3" in done.stderr
+
+
+@pytest.mark.parametrize("args,message", [
+    (["run", "--prompt", ""], "empty prompt"),
+    (["run", "--prompt", "hi", "--l1-bytes", "12XB"], "bad size"),
+    (["run", "--prompt", "hi", "--model", "/no/such/model"], "not an mlx-lm model"),
+    (["run", "--prompt", "hi", "--max-tokens", "0"], "positive whole number"),
+    (["stats", "--store", "/no/such/store"], "no kvtier store"),
+])
+def test_bad_input_is_one_line_and_exit_2(args, message):
+    done = kvtier(*args, check=False)
+    assert done.returncode == 2
+    assert message in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1 and "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("content,message", [
+    ('{"tokens": [1, 2, 999999]}\n', "outside the vocabulary"),
+    ('{"text": "x"}\n', "expected"),
+    ("", "holds no prompts"),
+])
+def test_bad_prompts_file_is_one_line_and_exit_2(tmp_path, content, message):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text(content)
+    done = kvtier("run", "--store", str(tmp_path / "s"), "--prompts-file", str(path), check=False)
+    assert done.returncode == 2 and message in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
