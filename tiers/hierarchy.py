@@ -94,18 +94,13 @@ class TieredStore:
             return found
 
     def _where(self, key: PageKey, page_tokens: tuple[int, ...]) -> Source | None:
-        self.l1.counters.lookups += 1
-        entry = self.l1.entries.get(key)
-        if entry is not None:
-            return Source.L1 if entry.tokens == page_tokens else None
-        self.l2.counters.lookups += 1
-        host = self.l2.entries.get(key)
-        if host is not None:
-            return Source.L2 if host.tokens == page_tokens else None
-        if self.disk is None:
-            return None
-        self.disk.counters.lookups += 1
-        return Source.L3 if self.disk.contains(key) else None
+        for tier, source in ((self.l1, Source.L1), (self.l2, Source.L2)):
+            entry = tier.entries.get(key)
+            if entry is not None:
+                return source if entry.tokens == page_tokens else None
+        if self.disk is not None and self.disk.contains(key):
+            return Source.L3
+        return None
 
     def _page_tokens(self, tokens: Sequence[int], index: int) -> tuple[int, ...]:
         size = self.geometry.page_size
@@ -136,15 +131,20 @@ class TieredStore:
             return restored
 
     def _load(self, key: PageKey, page_tokens: tuple[int, ...]) -> tuple[Source, mx.array] | None:
-        """Pin one page and return it as a device array, promoting it into L1."""
-        entry = self.l1.get(key)
-        if entry is not None and entry.tokens == page_tokens:
-            self._hit(key, self.l1)
-            return Source.L1, entry.kv
-        host = self.l2.get(key)
-        if host is not None and host.tokens == page_tokens:
-            self._hit(key, self.l2)
-            return Source.L2, self._promote_from_l2(key, page_tokens)
+        """Pin one page and return it as a device array, promoting it into L1.
+
+        Lookups and hits count here for L1 and L2; L3 counts its own in ``get``.
+        """
+        for tier in (self.l1, self.l2):
+            tier.counters.lookups += 1
+            entry = tier.get(key)
+            if entry is not None and entry.tokens == page_tokens:
+                self._pins[key] += 1
+                tier.counters.hit_pages += 1
+                tier.counters.hit_tokens += self.geometry.page_size
+                if tier is self.l1:
+                    return Source.L1, entry.kv
+                return Source.L2, self._promote_from_l2(key, page_tokens)
         if self.disk is None:
             return None
         t0 = time.perf_counter()
@@ -152,7 +152,7 @@ class TieredStore:
         if hit is None:
             return None
         payload, stored_nbytes = hit
-        self._hit(key, self.disk)
+        self._pins[key] += 1
         if self._make_room(self.l2):
             self.l2.write(key, page_tokens, payload)
             self.links["L3->L2"].record(stored_nbytes, time.perf_counter() - t0)
@@ -162,12 +162,6 @@ class TieredStore:
         self.links["L3->L1"].record(stored_nbytes, time.perf_counter() - t0)
         self._add_l1(key, page_tokens, kv)
         return Source.L3, kv
-
-    def _hit(self, key: PageKey, tier: Tier | DiskTier) -> None:
-        """Pin a page found in ``tier`` and count the hit there."""
-        self._pins[key] += 1
-        tier.counters.hit_pages += 1
-        tier.counters.hit_tokens += self.geometry.page_size
 
     def _promote_from_l2(self, key: PageKey, page_tokens: tuple[int, ...]) -> mx.array:
         t0 = time.perf_counter()
