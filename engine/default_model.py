@@ -1,0 +1,194 @@
+"""The embedded default model: ``kvtier-default``.
+
+A small Qwen2-architecture model with deterministic random weights and a byte-level
+tokenizer, written once in the standard mlx-lm directory layout (``config.json``,
+``model.safetensors``, ``tokenizer.json``, ...) so that it loads through
+``mlx_lm.load`` and the real loading path runs, with no network access.
+
+What it is: a model whose KV geometry matches Qwen2.5-0.5B (24 layers, 2 KV heads,
+head_dim 64), so KV bytes per token, page sizes and transfer costs are realistic,
+while hidden size (256), MLP (512) and vocabulary (256 bytes + 3 specials) are small
+enough for fast CPU prefill.  Weights and KV are float32 (see ``_DTYPE``).  The
+initialisation is scaled so that outputs depend on the whole context, greedy decoding
+does not collapse into one repeated token, and output is printable ASCII.
+
+What it is not: a language model.  Its text is gibberish.  Pass ``--model`` with any
+mlx-lm model directory or hub id for real text.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import uuid
+import zlib
+from pathlib import Path
+
+import numpy as np
+
+from .paths import kvtier_home
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "kvtier-default"
+# Bump when anything below changes, so stale files are never reused.
+_VERSION = "v1"
+_SEED = 20240607
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+EOS_TOKEN_ID = 256  # <|endoftext|>; bytes are ids 0..255
+_NEVER_GENERATED = [i for i in range(256 + len(SPECIAL_TOKENS)) if not (32 <= i < 127 or i == 10)]
+_FILES = ("config.json", "model.safetensors", "tokenizer.json",
+          "tokenizer_config.json", "special_tokens_map.json")
+
+# float32, not bfloat16: mlx on CPU has no BLAS path for bf16/fp16.  A 1,024-token
+# prefill took ~18 s in bf16 and ~27 s in fp16 against ~5 s in float32 (2 cores,
+# OpenBLAS preloaded).  So KV is 24,576 bytes/token, twice Qwen2.5-0.5B's bf16 12,288.
+_DTYPE = "float32"
+
+CONFIG = {
+    "architectures": ["Qwen2ForCausalLM"],
+    "model_type": "qwen2",
+    "hidden_size": 256,
+    "num_attention_heads": 4,  # head_dim = 256 // 4 = 64
+    "num_key_value_heads": 2,
+    "num_hidden_layers": 24,
+    "intermediate_size": 512,
+    "vocab_size": 256 + len(SPECIAL_TOKENS),
+    "max_position_embeddings": 32768,
+    "rope_theta": 1000000.0,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": True,
+    "hidden_act": "silu",
+    "bos_token_id": None,
+    "eos_token_id": EOS_TOKEN_ID,
+    "torch_dtype": _DTYPE,
+}
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{{ message['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def default_model_dir() -> Path:
+    """``<kvtier home>/models/kvtier-default-<version>``; the home is $KVTIER_HOME,
+    else $XDG_CACHE_HOME/kvtier, else ~/.cache/kvtier."""
+    return kvtier_home() / "models" / f"{DEFAULT_MODEL}-{_VERSION}"
+
+
+def _is_complete(directory: Path) -> bool:
+    return all((directory / name).is_file() for name in _FILES)
+
+
+def _init_weight(name: str, shape: tuple[int, ...]) -> np.ndarray:
+    """Deterministic initial value of one parameter (own RNG stream per name).
+
+    Scaled against the two failure modes of random transformers: with tied embeddings
+    of std ~1 the residual stream is dominated by the input token, whose own logit
+    then wins and greedy decoding repeats it; with unit-scale q/k the attention is
+    near-uniform and barely context-sensitive.  So: small embeddings (std 0.1) with a
+    final norm of 10 to restore logit scale, and q/k at 3/sqrt(fan_in).
+    """
+    rng = np.random.default_rng([_SEED, zlib.crc32(name.encode())])
+    if name == "model.norm.weight":
+        return np.full(shape, 10.0, np.float32)
+    if name.endswith("norm.weight"):
+        return np.ones(shape, np.float32)
+    if name.endswith(".bias"):
+        return (0.1 * rng.standard_normal(shape)).astype(np.float32)
+    w = rng.standard_normal(shape).astype(np.float32)
+    if name == "model.embed_tokens.weight":
+        w *= np.float32(0.1)
+        # Tiny rows give tiny tied logits, so these ids are never chosen: specials
+        # (EOS never ends a generation early) and bytes outside printable ASCII and
+        # newline (output is valid UTF-8 and prints no control sequences).
+        w[_NEVER_GENERATED] *= np.float32(0.05)
+        return w
+    gain = 3.0 if ("q_proj" in name or "k_proj" in name) else 1.0
+    return w * np.float32(gain / np.sqrt(shape[-1]))
+
+
+def _write_weights(directory: Path) -> None:
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.models.qwen2 import Model, ModelArgs
+
+    model = Model(ModelArgs.from_dict(CONFIG))
+    weights = {
+        name: mx.array(_init_weight(name, tuple(p.shape))).astype(getattr(mx, _DTYPE))
+        for name, p in sorted(tree_flatten(model.parameters()))
+    }
+    mx.save_safetensors(str(directory / "model.safetensors"), weights, metadata={"format": "mlx"})
+
+
+def _write_tokenizer(directory: Path) -> None:
+    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers
+
+    # GPT-2's byte -> printable-character table, as used by ByteLevel pre-tokenizers.
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    extra = iter(range(256, 512))
+    byte_char = {b: chr(b if b in printable else next(extra)) for b in range(256)}
+    vocab = {byte_char[b]: b for b in range(256)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    # NFC as in Qwen2's tokenizer: transformers 5 loads any model_type "qwen2" tokenizer
+    # as Qwen2Tokenizer, which normalizes NFC whatever tokenizer.json says; transformers 4
+    # honours this file.  With NFC here, both give the same ids.
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    tok.save(str(directory / "tokenizer.json"))
+
+    specials = {"eos_token": SPECIAL_TOKENS[0], "pad_token": SPECIAL_TOKENS[0]}
+    tokenizer_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        **specials,
+        "bos_token": None,
+        "add_bos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": CONFIG["max_position_embeddings"],
+        "chat_template": CHAT_TEMPLATE,
+    }
+    _write_json(directory / "tokenizer_config.json", tokenizer_config)
+    _write_json(directory / "special_tokens_map.json", specials)
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+
+def ensure_default_model(directory: Path | None = None) -> Path:
+    """Write the default model into ``directory`` (default: :func:`default_model_dir`)
+    unless it is already there, and return the directory.
+
+    The files are built in a temporary sibling directory and renamed into place, so
+    concurrent callers never see a half-written model; if another process wins the
+    race its copy (identical, since the weights are deterministic) is kept.
+    """
+    directory = Path(directory) if directory is not None else default_model_dir()
+    if _is_complete(directory):
+        return directory
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    tmp = directory.with_name(f".{directory.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    log.info("writing the default model to %s", directory)
+    try:
+        tmp.mkdir()
+        _write_json(tmp / "config.json", CONFIG)
+        _write_tokenizer(tmp)
+        _write_weights(tmp)
+        try:
+            if directory.is_dir() and not any(directory.iterdir()):
+                directory.rmdir()  # an empty placeholder directory may be replaced
+            os.rename(tmp, directory)
+        except OSError:
+            if not _is_complete(directory):
+                raise RuntimeError(
+                    f"{directory} exists but does not hold a complete {DEFAULT_MODEL} model; "
+                    "remove it or choose another directory") from None
+            log.info("another process wrote %s first; keeping its copy", directory)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return directory
