@@ -1,0 +1,536 @@
+"""L3: pages in an LMDB environment on disk, shared by every process on the machine.
+
+Record (DESIGN §4) in the ``pages`` database: key = 16-byte page key, value =
+``u32 little-endian header length | msgpack header | payload``. The header is
+``{"v": format version, "ns": namespace digest, "tok": token ids as <u4 bytes,
+"codec": "raw" | "zstd" | "zstd-shuffle", "n": raw length, "xxh": xxh3_64 of the raw
+bytes}``; dtype and shape are implied by the namespace and the raw length. The
+payload is the raw bytes or a zstd frame (of the 2-byte planes for zstd-shuffle).
+
+Side databases: ``meta`` (format version, store-wide bytes_used and pages, access_seq,
+``put_meta`` entries under ``user/``), ``lru`` (page key -> 8-byte big-endian last
+access seq), ``order`` (seq || page key -> b"", oldest first), ``counters``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import struct
+import threading
+from dataclasses import astuple, dataclass, fields
+from pathlib import Path
+from typing import Callable, Sequence
+
+import lmdb
+import msgpack
+import numpy as np
+import zstandard
+from xxhash import xxh3_64_intdigest
+
+from tiers.counters import TierCounters, add_into
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+CODECS = ("raw", "zstd", "zstd-shuffle")
+_LEN, _SEQ = struct.Struct("<I"), struct.Struct(">Q")
+_MIB = 1 << 20
+_MIN_MAP = 16 << 30  # address space only: the file grows with the data, not with the map
+_TOUCH_DELAY_S = 0.05  # LRU touches alone wait this long, so many share one commit
+_MAX_TOUCHES = 4096  # touches are hints: past this many pending, the oldest are dropped
+
+
+class StoreError(Exception):
+    """L3 cannot be used (unwritable dir, damaged env, other format version)."""
+
+
+class _Corrupt(ValueError):
+    """A stored record that must not be served; the message says why."""
+
+
+@dataclass(frozen=True)
+class RecordHeader:
+    version: int
+    namespace: bytes
+    tokens: bytes
+    codec: str
+    raw_len: int
+    checksum: int
+
+    def pack(self) -> bytes:
+        head = msgpack.packb(dict(zip(("v", "ns", "tok", "codec", "n", "xxh"), astuple(self))))
+        return _LEN.pack(len(head)) + head
+
+    @classmethod
+    def unpack(cls, value: memoryview) -> tuple[RecordHeader, int]:
+        """The header of a stored value and the payload offset; _Corrupt if malformed."""
+        end = _LEN.size + (_LEN.unpack_from(value)[0] if len(value) >= _LEN.size else len(value))
+        if end > len(value):
+            raise _Corrupt("header runs past the record")
+        try:
+            f = msgpack.unpackb(value[_LEN.size:end])
+            values = (f["v"], f["ns"], f["tok"], f["codec"], f["n"], f["xxh"])
+        except Exception as exc:  # msgpack raises many types on garbage
+            raise _Corrupt(f"header does not parse ({type(exc).__name__})") from None
+        if tuple(map(type, values)) != (int, bytes, bytes, str, int, int):
+            raise _Corrupt("header field of the wrong type")
+        return cls(*values), end
+
+
+@dataclass
+class _PendingPut:
+    key: bytes
+    namespace: bytes
+    tokens: bytes
+    payload: bytes
+
+
+@dataclass
+class _Batch:
+    """Everything the writer commits in one write transaction."""
+
+    puts: list[_PendingPut]
+    touches: list[bytes]
+    deletes: dict[bytes, int]  # page key -> xxh3 of the bad value that get saw
+
+
+@dataclass
+class _StoreState:
+    """The meta numbers, read and written back inside one write transaction."""
+
+    bytes_used: int = 0
+    pages: int = 0
+    access_seq: int = 0
+
+
+@dataclass
+class _Outcome:
+    """Counter deltas of one write transaction, applied once it commits."""
+
+    inserts: int = 0
+    evictions: int = 0
+    writes_dropped: int = 0
+
+
+def _token_bytes(tokens: Sequence[int]) -> bytes:
+    return np.asarray(tokens, dtype="<u4").tobytes()
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
+def _shuffle(raw: bytes) -> bytes:
+    """Low bytes of the 2-byte values, then high bytes (bf16 sign+exponent compress well)."""
+    words = np.frombuffer(raw, "<u2")
+    return np.concatenate([(words & 0xFF).astype(np.uint8), (words >> 8).astype(np.uint8)]).tobytes()
+
+
+def _unshuffle(planes: bytes) -> bytes:
+    low, high = np.frombuffer(planes, np.uint8).reshape(2, -1)  # ValueError when odd
+    return (low | high.astype("<u2") << 8).tobytes()
+
+
+_local = threading.local()  # zstd (de)compressors are not thread-safe: one per thread
+
+
+def encode_payload(codec: str, raw: bytes, level: int) -> tuple[str, bytes]:
+    """The codec actually used and the payload; raw when compression does not pay."""
+    codec = "zstd" if codec == "zstd-shuffle" and len(raw) % 2 else codec
+    if codec == "raw":
+        return codec, raw
+    if getattr(_local, "level", None) != level:
+        _local.compressor, _local.level = zstandard.ZstdCompressor(level=level), level
+    packed = _local.compressor.compress(_shuffle(raw) if codec == "zstd-shuffle" else raw)
+    return (codec, packed) if len(packed) < len(raw) else ("raw", raw)
+
+
+def decode_payload(codec: str, payload: memoryview, raw_len: int) -> bytes:
+    """Raw bytes of a payload (one copy out of the map for raw); _Corrupt if it cannot be."""
+    if codec == "raw":
+        return bytes(payload)
+    if not hasattr(_local, "decompressor"):
+        _local.decompressor = zstandard.ZstdDecompressor()
+    try:
+        if zstandard.frame_content_size(payload) != raw_len:  # bounds memory before decoding
+            raise _Corrupt("zstd frame size differs from the raw length")
+        data = _local.decompressor.decompress(payload)
+        return _unshuffle(data) if codec == "zstd-shuffle" else data
+    except (zstandard.ZstdError, ValueError) as exc:
+        raise _Corrupt(f"payload does not decode ({exc})") from None
+
+
+class DiskTier:
+    """L3: an LMDB store of immutable pages, capped in bytes, evicted least-recently-used.
+
+    Invariants (each tested in tests/tiers/test_disk.py):
+    - get returns the exact raw bytes that were put, or None; never a page whose write
+      did not commit, never a record failing its header or checksum check (that one
+      is deleted and counted in checksum_failures). Bad data never raises.
+    - write-once: a key already stored is never written again.
+    - stored record bytes (sum of value lengths, store-wide) never exceed capacity;
+      meta bytes_used/pages, lru and order change in the same transaction as the records.
+    - eviction takes the least-recently-used record first; a get counts as a use.
+    - put never waits for the disk: a full queue drops the write and counts it.
+    - LMDB errors (MapFullError included) never reach a caller after open.
+    - another format version, an unwritable directory or a damaged environment raise
+      StoreError on open, with one line.
+    - several processes may use one store at once; pages survive close and reopen.
+
+    Counted here: lookups, hit_pages, hit_tokens (by get), inserts, evictions,
+    checksum_failures, writes_dropped. bytes_used and pages are store-wide gauges,
+    reloaded from meta after each commit and by refresh().
+    """
+
+    def __init__(self, path: Path, capacity_bytes: int, *, codec: str = "raw", zstd_level: int = 3,
+                 queue_pages: int = 64, map_size: int | None = None) -> None:
+        if codec not in CODECS:
+            raise ValueError(f"unknown L3 codec {codec!r}; expected one of {', '.join(CODECS)}")
+        self.path = Path(path)
+        self.counters = TierCounters(capacity=capacity_bytes)
+        self._capacity, self._codec, self._level = capacity_bytes, codec, zstd_level
+        self._queue_pages = max(1, queue_pages)
+        self._env = self._open_env(map_size)
+        self._lock = threading.Lock()  # guards counters and the pending work below
+        self._wake = threading.Condition(self._lock)
+        self._puts: dict[bytes, _PendingPut] = {}
+        self._touches: dict[bytes, None] = {}  # insertion order = access order
+        self._deletes: dict[bytes, int] = {}
+        self._in_flight = self._closing = self._stopped = False
+        self._flushers = 0
+        self._failures_seen: set[tuple[str, type]] = set()
+        self.refresh()
+        self._writer = threading.Thread(target=self._run_writer, name="kvtier-l3-writer", daemon=True)
+        self._writer.start()
+
+    def _open_env(self, map_size: int | None) -> lmdb.Environment:
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise StoreError(f"cannot create store directory {self.path}: {exc.strerror or exc}") from None
+        if not os.access(self.path, os.W_OK | os.X_OK):
+            raise StoreError(f"store directory {self.path} is not writable")
+        if map_size is None:
+            # Generous: if another process later grows the data past this map, every txn
+            # here fails with MapResizedError (a miss or a dropped write, logged once).
+            data = self.path / "data.mdb"
+            existing = data.stat().st_size if data.exists() else 0
+            map_size = max(2 * self._capacity + 64 * _MIB, 2 * existing, _MIN_MAP)
+        try:
+            # sync=True: every commit is durable and a crash never leaves a damaged B-tree;
+            # commits are batched on the writer thread, off the request path. readahead
+            # stays on: a large value is one contiguous run of pages.
+            env = lmdb.open(str(self.path), map_size=map_size, max_dbs=8, subdir=True, lock=True)
+        except lmdb.Error as exc:
+            raise StoreError(f"cannot open store at {self.path}: {_one_line(exc)}") from None
+        try:
+            env.reader_check()  # free reader slots of killed processes (they pin old pages)
+            self._open_dbs(env)
+        except BaseException:
+            env.close()
+            raise
+        return env
+
+    def _open_dbs(self, env: lmdb.Environment) -> None:
+        """Check the format version, then create the databases (one transaction)."""
+        try:
+            with env.begin(write=True) as txn:
+                self._meta = env.open_db(b"meta", txn=txn)
+                stored = txn.get(b"format_version", db=self._meta)
+                version = FORMAT_VERSION if stored is None else msgpack.unpackb(stored)
+                if version != FORMAT_VERSION:
+                    raise StoreError(f"store at {self.path} has format version {version}, "
+                                     f"this kvtier reads version {FORMAT_VERSION}")
+                txn.put(b"format_version", msgpack.packb(FORMAT_VERSION), db=self._meta)
+                self._pages, self._lru, self._order, self._counters_db = (
+                    env.open_db(name, txn=txn) for name in (b"pages", b"lru", b"order", b"counters"))
+        except (lmdb.Error, ValueError) as exc:  # ValueError: msgpack, on a damaged version
+            raise StoreError(f"cannot open store at {self.path}: {_one_line(exc)}") from None
+
+    # --- caller threads ----------------------------------------------------------------
+
+    def contains(self, key: bytes) -> bool:
+        """A committed record exists (unverified: get verifies)."""
+        try:
+            with self._env.begin(db=self._pages, buffers=True) as txn:
+                return txn.get(key) is not None
+        except lmdb.Error as exc:  # closed, or another process grew the map
+            self._failed("lookup", exc)
+            return False
+
+    def get(self, key: bytes, namespace_digest: bytes, tokens: Sequence[int],
+            raw_nbytes: int) -> tuple[bytes, int] | None:
+        """Verified raw payload and the stored record size D (bytes read), or None."""
+        want_tokens = _token_bytes(tokens)
+        self._count(lookups=1)
+        try:
+            with self._env.begin(db=self._pages, buffers=True) as txn:  # zero-copy view
+                value = txn.get(key)
+                if value is None:
+                    return None
+                try:
+                    raw = self._verify(value, namespace_digest, want_tokens, raw_nbytes)
+                except _Corrupt as exc:
+                    self._reject(key, xxh3_64_intdigest(value), str(exc))
+                    return None
+                stored = len(value)
+        except lmdb.Error as exc:
+            self._failed("read", exc)
+            return None
+        with self._lock:
+            self.counters.hit_pages += 1
+            self.counters.hit_tokens += len(tokens)
+            self._touches.pop(key, None)
+            self._touches[key] = None
+            if len(self._touches) > _MAX_TOUCHES:
+                del self._touches[next(iter(self._touches))]
+            if len(self._touches) == 1:
+                self._wake.notify_all()  # later touches ride along (see _next_batch)
+        return raw, stored
+
+    @staticmethod
+    def _verify(value: memoryview, namespace: bytes, tokens: bytes, raw_nbytes: int) -> bytes:
+        header, offset = RecordHeader.unpack(value)
+        for ok, reason in ((header.version == FORMAT_VERSION, "format version differs"),
+                           (header.namespace == namespace, "namespace digest differs"),
+                           (header.tokens == tokens, "token ids differ"),
+                           (header.raw_len == raw_nbytes, "raw length differs"),
+                           (header.codec in CODECS, "unknown codec")):
+            if not ok:
+                raise _Corrupt(reason)
+        raw = decode_payload(header.codec, value[offset:], raw_nbytes)  # the one copy
+        if len(raw) != raw_nbytes or xxh3_64_intdigest(raw) != header.checksum:
+            raise _Corrupt("checksum mismatch")
+        return raw
+
+    def _reject(self, key: bytes, fingerprint: int, reason: str) -> None:
+        log.warning("L3 record %s rejected (%s); deleting it", bytes(key).hex(), reason)
+        with self._lock:
+            self.counters.checksum_failures += 1
+            self._deletes[bytes(key)] = fingerprint
+            self._wake.notify_all()
+
+    def put(self, key: bytes, namespace_digest: bytes, tokens: Sequence[int],
+            payload: bytes | memoryview) -> bool:
+        """Queue a write-once page write; False (and counted) when the queue is full."""
+        if key in self._puts or self.contains(key):
+            return True  # write-once: nothing to copy or write
+        pending = _PendingPut(bytes(key), bytes(namespace_digest), _token_bytes(tokens), bytes(payload))
+        with self._lock:
+            if self._closing or len(self._puts) >= self._queue_pages:
+                self.counters.writes_dropped += 1
+                return False
+            self._puts.setdefault(pending.key, pending)
+            self._wake.notify_all()
+        return True
+
+    def flush(self) -> None:
+        """Block until every queued write, delete and LRU touch is committed."""
+        with self._lock:
+            self._flushers += 1
+            self._wake.notify_all()
+            while (self._has_work() or self._in_flight) and not self._stopped:
+                self._wake.wait()
+            self._flushers -= 1
+        self.refresh()
+
+    def close(self) -> None:
+        """Flush, stop the writer, close the environment; idempotent."""
+        with self._lock:
+            already, self._closing = self._closing, True
+            self._wake.notify_all()
+        self._writer.join()  # the writer drains all pending work before it stops
+        if not already:
+            self._env.close()
+
+    def refresh(self) -> None:
+        """Reload the store-wide gauges (every process changes them)."""
+        try:
+            with self._env.begin() as txn:
+                state = self._load_state(txn)
+        except lmdb.Error as exc:
+            self._failed("meta read", exc)
+            return
+        with self._lock:
+            self.counters.bytes_used, self.counters.pages = state.bytes_used, state.pages
+
+    # --- side tables (caller threads; LMDB serialises them with the writer) ------------
+
+    def add_persistent_counters(self, delta: dict) -> None:
+        """Add a nested dict of numbers into the stored cumulative counters."""
+        def add(stored: object) -> object:
+            return add_into(stored if isinstance(stored, dict) else {}, delta)
+        self._update(self._counters_db, b"cumulative", add)
+
+    def persistent_counters(self) -> dict:
+        stored = self._read(self._counters_db, b"cumulative")
+        return stored if isinstance(stored, dict) else {}
+
+    def get_meta(self, name: str) -> object | None:
+        return self._read(self._meta, b"user/" + name.encode())
+
+    def put_meta(self, name: str, value: object) -> None:
+        self._update(self._meta, b"user/" + name.encode(), lambda _: value)
+
+    def _read(self, db: object, key: bytes) -> object | None:
+        try:
+            with self._env.begin(db=db) as txn:
+                stored = txn.get(key)
+            return None if stored is None else msgpack.unpackb(stored)
+        except Exception as exc:  # lmdb or msgpack: a damaged side entry reads as absent
+            self._failed("side-table read", exc, f" ({key!r})")
+            return None
+
+    def _update(self, db: object, key: bytes, change: Callable[[object], object]) -> None:
+        try:
+            with self._env.begin(write=True, db=db) as txn:
+                stored = txn.get(key)
+                old = None if stored is None else msgpack.unpackb(stored)
+                txn.put(key, msgpack.packb(change(old)))
+        except (lmdb.Error, ValueError) as exc:  # side tables are best effort
+            self._failed("side-table write", exc, f" ({key!r})")
+
+    # --- writer thread -----------------------------------------------------------------
+
+    def _has_work(self) -> bool:
+        return bool(self._puts or self._touches or self._deletes)
+
+    def _next_batch(self) -> _Batch | None:
+        with self._lock:
+            while not self._has_work() and not self._closing:
+                self._wake.wait()
+            if not (self._puts or self._deletes or self._closing or self._flushers):
+                self._wake.wait(_TOUCH_DELAY_S)  # only touches: let more arrive
+            if not self._has_work():
+                self._stopped = True  # closing and drained
+                self._wake.notify_all()
+                return None
+            batch = _Batch(list(self._puts.values()), list(self._touches), dict(self._deletes))
+            self._puts, self._touches, self._deletes = {}, {}, {}
+            self._in_flight = True
+            return batch
+
+    def _run_writer(self) -> None:
+        while (batch := self._next_batch()) is not None:
+            try:
+                self._commit(batch)
+            except Exception as exc:  # the writer must survive: lose the batch, not the tier
+                self._failed("write", exc, f" ({len(batch.puts)} pages dropped)")
+                self._count(writes_dropped=len(batch.puts))
+            finally:
+                with self._lock:
+                    self._in_flight = False
+                    self._wake.notify_all()
+
+    def _commit(self, batch: _Batch) -> None:
+        records = [(p.key, self._encode(p)) for p in batch.puts]  # encode outside the txn
+        try:
+            outcome = self._write(batch, records)
+        except lmdb.MapFullError:
+            outcome = self._retry_map_full(batch, records)
+        self._count(**vars(outcome))
+        self.refresh()
+
+    def _retry_map_full(self, batch: _Batch, records: list[tuple[bytes, bytes]]) -> _Outcome:
+        """Evict in a txn of its own (LMDB reuses freed pages only in later txns), retry once."""
+        need = 2 * sum(len(v) for _, v in records) + _MIB
+        log.warning("L3 map full; evicting %d more bytes and retrying", need)
+        try:
+            with self._env.begin(write=True, buffers=True) as txn:
+                state = self._load_state(txn)
+                evicted = self._evict(txn, state, state.bytes_used - need)
+                self._save_state(txn, state)
+            outcome = self._write(batch, records)
+            outcome.evictions += evicted
+            return outcome
+        except lmdb.MapFullError:
+            log.warning("L3 map still full; dropping %d pages", len(records))
+            return _Outcome(writes_dropped=len(records))
+
+    def _encode(self, put: _PendingPut) -> bytes:
+        codec, body = encode_payload(self._codec, put.payload, self._level)
+        header = RecordHeader(FORMAT_VERSION, put.namespace, put.tokens, codec,
+                              len(put.payload), xxh3_64_intdigest(put.payload))
+        return b"".join((header.pack(), body))
+
+    def _write(self, batch: _Batch, records: list[tuple[bytes, bytes]]) -> _Outcome:
+        outcome = _Outcome()
+        with self._env.begin(write=True, buffers=True) as txn:  # buffers: no copy of values
+            state = self._load_state(txn)
+            for key, fingerprint in batch.deletes.items():
+                value = txn.get(key, db=self._pages)
+                if value is not None and xxh3_64_intdigest(value) == fingerprint:
+                    self._remove(txn, state, key, len(value))  # unless rewritten meanwhile
+            for key in batch.touches:
+                if (seq := txn.get(key, db=self._lru)) is not None:
+                    txn.delete(bytes(seq) + key, db=self._order)
+                    self._stamp(txn, state, key)
+            for key, value in records:
+                self._insert(txn, state, key, value, outcome)
+            self._save_state(txn, state)
+        return outcome
+
+    def _insert(self, txn: lmdb.Transaction, state: _StoreState, key: bytes, value: bytes,
+                outcome: _Outcome) -> None:
+        if txn.get(key, db=self._pages) is not None:
+            return  # write-once (another process may have written it since put)
+        if len(value) > self._capacity:  # larger than the whole tier: evict nothing for it
+            outcome.writes_dropped += 1
+            return
+        outcome.evictions += self._evict(txn, state, self._capacity - len(value))
+        txn.put(key, value, db=self._pages)
+        self._stamp(txn, state, key)
+        state.bytes_used += len(value)
+        state.pages += 1
+        outcome.inserts += 1
+
+    def _evict(self, txn: lmdb.Transaction, state: _StoreState, limit: int) -> int:
+        """Remove least-recently-used records until bytes_used <= limit; how many went."""
+        evicted = 0
+        while state.bytes_used > limit:
+            with txn.cursor(db=self._order) as cursor:
+                if not cursor.first():
+                    break
+                key = bytes(cursor.key())[_SEQ.size:]
+                cursor.delete()  # always progress, even past an entry lru no longer names
+            value = txn.get(key, db=self._pages)
+            self._remove(txn, state, key, None if value is None else len(value))
+            evicted += value is not None
+        return evicted
+
+    def _remove(self, txn: lmdb.Transaction, state: _StoreState, key: bytes, size: int | None) -> None:
+        """Delete a record and its lru/order entries (size None: the record is gone)."""
+        if size is not None:
+            txn.delete(key, db=self._pages)
+            state.bytes_used -= size
+            state.pages -= 1
+        if (seq := txn.get(key, db=self._lru)) is not None:
+            txn.delete(bytes(seq) + key, db=self._order)
+            txn.delete(key, db=self._lru)
+
+    def _stamp(self, txn: lmdb.Transaction, state: _StoreState, key: bytes) -> None:
+        state.access_seq += 1
+        seq = _SEQ.pack(state.access_seq)
+        txn.put(key, seq, db=self._lru)
+        txn.put(seq + key, b"", db=self._order)
+
+    def _load_state(self, txn: lmdb.Transaction) -> _StoreState:
+        stored = (txn.get(f.name.encode(), db=self._meta) for f in fields(_StoreState))
+        return _StoreState(*(0 if v is None else msgpack.unpackb(bytes(v)) for v in stored))
+
+    def _save_state(self, txn: lmdb.Transaction, state: _StoreState) -> None:
+        for name, number in vars(state).items():
+            txn.put(name.encode(), msgpack.packb(number), db=self._meta)
+
+    def _failed(self, what: str, exc: BaseException, detail: str = "") -> None:
+        """Log a failure: the first of each kind as a warning, repeats at debug level."""
+        kind = (what, type(exc))
+        level = logging.DEBUG if kind in self._failures_seen else logging.WARNING
+        self._failures_seen.add(kind)
+        log.log(level, "L3 %s failed: %s%s", what, _one_line(exc), detail)
+
+    def _count(self, **deltas: int) -> None:
+        with self._lock:
+            for name, n in deltas.items():
+                setattr(self.counters, name, getattr(self.counters, name) + n)
