@@ -146,8 +146,17 @@ def encode_payload(codec: str, raw: bytes, level: int) -> tuple[str, bytes]:
     return (codec, packed) if len(packed) < len(raw) else ("raw", raw)
 
 
-def decode_payload(codec: str, payload: memoryview, raw_len: int) -> bytes:
-    """Raw bytes of a payload (one copy out of the map for raw); _Corrupt if it cannot be."""
+def decode_payload(codec: str, payload: memoryview, raw_len: int,
+                   out: np.ndarray | None = None) -> bytes | np.ndarray:
+    """Raw bytes of a payload, written into ``out`` when given (one copy out of the map
+    for raw: a preallocated ``out`` also spares a fresh allocation's page faults);
+    _Corrupt if it cannot be decoded."""
+    if out is not None:
+        if len(payload) != raw_len and codec == "raw":
+            raise _Corrupt("raw payload length differs from the raw length")
+        raw = payload if codec == "raw" else decode_payload(codec, payload, raw_len)
+        np.copyto(out, np.frombuffer(raw, np.uint8))
+        return out
     if codec == "raw":
         return bytes(payload)
     if not hasattr(_local, "decompressor"):
@@ -260,8 +269,12 @@ class DiskTier:
             return False
 
     def get(self, key: bytes, namespace_digest: bytes, tokens: Sequence[int],
-            raw_nbytes: int) -> tuple[bytes, int] | None:
-        """Verified raw payload and the stored record size D (bytes read), or None."""
+            raw_nbytes: int, out: np.ndarray | None = None) -> tuple[bytes | np.ndarray, int] | None:
+        """Verified raw payload and the stored record size D (bytes read), or None.
+
+        With ``out`` (uint8, ``raw_nbytes`` long) the payload is written there and
+        ``out`` returned; on a miss its content is unspecified.
+        """
         want_tokens = _token_bytes(tokens)
         self._count(lookups=1)
         try:
@@ -270,7 +283,7 @@ class DiskTier:
                 if value is None:
                     return None
                 try:
-                    raw = self._verify(value, namespace_digest, want_tokens, raw_nbytes)
+                    raw = self._verify(value, namespace_digest, want_tokens, raw_nbytes, out)
                 except _Corrupt as exc:
                     self._reject(key, xxh3_64_intdigest(value), str(exc))
                     return None
@@ -290,7 +303,8 @@ class DiskTier:
         return raw, stored
 
     @staticmethod
-    def _verify(value: memoryview, namespace: bytes, tokens: bytes, raw_nbytes: int) -> bytes:
+    def _verify(value: memoryview, namespace: bytes, tokens: bytes, raw_nbytes: int,
+                out: np.ndarray | None = None) -> bytes | np.ndarray:
         header, offset = RecordHeader.unpack(value)
         for ok, reason in ((header.version == FORMAT_VERSION, "format version differs"),
                            (header.namespace == namespace, "namespace digest differs"),
@@ -299,7 +313,7 @@ class DiskTier:
                            (header.codec in CODECS, "unknown codec")):
             if not ok:
                 raise _Corrupt(reason)
-        raw = decode_payload(header.codec, value[offset:], raw_nbytes)  # the one copy
+        raw = decode_payload(header.codec, value[offset:], raw_nbytes, out)  # the one copy
         if len(raw) != raw_nbytes or xxh3_64_intdigest(raw) != header.checksum:
             raise _Corrupt("checksum mismatch")
         return raw
@@ -312,12 +326,17 @@ class DiskTier:
             self._wake.notify_all()
 
     def put(self, key: bytes, namespace_digest: bytes, tokens: Sequence[int],
-            payload: bytes | memoryview) -> bool:
-        """Queue a write-once page write; False (and counted) when the queue is full."""
+            payload: bytes | memoryview, *, wait: bool = False) -> bool:
+        """Queue a write-once page write; False (and counted) when the queue is full.
+
+        ``wait=True`` waits for room instead of dropping (for flushes, off the request path).
+        """
         if key in self._puts or self.contains(key):
             return True  # write-once: nothing to copy or write
         pending = _PendingPut(bytes(key), bytes(namespace_digest), _token_bytes(tokens), bytes(payload))
         with self._lock:
+            while wait and not self._closing and len(self._puts) >= self._queue_pages:
+                self._wake.wait()
             if self._closing or len(self._puts) >= self._queue_pages:
                 self.counters.writes_dropped += 1
                 return False

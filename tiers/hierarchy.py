@@ -11,10 +11,12 @@ Invariants (DESIGN §4), each tested in ``tests/tiers/test_hierarchy.py``:
 4. A page is written to L3 at most once: a page already there (or already
    queued) is never sent again, so such a spill adds 0 bytes to ``L2->L3``.
 
-Placement is inclusive. Restoring from L2 promotes the page into L1; an L3 hit is
-kept in L2 and L1 too. A page leaving L1 is copied to L2 only if L2 lacks it; a
-page leaving L2 is queued for L3 only if L3 lacks it. When L2 has no room (every
-page pinned) an L1 page goes straight to L3 (``L1->L3``).
+Placement is inclusive. L1 holds pages computed on this device. A restore copies
+pages into the request's own KV, so a page restored from L2 is not copied into L1
+as well (that would double device memory); an L3 hit is kept in L2. A page leaving
+L1 is copied to L2 only if L2 lacks it; a page leaving L2 is queued for L3 only if
+L3 lacks it. When L2 has no room (every page pinned) an L1 page goes straight to L3
+(``L1->L3``).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ import numpy as np
 from .counters import LINKS, LinkCounters, add_into
 from .disk import DiskTier, StoreError
 from .page import Namespace, PageGeometry, PageKey, Source
-from .tier import DevicePage, HostTier, Tier, kv_to_device, kv_to_host
+from .tier import DevicePage, HostTier, Tier, kv_to_host
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +46,7 @@ class RestoredPrefix:
 
     keys: list[PageKey]
     sources: list[Source]
-    kv: mx.array | None  # (layers, 2, kv_heads, tokens, head_dim), None when empty
+    layers: list[tuple[mx.array, mx.array]]  # per layer K, V: (1, kv_heads, tokens, head_dim)
 
     @property
     def num_pages(self) -> int:
@@ -75,10 +77,11 @@ class TieredStore:
         self.l1: Tier[DevicePage] = Tier("L1", config.l1_bytes, geometry.nbytes)
         self.l2 = HostTier(config.l2_bytes, geometry)
         self.disk = _open_disk(config)
-        self.links = {name: LinkCounters() for name in (*LINKS, "L3->L1", "L1->L3")}
+        self.links = {name: LinkCounters() for name in LINKS}
         self._pins: Counter[PageKey] = Counter()
         self._lock = threading.RLock()
         self._closed = False
+        self._staging = np.empty(0, geometry.storage_dtype)
 
     # -- queries -------------------------------------------------------------
 
@@ -109,29 +112,32 @@ class TieredStore:
     # -- restore -------------------------------------------------------------
 
     def restore(self, keys: Sequence[PageKey], tokens: Sequence[int]) -> RestoredPrefix:
-        """Pin and load the longest loadable prefix of ``keys`` into one device array.
+        """Pin and load the longest loadable prefix of ``keys`` as per-layer device arrays.
 
         A page that vanished or failed its check since ``locate`` ends the prefix;
         the caller recomputes from there.
         """
         with self._lock:
-            restored = RestoredPrefix([], [], None)
-            arrays = []
+            restored = RestoredPrefix([], [], [])
+            hosts = []
             for i, key in enumerate(keys):
                 loaded = self._load(key, self._page_tokens(tokens, i))
                 if loaded is None:
                     break
-                source, kv = loaded
                 restored.keys.append(key)
-                restored.sources.append(source)
-                arrays.append(kv)
-            if arrays:
-                restored.kv = mx.concatenate(arrays, axis=3) if len(arrays) > 1 else arrays[0]
-                mx.eval(restored.kv)
+                restored.sources.append(loaded[0])
+                hosts.append(loaded[1])
+            if hosts:
+                t0 = time.perf_counter()
+                restored.layers = self._join(hosts)
+                moved = sum(s is not Source.L1 for s in restored.sources)
+                if moved:  # L1 pages cross no link; the rest came up from host memory
+                    share = (time.perf_counter() - t0) * moved / len(hosts)
+                    self.links["L2->L1"].record(moved * self.geometry.nbytes, share, moved)
             return restored
 
-    def _load(self, key: PageKey, page_tokens: tuple[int, ...]) -> tuple[Source, mx.array] | None:
-        """Pin one page and return it as a device array, promoting it into L1.
+    def _load(self, key: PageKey, page_tokens: tuple[int, ...]) -> tuple[Source, np.ndarray] | None:
+        """Pin one page and return a host view of its bytes (``geometry.shape``).
 
         Lookups and hits count here for L1 and L2; L3 counts its own in ``get``.
         """
@@ -142,34 +148,50 @@ class TieredStore:
                 self._pins[key] += 1
                 tier.counters.hit_pages += 1
                 tier.counters.hit_tokens += self.geometry.page_size
-                if tier is self.l1:
-                    return Source.L1, entry.kv
-                return Source.L2, self._promote_from_l2(key, page_tokens)
+                data = kv_to_host(entry.kv) if tier is self.l1 else self.l2.read(key)
+                return Source(tier.name), self._shaped(data)
         if self.disk is None:
             return None
+        # Read straight into an L2 slot (an L3 hit is kept in L2): one copy, warm memory.
+        slot = self.l2.take_slot() if self._make_room(self.l2) else None
         t0 = time.perf_counter()
-        hit = self.disk.get(key, self.ns_digest, page_tokens, self.geometry.nbytes)
+        out = None if slot is None else self.l2.arena[slot]
+        hit = self.disk.get(key, self.ns_digest, page_tokens, self.geometry.nbytes, out=out)
         if hit is None:
+            if slot is not None:
+                self.l2.give_back(slot)
             return None
         payload, stored_nbytes = hit
+        self.links["L3->L2"].record(stored_nbytes, time.perf_counter() - t0)
+        if slot is not None:
+            self.l2.fill(key, page_tokens, slot)
         self._pins[key] += 1
-        if self._make_room(self.l2):
-            self.l2.write(key, page_tokens, payload)
-            self.links["L3->L2"].record(stored_nbytes, time.perf_counter() - t0)
-            return Source.L3, self._promote_from_l2(key, page_tokens)
-        kv = kv_to_device(payload, self.geometry)
-        mx.eval(kv)
-        self.links["L3->L1"].record(stored_nbytes, time.perf_counter() - t0)
-        self._add_l1(key, page_tokens, kv)
-        return Source.L3, kv
+        return Source.L3, self._shaped(payload)
 
-    def _promote_from_l2(self, key: PageKey, page_tokens: tuple[int, ...]) -> mx.array:
-        t0 = time.perf_counter()
-        kv = kv_to_device(self.l2.read(key), self.geometry)
-        mx.eval(kv)
-        self.links["L2->L1"].record(self.geometry.nbytes, time.perf_counter() - t0)
-        self._add_l1(key, page_tokens, kv)
-        return kv
+    def _shaped(self, data: np.ndarray | bytes) -> np.ndarray:
+        return np.frombuffer(data, self.geometry.storage_dtype).reshape(self.geometry.shape)
+
+    def _join(self, hosts: list[np.ndarray]) -> list[tuple[mx.array, mx.array]]:
+        """Per-layer K/V device arrays of consecutive pages.
+
+        One pass gathers a layer's pages into a reused host staging buffer, one copy
+        moves it to the device: no per-page device arrays, and the extra memory is one
+        layer's K and V, not the whole prefix.
+        """
+        g = self.geometry
+        shape = (2, g.num_kv_heads, g.page_size * len(hosts), g.head_dim)
+        size = int(np.prod(shape))
+        if self._staging.size < size:
+            self._staging = np.empty(size, g.storage_dtype)
+        stage = self._staging[:size].reshape(shape)
+        layers = []
+        for layer in range(g.num_layers):
+            np.concatenate([h[layer] for h in hosts], axis=2, out=stage)
+            kv = mx.array(stage)
+            kv = kv.view(mx.bfloat16) if g.dtype == "bfloat16" else kv
+            mx.eval(kv)
+            layers.append((kv[0][None], kv[1][None]))
+        return layers
 
     def release(self, keys: Sequence[PageKey]) -> None:
         """Unpin pages taken by ``restore`` (or ``pin``)."""
@@ -227,14 +249,15 @@ class TieredStore:
         elif not self._write_l3(key, page_tokens, data, "L1->L3"):
             self.l2.counters.writes_dropped += 1
 
-    def _write_l3(self, key: PageKey, page_tokens: tuple[int, ...], data: np.ndarray, link: str) -> bool:
+    def _write_l3(self, key: PageKey, page_tokens: tuple[int, ...], data: np.ndarray, link: str,
+                  wait: bool = False) -> bool:
         """Queue a page for L3 unless it is already there; True if L3 has or will have it."""
         if self.disk is None:
             return False
         if self.disk.contains(key):
             return True
         t0 = time.perf_counter()
-        queued = self.disk.put(key, self.ns_digest, page_tokens, data)
+        queued = self.disk.put(key, self.ns_digest, page_tokens, data, wait=wait)
         if queued:
             self.links[link].record(len(data), time.perf_counter() - t0)
         return queued
@@ -249,9 +272,9 @@ class TieredStore:
             for key in self.l1:
                 if key not in self.l2:
                     page = self.l1.entries[key]
-                    self._write_l3(key, page.tokens, kv_to_host(page.kv), "L1->L3")
+                    self._write_l3(key, page.tokens, kv_to_host(page.kv), "L1->L3", wait=True)
             for key in self.l2:
-                self._write_l3(key, self.l2.entries[key].tokens, self.l2.read(key), "L2->L3")
+                self._write_l3(key, self.l2.entries[key].tokens, self.l2.read(key), "L2->L3", wait=True)
             self.disk.flush()
 
     def close(self, extra_counters: dict | None = None) -> None:

@@ -95,11 +95,22 @@ class HostTier(Tier[HostPage]):
 
     def write(self, key: PageKey, tokens: tuple[int, ...], data: np.ndarray | bytes) -> None:
         """Copy one page's bytes into a free slot."""
+        slot = self.take_slot()
+        self.arena[slot] = np.frombuffer(data, dtype=np.uint8)
+        self.fill(key, tokens, slot)
+
+    def take_slot(self) -> int:
+        """Reserve a free slot to be filled in place (then ``fill``, or ``give_back``)."""
         if not self.has_room():
             raise MemoryError("L2 is full")
-        slot = self.free_slots.pop()
-        self.arena[slot] = np.frombuffer(data, dtype=np.uint8)
+        return self.free_slots.pop()
+
+    def fill(self, key: PageKey, tokens: tuple[int, ...], slot: int) -> None:
+        """Index a reserved slot whose bytes are in place."""
         self.add(key, HostPage(tokens, slot))
+
+    def give_back(self, slot: int) -> None:
+        self.free_slots.append(slot)
 
     def read(self, key: PageKey) -> np.ndarray:
         """The page's bytes, a view into the arena (valid until the page leaves L2)."""
@@ -107,7 +118,7 @@ class HostTier(Tier[HostPage]):
 
     def pop(self, key: PageKey) -> HostPage:
         entry = super().pop(key)
-        self.free_slots.append(entry.slot)
+        self.give_back(entry.slot)
         return entry
 
 
@@ -117,9 +128,3 @@ def kv_to_host(kv: mx.array) -> np.ndarray:
         kv = kv.view(mx.uint16)
     return np.asarray(kv).reshape(-1).view(np.uint8)
 
-
-def kv_to_device(data: np.ndarray | bytes, geometry: PageGeometry) -> mx.array:
-    """Raw page bytes as a device array of ``geometry.shape`` (one copy)."""
-    host = np.frombuffer(data, dtype=geometry.storage_dtype).reshape(geometry.shape)
-    kv = mx.array(host)
-    return kv.view(mx.bfloat16) if geometry.dtype == "bfloat16" else kv

@@ -77,7 +77,7 @@ def test_next_token_logits_after_restore_match_full_recompute(loaded):
     restored = engine.store.restore(engine.submit(prompt).keys, prompt)
     engine._waiting.clear()
     cut = restored.num_pages * PAGE
-    cache = engine._cache_from(restored.kv, cut)
+    cache = engine._cache_from(restored.layers, cut)
     after_restore = loaded.model(mx.array([prompt[cut:]]), cache=cache)[0, -1]
     full = loaded.model(mx.array([prompt]))[0, -1]
     assert cut == 6 * PAGE
