@@ -120,7 +120,7 @@ class Engine:
             restored = request.restored_tokens
             request.published = request.restored.num_pages
             if restored:
-                cache = self._cache_from(request.restored.kv, restored)
+                cache = self._cache_from(request.restored.layers, restored)
         params = request.params
         sampler = make_sampler(params.temperature, params.top_p)
         (request.uid,) = self.generator.insert(
@@ -132,10 +132,10 @@ class Engine:
         )
         self._running[request.uid] = request
 
-    def _cache_from(self, kv: mx.array, num_tokens: int) -> list:
+    def _cache_from(self, layers: list[tuple[mx.array, mx.array]], num_tokens: int) -> list:
         cache = make_prompt_cache(self.loaded.model)
-        for layer, c in enumerate(cache):
-            c.state = (kv[layer, 0][None], kv[layer, 1][None], num_tokens)
+        for c, (keys, values) in zip(cache, layers):
+            c.state = (keys, values, num_tokens)
         return cache
 
     def _publish_new_pages(self, prompt_responses: list) -> None:
