@@ -68,7 +68,9 @@ class Engine:
         self._waiting: list[Request] = []
         self._running: dict[int, Request] = {}
         self._next_rid = 0
-        self.totals: dict = {"requests": 0, "prompt_tokens": 0, "generated_tokens": 0, "sources": {}}
+        # store_seconds: time the step loop spent in the store (restore, publish): the offload overhead
+        self.totals: dict = {"requests": 0, "prompt_tokens": 0, "generated_tokens": 0,
+                             "store_seconds": 0.0, "sources": {}}
 
     # -- submission ------------------------------------------------------------
 
@@ -116,7 +118,9 @@ class Engine:
         """Restore the stored prefix (matched now, not at enqueue) and hand it to mlx-lm."""
         cache, restored = None, 0
         if self.store is not None and request.keys:
+            t0 = time.perf_counter()
             request.restored = self.store.restore(request.keys, request.prompt)
+            self.totals["store_seconds"] += time.perf_counter() - t0
             restored = request.restored_tokens
             request.published = request.restored.num_pages
             if restored:
@@ -150,6 +154,7 @@ class Engine:
                 self._publish(request, ready)
 
     def _publish(self, request: Request, ready: int) -> None:
+        t0 = time.perf_counter()
         caches, _ = self.generator.extract_cache([request.uid])[request.uid]
         size = self.config.page_size
         pages = []
@@ -161,6 +166,7 @@ class Engine:
         for i, kv in pages:
             self.store.publish(request.keys[i], request.prompt[i * size : (i + 1) * size], kv)
         request.published = ready
+        self.totals["store_seconds"] += time.perf_counter() - t0
 
     def _on_token(self, request: Request, token: int, finish_reason: str | None) -> None:
         now = time.perf_counter()

@@ -1,0 +1,93 @@
+"""Engine overhead on all-unique prompts, as ratios measured in one run.
+
+    python bench/engine_overhead.py [--prompts 8] [--tokens 600] [--max-tokens 32] [--repeats 3]
+
+Three ways to run the same burst of unique prompts (nothing to reuse):
+- ``mlx_lm``: mlx-lm's own ``BatchGenerator``, prompts inserted together;
+- ``off``: the kvtier engine with ``offload=False`` (no store);
+- ``on``: the engine with offload on, a fresh store per run (publication after every
+  step, L1 inserts; ``close`` flushes to L3 and is timed separately).
+Runs are interleaved and repeated; the median of each is reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import engine as _engine  # noqa: F401  (OpenBLAS before mlx)
+import mlx.core as mx
+from mlx_lm.generate import BatchGenerator
+
+from engine.blas import blas_in_use
+from engine.engine import Engine, EngineConfig
+from engine.model import load_model
+from engine.request import SamplingParams
+from tiers.hierarchy import StoreConfig
+
+
+def unique_prompts(count: int, tokens: int, seed: int) -> list[list[int]]:
+    return [[(seed * 7919 + i * 131 + j * 17) % 250 + 3 for j in range(tokens)] for i in range(count)]
+
+
+def run_mlx_lm(loaded, prompts, max_tokens) -> float:
+    t0 = time.perf_counter()
+    generator = BatchGenerator(loaded.model, stop_tokens=[[t] for t in loaded.tokenizer.eos_token_ids],
+                               prefill_step_size=512)
+    generator.insert(prompts, max_tokens=[max_tokens] * len(prompts))
+    remaining = len(prompts)
+    while remaining:
+        _, responses = generator.next()
+        remaining -= sum(r.finish_reason is not None for r in responses)
+    generator.close()
+    return time.perf_counter() - t0
+
+
+def run_engine(loaded, prompts, max_tokens, offload: bool) -> tuple[float, float, float]:
+    with tempfile.TemporaryDirectory() as tmp:
+        config = EngineConfig(offload=offload, store=StoreConfig(store_dir=Path(tmp)), prefill_step_size=512)
+        t0 = time.perf_counter()
+        engine = Engine(loaded, config)
+        engine.generate(prompts, SamplingParams(max_tokens=max_tokens))
+        seconds = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        engine.close()
+        return seconds, time.perf_counter() - t1, engine.totals["store_seconds"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--tokens", type=int, default=600)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    loaded = load_model()
+    times: dict[str, list[float]] = {"mlx_lm": [], "off": [], "on": [], "close": [], "store": []}
+    run_mlx_lm(loaded, unique_prompts(2, 64, 999), 2)  # warm-up: kernels, allocator
+    for repeat in range(args.repeats):
+        prompts = unique_prompts(args.prompts, args.tokens, repeat)  # never seen before
+        times["mlx_lm"].append(run_mlx_lm(loaded, prompts, args.max_tokens))
+        times["off"].append(run_engine(loaded, prompts, args.max_tokens, offload=False)[0])
+        on, close, store = run_engine(loaded, prompts, args.max_tokens, offload=True)
+        times["on"].append(on)
+        times["close"].append(close)
+        times["store"].append(store / on)
+        mx.clear_cache()
+    med = {k: statistics.median(v) for k, v in times.items()}
+    print(f"BLAS: {blas_in_use()}")
+    print(f"{args.prompts} unique prompts x {args.tokens} tokens, {args.max_tokens} output tokens, "
+          f"median of {args.repeats}")
+    for name in ("mlx_lm", "off", "on", "close"):
+        print(f"  {name:>7}: {med[name]:7.3f} s")
+    print(f"engine (offload off) throughput vs mlx_lm BatchGenerator: {med['mlx_lm'] / med['off']:.3f}x")
+    print(f"offload on / off time: {med['on'] / med['off']:.3f} (plus close/flush to L3: "
+          f"{med['close'] / med['off']:.3f} of a run)")
+    print(f"time inside the store during offload-on runs (restore + publish): {med['store']:.2%} of the run")
+
+
+if __name__ == "__main__":
+    main()
