@@ -18,6 +18,7 @@ from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_sampler
 
+from costmodel.plan import Profile, plan_restore, profile_key
 from tiers.counters import add_into
 from tiers.hierarchy import StoreConfig, TieredStore
 from tiers.page import Namespace, page_keys, reusable_pages
@@ -64,6 +65,7 @@ class Engine:
             stop_tokens=[[t] for t in loaded.tokenizer.eos_token_ids],
             prefill_step_size=self.config.prefill_step_size,
         )
+        self.profile = self._load_profile()
         self.vocab_size = loaded.model.args.vocab_size if hasattr(loaded.model, "args") else None
         self._waiting: list[Request] = []
         self._running: dict[int, Request] = {}
@@ -71,6 +73,15 @@ class Engine:
         # store_seconds: time the step loop spent in the store (restore, publish): the offload overhead
         self.totals: dict = {"requests": 0, "prompt_tokens": 0, "generated_tokens": 0,
                              "store_seconds": 0.0, "sources": {}}
+
+    def _load_profile(self) -> Profile:
+        """The calibrated cost model of this machine and model, else conservative defaults."""
+        disk = self.store.disk if self.store is not None else None
+        saved = disk.get_meta(profile_key(self.namespace.digest())) if disk is not None else None
+        if saved:
+            return Profile.from_dict(saved)
+        log.info("no calibrated cost model for this machine and model: using defaults (run `kvtier calibrate`)")
+        return Profile.defaults()
 
     # -- submission ------------------------------------------------------------
 
@@ -109,22 +120,29 @@ class Engine:
         for request in self._waiting:
             self._admit(request)
         self._waiting.clear()
+        t0 = time.perf_counter()
         prompt_responses, generation_responses = self.generator.next()
+        self._observe_prefill(prompt_responses, generation_responses, time.perf_counter() - t0)
         self._publish_new_pages(prompt_responses)
         for response in generation_responses:
             self._on_token(self._running[response.uid], response.token, response.finish_reason)
 
     def _admit(self, request: Request) -> None:
-        """Restore the stored prefix (matched now, not at enqueue) and hand it to mlx-lm."""
+        """Plan, restore the chosen prefix (matched now, not at enqueue), hand it to mlx-lm."""
         cache, restored = None, 0
         if self.store is not None and request.keys:
             t0 = time.perf_counter()
-            request.restored = self.store.restore(request.keys, request.prompt)
-            self.totals["store_seconds"] += time.perf_counter() - t0
+            matched = self.store.locate(request.keys, request.prompt)
+            request.plan = plan_restore(matched, len(request.prompt), self.config.page_size,
+                                        self.geometry.nbytes, self.profile)
+            links_before = self.store.stats()["links"]
+            request.restored = self.store.restore(request.keys[: request.plan.restore_pages], request.prompt)
+            self._observe_links(links_before)
             restored = request.restored_tokens
             request.published = request.restored.num_pages
             if restored:
                 cache = self._cache_from(request.restored.layers, restored)
+            self.totals["store_seconds"] += time.perf_counter() - t0
         params = request.params
         sampler = make_sampler(params.temperature, params.top_p)
         (request.uid,) = self.generator.insert(
@@ -135,6 +153,25 @@ class Engine:
             samplers=[sampler],
         )
         self._running[request.uid] = request
+
+    def _observe_links(self, before: dict) -> None:
+        """Feed the link models with what this restore really moved (online refinement)."""
+        for name, after in self.store.stats()["links"].items():
+            if name in self.profile.links and after["bytes"] > before[name]["bytes"]:
+                self.profile.links[name].observe(after["bytes"] - before[name]["bytes"],
+                                                 seconds=after["seconds"] - before[name]["seconds"])
+
+    def _observe_prefill(self, prompt_responses: list, generation_responses: list, seconds: float) -> None:
+        """Feed the compute model with steps that only prefilled one request's chunk."""
+        clean = (len(prompt_responses) == 1 and not generation_responses
+                 and not prompt_responses[0].end_of_prompt
+                 and all(r.t_first_token is None for r in self._running.values()))
+        for response in prompt_responses:
+            request = self._running[response.uid]
+            chunk, cached = response.progress[0] - request.prefilled, request.restored_tokens + request.prefilled
+            request.prefilled = response.progress[0]
+            if clean and chunk > 0:
+                self.profile.compute.observe(chunk, cached, seconds=seconds)
 
     def _cache_from(self, layers: list[tuple[mx.array, mx.array]], num_tokens: int) -> list:
         cache = make_prompt_cache(self.loaded.model)
@@ -204,13 +241,14 @@ class Engine:
             "output_token_ids": request.output,
             "text": self.loaded.tokenizer.decode(request.output),
             "finish_reason": request.finish_reason,
+            "plan": request.plan.to_dict() if request.plan else None,
             "ttft_s": round(request.t_first_token - request.t_submit, 6),
             "latency_s": round(request.t_done - request.t_submit, 6),
         }
 
     def stats(self) -> dict:
         """Engine totals and this process's store counters."""
-        stats = {"engine": dict(self.totals)}
+        stats = {"engine": dict(self.totals), "costmodel": self.profile.summary()}
         if self.store is not None:
             stats.update(self.store.stats())
         return stats
@@ -218,5 +256,7 @@ class Engine:
     def close(self) -> None:
         """Flush the store to L3 and persist counters; the engine is unusable after."""
         if self.store is not None:
+            if self.store.disk is not None:  # keep what online refinement learned
+                self.store.disk.put_meta(profile_key(self.namespace.digest()), self.profile.to_dict())
             self.store.close(extra_counters={"engine": self.totals})
         self.generator.close()

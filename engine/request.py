@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from costmodel.plan import RestorePlan
 from tiers.hierarchy import RestoredPrefix
 from tiers.page import PageKey, Source
 
@@ -30,8 +31,10 @@ class Request:
     page_size: int
     keys: list[PageKey]  # keys of the reusable full pages
     uid: int | None = None  # BatchGenerator's id once admitted
+    plan: RestorePlan | None = None
     restored: RestoredPrefix | None = None
     published: int = 0  # leading pages known to be in the store
+    prefilled: int = 0  # tokens mlx-lm has prefilled after the restored prefix
     output: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     t_submit: float = field(default_factory=time.perf_counter)
