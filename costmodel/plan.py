@@ -14,6 +14,8 @@ from .models import ComputeModel, LinkModel
 GIB = 1 << 30
 # Links a page crosses on its way into a request's KV, by the tier it is found in.
 PATH = {Source.L1: (), Source.L2: ("L2->L1",), Source.L3: ("L3->L2", "L2->L1")}
+# The link that reads from a tier (what a read throttle on that tier slows).
+READ_LINK = {"L2": "L2->L1", "L3": "L3->L2"}
 
 
 def machine_id() -> str:
@@ -47,6 +49,14 @@ class Profile:
     def from_dict(cls, d: dict) -> Profile:
         links = {name: LinkModel.from_dict(link) for name, link in d["links"].items()}
         return cls(links, ComputeModel.from_dict(d["compute"]), d.get("calibrated", False))
+
+    def capped(self, throttle: dict[str, float]) -> Profile:
+        """A view whose throttled tiers' links are no faster than the cap (bytes/s)."""
+        links = dict(self.links)
+        for tier, rate in throttle.items():
+            link = links[READ_LINK[tier]]
+            links[READ_LINK[tier]] = LinkModel.of(link.setup_s, min(link.bytes_per_s, rate))
+        return Profile(links, self.compute, self.calibrated)
 
     def summary(self) -> dict:
         """Fitted parameters and prediction errors, for stats."""

@@ -42,6 +42,17 @@ def positive_int(text: str) -> int:
     return int(text)
 
 
+def parse_throttle(text: str) -> tuple[str, float]:
+    """``L3=2MiB/s`` -> ("L3", bytes per second)."""
+    tier, _, rate = text.partition("=")
+    if tier not in ("L2", "L3") or not rate.endswith("/s"):
+        raise argparse.ArgumentTypeError(f"bad throttle {text!r} (use e.g. L3=2MiB/s or L2=1GiB/s)")
+    bytes_per_s = parse_size(rate[:-2])
+    if bytes_per_s <= 0:
+        raise argparse.ArgumentTypeError(f"throttle rate must be positive in {text!r}")
+    return tier, float(bytes_per_s)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="kvtier", description="Tiered KV-cache offload for MLX inference.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log what the engine does")
@@ -62,10 +73,17 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--page-size", type=positive_int, default=128)
     run.add_argument("--codec", choices=["raw", "zstd"], default="raw", help="L3 payload codec")
     run.add_argument("--cache-salt", default="", help="isolate this tenant's pages")
+    run.add_argument("--throttle", type=parse_throttle, action="append", default=[], metavar="TIER=RATE",
+                     help="cap a tier's read bandwidth, e.g. L3=2MiB/s (tests and demos)")
     run.add_argument("--no-offload", action="store_true", help="no store: recompute every prompt")
     run.add_argument("--sequential", action="store_true", help="submit each prompt after the previous finishes")
     run.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
     run.add_argument("--json", action="store_true", help="one JSON object per request, then counters")
+
+    calibrate = sub.add_parser("calibrate", help="measure links and prefill; store the cost profile")
+    calibrate.add_argument("--store", type=Path, default=None)
+    calibrate.add_argument("--model", help="mlx-lm model directory or hub id (default: embedded model)")
+    calibrate.add_argument("--page-size", type=positive_int, default=128)
 
     stats = sub.add_parser("stats", help="counters persisted in a store")
     stats.add_argument("--store", type=Path, default=None)
@@ -80,9 +98,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
         logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                             format="kvtier: %(levelname)s: %(message)s")
-        if args.command == "run":
-            return cmd_run(args)
-        return cmd_stats(args)
+        commands = {"run": cmd_run, "stats": cmd_stats, "calibrate": cmd_calibrate}
+        return commands[args.command](args)
     except UsageError as err:
         print(f"kvtier: error: {err}", file=sys.stderr)
         return 2
@@ -127,21 +144,25 @@ def _read_jsonl(path: Path) -> list:
     return items
 
 
+def _load_model(name: str | None):
+    from .model import ModelError, load_model
+
+    logging.getLogger("kvtier").info("BLAS: %s", blas_in_use())
+    try:
+        return load_model(name)
+    except ModelError as err:
+        raise UsageError(str(err)) from None
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     # Imported here so that `kvtier --help` and bad arguments answer at once.
     from .engine import Engine, EngineConfig, InputError
-    from .model import ModelError, load_model
     from .request import SamplingParams
 
-    log = logging.getLogger("kvtier")
-    log.info("BLAS: %s", blas_in_use())
-    try:
-        loaded = load_model(args.model)
-    except ModelError as err:
-        raise UsageError(str(err)) from None
+    loaded = _load_model(args.model)
     prompts = _read_prompts(args, loaded.tokenizer)
     store = StoreConfig(args.l1_bytes, args.l2_bytes, args.l3_bytes,
-                        args.store or default_store_dir(), args.codec)
+                        args.store or default_store_dir(), args.codec, throttle=dict(args.throttle))
     config = EngineConfig(page_size=args.page_size, offload=not args.no_offload,
                           store=store, cache_salt=args.cache_salt)
     params = SamplingParams(args.max_tokens, args.temperature, args.top_p)
@@ -174,6 +195,8 @@ def _print_human(results: list[dict], stats: dict) -> None:
         print("   sources: " + "  ".join(f"{k}={v}" for k, v in r["sources"].items()))
     print()
     print(format_tier_table(stats))
+    if not stats["costmodel"]["calibrated"]:
+        print("\ncost model: defaults (run `kvtier calibrate` to measure this machine)")
 
 
 def format_tier_table(stats: dict) -> str:
@@ -190,6 +213,35 @@ def format_tier_table(stats: dict) -> str:
             rate = link["bytes"] / link["seconds"] / (1 << 30) if link["seconds"] else 0.0
             lines.append(f"{name:<7} {link['bytes']:>14} {link['pages']:>8} {link['seconds']:>10.4f} {rate:>8.2f}")
     return "\n".join(lines)
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from costmodel.calibrate import calibrate, steps
+    from tiers.disk import DiskTier, StoreError
+
+    loaded = _load_model(args.model)
+    geometry = loaded.geometry(args.page_size)
+    store_dir = args.store or default_store_dir()
+    with tqdm(total=steps(), desc="calibrating", unit="sample", file=sys.stderr) as bar:
+        try:
+            profile = calibrate(loaded.model, geometry, store_dir, bar.update)
+        except (OSError, StoreError) as err:
+            raise UsageError(f"cannot calibrate with store {store_dir}: {err}") from None
+    try:
+        disk = DiskTier(store_dir, capacity_bytes=0)
+    except StoreError as err:
+        raise UsageError(str(err)) from None
+    disk.put_meta(loaded.profile_key(geometry), profile.to_dict())
+    disk.close()
+    summary = profile.summary()
+    for name, link in summary["links"].items():
+        print(f"{name}: setup {link['setup_s'] * 1e3:.3f} ms, {link['gib_s']:.2f} GiB/s")
+    c = summary["compute"]
+    print(f"prefill: T(n, p) = {c['c0']:.4g} + {c['c1']:.4g}*n + {c['c2']:.4g}*n*(p + n/2) s")
+    print(f"profile saved in {store_dir}")
+    return 0
 
 
 def cmd_stats(args: argparse.Namespace) -> int:

@@ -8,23 +8,30 @@ full -> decode -> finish -> release pins.
 
 from __future__ import annotations
 
+import hashlib
+import itertools
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Sequence
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_sampler
 
-from costmodel.plan import Profile, plan_restore, profile_key
+from costmodel.plan import READ_LINK, Profile, plan_restore
 from tiers.counters import add_into
 from tiers.hierarchy import StoreConfig, TieredStore
-from tiers.page import Namespace, page_keys, reusable_pages
+from tiers.page import Source, page_keys, reusable_pages
 
+from .flights import FlightCoordinator
+from .metrics import RateWindow
 from .model import LoadedModel
 from .request import Request, SamplingParams
+from .scheduler import Scheduler
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +47,11 @@ class EngineConfig:
     store: StoreConfig = field(default_factory=StoreConfig)
     prefill_step_size: int = 512
     cache_salt: str = ""
+    single_flight: str = "after-prefill"  # "off" | "after-prefill" | "at-completion"
+    publish: str = "incremental"  # after every step, or "at-completion" only
+    max_running: int = 32  # requests in the BatchGenerator at once; the rest wait
+    refresh_window: int = 128  # waiting requests whose L1 pages are touched before admission
+    window_s: float = 30.0  # cached tokens per second are measured over this window
 
 
 class Engine:
@@ -49,10 +61,7 @@ class Engine:
         self.loaded = loaded
         self.config = config or EngineConfig()
         self.geometry = loaded.geometry(self.config.page_size)
-        self.namespace = Namespace(
-            loaded.fingerprint, self.geometry.dtype, self.config.page_size,
-            cache_salt=self.config.cache_salt,
-        )
+        self.namespace = loaded.namespace(self.geometry, self.config.cache_salt)
         self.store = (
             TieredStore(self.geometry, self.namespace, self.config.store)
             if self.config.offload else None
@@ -67,17 +76,21 @@ class Engine:
         )
         self.profile = self._load_profile()
         self.vocab_size = loaded.model.args.vocab_size if hasattr(loaded.model, "args") else None
-        self._waiting: list[Request] = []
+        flights = FlightCoordinator(self.config.single_flight if self.store is not None else "off")
+        self.scheduler = Scheduler(flights, self.config.max_running, self.config.refresh_window)
+        self.cached_tokens = RateWindow(self.config.window_s)
         self._running: dict[int, Request] = {}
-        self._next_rid = 0
+        self._rids = itertools.count()
+        self._serving: threading.Thread | None = None
+        self._stop = threading.Event()
         # store_seconds: time the step loop spent in the store (restore, publish): the offload overhead
         self.totals: dict = {"requests": 0, "prompt_tokens": 0, "generated_tokens": 0,
-                             "store_seconds": 0.0, "sources": {}}
+                             "store_seconds": 0.0, "l1_hit_loss_tokens": 0, "sources": {}}
 
     def _load_profile(self) -> Profile:
         """The calibrated cost model of this machine and model, else conservative defaults."""
         disk = self.store.disk if self.store is not None else None
-        saved = disk.get_meta(profile_key(self.namespace.digest())) if disk is not None else None
+        saved = disk.get_meta(self.loaded.profile_key(self.geometry)) if disk is not None else None
         if saved:
             return Profile.from_dict(saved)
         log.info("no calibrated cost model for this machine and model: using defaults (run `kvtier calibrate`)")
@@ -86,14 +99,19 @@ class Engine:
     # -- submission ------------------------------------------------------------
 
     def submit(self, prompt: Sequence[int] | str, params: SamplingParams | None = None) -> Request:
-        """Queue a prompt (text is tokenized as ``tokenizer.encode`` does)."""
+        """Queue a prompt (text is tokenized as ``tokenizer.encode`` does); thread-safe."""
         tokens = self.loaded.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self._check_prompt(tokens)
         keys = page_keys(self.namespace, tokens)[: reusable_pages(len(tokens), self.config.page_size)]
-        request = Request(self._next_rid, tokens, params or SamplingParams(), self.config.page_size, keys)
-        self._next_rid += 1
-        self._waiting.append(request)
+        request = Request(next(self._rids), tokens, params or SamplingParams(), self.config.page_size, keys)
+        request.l1_tokens_at_enqueue = self._l1_tokens(self.store.locate(keys, tokens)) if self.store else 0
+        flight_key = hashlib.blake2b(np.asarray(tokens, "<u4").tobytes(), digest_size=16,
+                                     key=self.namespace.digest()).digest()
+        self.scheduler.add(request, flight_key)
         return request
+
+    def _l1_tokens(self, matched: Sequence[Source]) -> int:
+        return sum(self.config.page_size for s in matched if s is Source.L1)
 
     def _check_prompt(self, tokens: list[int]) -> None:
         if not tokens:
@@ -106,7 +124,7 @@ class Engine:
 
     def run(self) -> None:
         """Step until every submitted request has finished."""
-        while self._waiting or self._running:
+        while self.scheduler.pending() or self._running:
             self.step()
 
     def generate(self, prompts: Sequence[Sequence[int] | str], params: SamplingParams | None = None) -> list[Request]:
@@ -115,17 +133,45 @@ class Engine:
         self.run()
         return requests
 
+    def start(self) -> None:
+        """Serve in a background thread: ``submit`` from anywhere, read ``Request.stream``."""
+        self._stop.clear()
+        self._serving = threading.Thread(target=self._serve, name="kvtier-engine", daemon=True)
+        self._serving.start()
+
+    def stop(self) -> None:
+        """Finish the requests already admitted or queued, then stop serving."""
+        self._stop.set()
+        with self.scheduler.arrived:
+            self.scheduler.arrived.notify_all()
+        if self._serving is not None:
+            self._serving.join()
+            self._serving = None
+
+    def _serve(self) -> None:
+        while True:
+            with self.scheduler.arrived:
+                while not (self.scheduler.pending() or self._running or self._stop.is_set()):
+                    self.scheduler.arrived.wait()
+            if not (self.scheduler.pending() or self._running):
+                return  # stopped and drained
+            self.step()
+
     def step(self) -> None:
-        """Admit waiting requests, run one BatchGenerator step, publish and collect."""
-        for request in self._waiting:
+        """Refresh and admit waiting requests, run one BatchGenerator step, publish and collect."""
+        if self.store is not None:
+            for request in self.scheduler.refresh_candidates():
+                self.store.touch(request.keys)
+        for request in self.scheduler.admit(len(self._running)):
             self._admit(request)
-        self._waiting.clear()
+        if not self._running:
+            return  # everyone left is a held follower; their leader is done
         t0 = time.perf_counter()
         prompt_responses, generation_responses = self.generator.next()
         self._observe_prefill(prompt_responses, generation_responses, time.perf_counter() - t0)
         self._publish_new_pages(prompt_responses)
         for response in generation_responses:
-            self._on_token(self._running[response.uid], response.token, response.finish_reason)
+            self._on_token(self._running[response.uid], response)
 
     def _admit(self, request: Request) -> None:
         """Plan, restore the chosen prefix (matched now, not at enqueue), hand it to mlx-lm."""
@@ -133,13 +179,16 @@ class Engine:
         if self.store is not None and request.keys:
             t0 = time.perf_counter()
             matched = self.store.locate(request.keys, request.prompt)
+            profile = self.profile.capped(self.config.store.throttle)
             request.plan = plan_restore(matched, len(request.prompt), self.config.page_size,
-                                        self.geometry.nbytes, self.profile)
+                                        self.geometry.nbytes, profile)
+            request.l1_tokens_at_admission = self._l1_tokens(matched)
             links_before = self.store.stats()["links"]
             request.restored = self.store.restore(request.keys[: request.plan.restore_pages], request.prompt)
             self._observe_links(links_before)
             restored = request.restored_tokens
             request.published = request.restored.num_pages
+            self.cached_tokens.add(restored)
             if restored:
                 cache = self._cache_from(request.restored.layers, restored)
             self.totals["store_seconds"] += time.perf_counter() - t0
@@ -156,8 +205,9 @@ class Engine:
 
     def _observe_links(self, before: dict) -> None:
         """Feed the link models with what this restore really moved (online refinement)."""
+        throttled = {READ_LINK[tier] for tier in self.config.store.throttle}  # they time the throttle
         for name, after in self.store.stats()["links"].items():
-            if name in self.profile.links and after["bytes"] > before[name]["bytes"]:
+            if name in self.profile.links and name not in throttled and after["bytes"] > before[name]["bytes"]:
                 self.profile.links[name].observe(after["bytes"] - before[name]["bytes"],
                                                  seconds=after["seconds"] - before[name]["seconds"])
 
@@ -180,19 +230,25 @@ class Engine:
         return cache
 
     def _publish_new_pages(self, prompt_responses: list) -> None:
-        """Publish every page that became full in this step (DESIGN §7)."""
+        """Publish every page that became full in this step (DESIGN §7); at the end of a
+        leader's prompt, release its single-flight followers."""
         if self.store is None:
             return
         for response in prompt_responses:
             request = self._running[response.uid]
-            in_cache = request.restored_tokens + response.progress[0]
-            ready = min(len(request.keys), in_cache // self.config.page_size)
-            if ready > request.published:
-                self._publish(request, ready)
+            early = response.end_of_prompt and self.scheduler.flights.is_leader(request.rid)
+            if self.config.publish == "incremental" or early:
+                in_cache = request.restored_tokens + response.progress[0]
+                ready = min(len(request.keys), in_cache // self.config.page_size)
+                if ready > request.published:
+                    caches, _ = self.generator.extract_cache([request.uid])[request.uid]
+                    self._publish(request, caches, ready)
+            if response.end_of_prompt:
+                self.scheduler.prefilled(request.rid)
 
-    def _publish(self, request: Request, ready: int) -> None:
+    def _publish(self, request: Request, caches: list, ready: int) -> None:
+        """Store pages ``published .. ready`` of a request from its mlx-lm cache."""
         t0 = time.perf_counter()
-        caches, _ = self.generator.extract_cache([request.uid])[request.uid]
         size = self.config.page_size
         pages = []
         for i in range(request.published, ready):
@@ -205,26 +261,33 @@ class Engine:
         request.published = ready
         self.totals["store_seconds"] += time.perf_counter() - t0
 
-    def _on_token(self, request: Request, token: int, finish_reason: str | None) -> None:
+    def _on_token(self, request: Request, response) -> None:
         now = time.perf_counter()
         if request.t_first_token is None:
             request.t_first_token = now
-        if finish_reason != "stop":  # the EOS token is not part of the output
-            request.output.append(token)
-        if finish_reason is None:
+        if response.finish_reason != "stop":  # the EOS token is not part of the output
+            request.output.append(response.token)
+            request._tokens.put(response.token)
+        if response.finish_reason is None:
             return
-        request.finish_reason = finish_reason
+        request.finish_reason = response.finish_reason
         request.t_done = now
         del self._running[request.uid]
-        if self.store is not None and request.restored:
-            self.store.release(request.restored.keys)
+        if self.store is not None:
+            if request.published < len(request.keys):  # publication at completion
+                self._publish(request, response.prompt_cache, len(request.keys))
+            if request.restored:
+                self.store.release(request.restored.keys)
+        self.scheduler.finished(request.rid)
         self._count(request)
+        request._tokens.put(None)
 
     def _count(self, request: Request) -> None:
         add_into(self.totals, {
             "requests": 1,
             "prompt_tokens": len(request.prompt),
             "generated_tokens": len(request.output),
+            "l1_hit_loss_tokens": request.l1_tokens_at_enqueue - request.l1_tokens_at_admission,
             "sources": request.sources(),
         })
 
@@ -242,13 +305,17 @@ class Engine:
             "text": self.loaded.tokenizer.decode(request.output),
             "finish_reason": request.finish_reason,
             "plan": request.plan.to_dict() if request.plan else None,
+            "l1_tokens_at_enqueue": request.l1_tokens_at_enqueue,
+            "l1_tokens_at_admission": request.l1_tokens_at_admission,
+            "l1_hit_loss": request.l1_tokens_at_enqueue - request.l1_tokens_at_admission,
             "ttft_s": round(request.t_first_token - request.t_submit, 6),
             "latency_s": round(request.t_done - request.t_submit, 6),
         }
 
     def stats(self) -> dict:
         """Engine totals and this process's store counters."""
-        stats = {"engine": dict(self.totals), "costmodel": self.profile.summary()}
+        window = {"window_s": self.config.window_s, "cached_tokens_per_s": self.cached_tokens.rate()}
+        stats = {"engine": dict(self.totals), "windowed": window, "costmodel": self.profile.summary()}
         if self.store is not None:
             stats.update(self.store.stats())
         return stats
@@ -257,6 +324,6 @@ class Engine:
         """Flush the store to L3 and persist counters; the engine is unusable after."""
         if self.store is not None:
             if self.store.disk is not None:  # keep what online refinement learned
-                self.store.disk.put_meta(profile_key(self.namespace.digest()), self.profile.to_dict())
+                self.store.disk.put_meta(self.loaded.profile_key(self.geometry), self.profile.to_dict())
             self.store.close(extra_counters={"engine": self.totals})
         self.generator.close()

@@ -23,7 +23,9 @@ from mlx_lm import load as mlx_load
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 from mlx_lm.utils import _download
 
-from tiers.page import PageGeometry
+from tiers.page import Namespace, PageGeometry
+
+from costmodel.plan import profile_key
 
 from .default_model import DEFAULT_MODEL, ensure_default_model
 from .paths import kvtier_home
@@ -62,6 +64,15 @@ class LoadedModel:
             page_size=page_size,
             dtype=str(keys.dtype).removeprefix("mlx.core."),
         )
+
+
+    def namespace(self, geometry: PageGeometry, cache_salt: str = "") -> Namespace:
+        """The namespace of this model's pages (DESIGN §3)."""
+        return Namespace(self.fingerprint, geometry.dtype, geometry.page_size, cache_salt=cache_salt)
+
+    def profile_key(self, geometry: PageGeometry) -> str:
+        """Where this model's cost profile lives in a store (tenants share it)."""
+        return profile_key(self.namespace(geometry).digest())
 
 
 def resolve_model_path(name: str | None) -> Path:

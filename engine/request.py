@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import queue
 import time
 from dataclasses import dataclass, field
+from typing import Iterator
 
 from costmodel.plan import RestorePlan
 from tiers.hierarchy import RestoredPrefix
@@ -35,11 +37,19 @@ class Request:
     restored: RestoredPrefix | None = None
     published: int = 0  # leading pages known to be in the store
     prefilled: int = 0  # tokens mlx-lm has prefilled after the restored prefix
+    l1_tokens_at_enqueue: int = 0  # prompt tokens in L1 when submitted
+    l1_tokens_at_admission: int = 0  # ... and when admitted (pages may move meanwhile)
     output: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     t_submit: float = field(default_factory=time.perf_counter)
     t_first_token: float | None = None
     t_done: float | None = None
+    _tokens: queue.Queue = field(default_factory=queue.Queue, repr=False)
+
+    def stream(self) -> Iterator[int]:
+        """Output tokens as they are generated (from any thread), until the request ends."""
+        while (token := self._tokens.get()) is not None:
+            yield token
 
     @property
     def restored_tokens(self) -> int:

@@ -25,7 +25,7 @@ import logging
 import threading
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Sequence
 
@@ -60,6 +60,7 @@ class StoreConfig:
     l3_bytes: int = 32 << 30
     store_dir: Path | None = None
     codec: str = "raw"
+    throttle: dict[str, float] = field(default_factory=dict)  # tier -> max read bytes/s
 
 
 class TieredStore:
@@ -104,6 +105,14 @@ class TieredStore:
         if self.disk is not None and self.disk.contains(key):
             return Source.L3
         return None
+
+    def touch(self, keys: Sequence[PageKey]) -> None:
+        """Mark ``keys``' L1 pages recently used (a waiting request will want them);
+        pins nothing and loads nothing."""
+        with self._lock:
+            for key in keys:
+                if key in self.l1:
+                    self.l1.get(key)
 
     def _page_tokens(self, tokens: Sequence[int], index: int) -> tuple[int, ...]:
         size = self.geometry.page_size

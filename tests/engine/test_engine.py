@@ -7,7 +7,7 @@ import pytest
 from engine.engine import Engine, EngineConfig, InputError
 from engine.request import SamplingParams
 from tiers.hierarchy import StoreConfig
-from tiers.page import reusable_pages
+from tiers.page import page_keys, reusable_pages
 
 from .conftest import mlx_lm_greedy, text_prompt
 
@@ -74,8 +74,8 @@ def test_next_token_logits_after_restore_match_full_recompute(loaded):
     prompt = text_prompt(loaded, 6 * PAGE + 10, seed=11)
     engine = make_engine(loaded)
     run_one(engine, prompt)
-    restored = engine.store.restore(engine.submit(prompt).keys, prompt)
-    engine._waiting.clear()
+    keys = page_keys(engine.namespace, prompt)[: reusable_pages(len(prompt), PAGE)]
+    restored = engine.store.restore(keys, prompt)
     cut = restored.num_pages * PAGE
     cache = engine._cache_from(restored.layers, cut)
     after_restore = loaded.model(mx.array([prompt[cut:]]), cache=cache)[0, -1]

@@ -1,0 +1,112 @@
+"""Calibration: timed restores on every link and timed prefills, fitted into a Profile.
+
+Link samples are restores of 1..N pages of the model's page geometry through a
+scratch ``TieredStore`` next to the real store (same filesystem), each timed in
+steady state (the second of two restores). Compute samples are forward passes of
+``n`` tokens after ``p`` cached ones.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable, Iterable
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
+
+from tiers.hierarchy import StoreConfig, TieredStore
+from tiers.page import Namespace, PageGeometry, page_keys
+
+from .plan import Profile
+
+PAGE_COUNTS = (1, 2, 4, 8, 16)
+PREFILL_TOKENS = (32, 128, 512)
+CONTEXTS = (0, 512, 2048)
+
+Tick = Callable[[], None]
+
+
+def calibrate(model: nn.Module, geometry: PageGeometry, store_dir: Path, tick: Tick = lambda: None) -> Profile:
+    """Measure links and prefill on this machine; ``tick`` is called once per sample."""
+    profile = Profile.defaults()
+    for link, nbytes, seconds in link_samples(geometry, store_dir, tick):
+        profile.links[link].samples.append((nbytes, seconds))
+    for n, p, seconds in prefill_samples(model, tick):
+        profile.compute.samples.append((n, p, seconds))
+    for fitted in (*profile.links.values(), profile.compute):
+        fitted.refit()
+    profile.calibrated = True
+    return profile
+
+
+def steps(page_counts: Iterable[int] = PAGE_COUNTS) -> int:
+    """How many samples ``calibrate`` takes (for a progress bar)."""
+    return 2 * len(tuple(page_counts)) + len(PREFILL_TOKENS) * len(CONTEXTS)
+
+
+def link_samples(geometry: PageGeometry, store_dir: Path, tick: Tick,
+                 page_counts: Iterable[int] = PAGE_COUNTS) -> list[tuple[str, int, float]]:
+    """(link, bytes, seconds) of restores from L2 and from L3 (OS page cache warm)."""
+    counts = tuple(page_counts)
+    pages = max(counts)
+    tokens = list(range(pages * geometry.page_size + 1))
+    namespace = Namespace("kvtier-calibration", geometry.dtype, geometry.page_size)
+    keys = page_keys(namespace, tokens)[:pages]
+    room = (pages + 1) * geometry.nbytes
+    store_dir.mkdir(parents=True, exist_ok=True)
+    samples = []
+    with tempfile.TemporaryDirectory(dir=store_dir, prefix="calibration-") as scratch:
+        config = StoreConfig(l1_bytes=0, l2_bytes=room, l3_bytes=4 * room, store_dir=Path(scratch))
+        store = TieredStore(geometry, namespace, config)
+        rng = np.random.default_rng(0)
+        for i, key in enumerate(keys):
+            kv = mx.array(rng.standard_normal(geometry.shape, dtype=np.float32)).astype(_mx_dtype(geometry))
+            store.publish(key, tokens[i * geometry.page_size : (i + 1) * geometry.page_size], kv)
+        for k in counts:  # L2 -> L1
+            samples.append(_timed(store, keys[:k], tokens, "L2->L1"))
+            tick()
+        store.flush()
+        for k in counts:  # L3 -> L2: drop the L2 copies first (their slots stay warm)
+            for key in keys:
+                if key in store.l2:
+                    store.l2.pop(key)
+            samples.append(_timed(store, keys[:k], tokens, "L3->L2"))
+            tick()
+        store.close()
+    return samples
+
+
+def _timed(store: TieredStore, keys: list, tokens: list[int], link: str) -> tuple[str, int, float]:
+    """Bytes and seconds on ``link`` of a steady-state restore of ``keys``."""
+    if link == "L2->L1":
+        store.release(store.restore(keys, tokens).keys)  # warm staging and buffers
+    before = dict(store.stats()["links"][link])
+    store.release(store.restore(keys, tokens).keys)
+    after = store.stats()["links"][link]
+    return link, after["bytes"] - before["bytes"], after["seconds"] - before["seconds"]
+
+
+def prefill_samples(model: nn.Module, tick: Tick) -> list[tuple[int, int, float]]:
+    """(new tokens, cached tokens, seconds) of forward passes."""
+    tokens = mx.array([[(i * 31) % 200 + 32 for i in range(max(CONTEXTS) + max(PREFILL_TOKENS))]])
+    model(tokens[:, :8])  # warm-up: kernels
+    samples = []
+    for p in CONTEXTS:
+        cache = make_prompt_cache(model)
+        if p:
+            mx.eval(model(tokens[:, :p], cache=cache))
+        for n in PREFILL_TOKENS:
+            t0 = time.perf_counter()
+            mx.eval(model(tokens[:, p : p + n], cache=cache))
+            samples.append((n, p, time.perf_counter() - t0))
+            trim_prompt_cache(cache, n)
+            tick()
+    return samples
+
+
+def _mx_dtype(geometry: PageGeometry) -> mx.Dtype:
+    return getattr(mx, geometry.dtype)

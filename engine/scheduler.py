@@ -1,0 +1,65 @@
+"""Who waits and who is admitted next: the waiting queue, held followers, admission.
+
+Thread-safe: ``submit`` may come from any thread; the step loop takes admissions.
+Followers held by single flight (``engine.flights``) join the front of the queue
+when released, so they are admitted before later arrivals.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from itertools import islice
+
+from .flights import FlightCoordinator
+from .request import Request
+
+
+class Scheduler:
+    def __init__(self, flights: FlightCoordinator, max_running: int, refresh_window: int) -> None:
+        self.flights = flights
+        self.max_running = max_running
+        self.refresh_window = refresh_window
+        self._waiting: deque[Request] = deque()
+        self._held: dict[int, Request] = {}
+        self._lock = threading.RLock()  # the serving loop waits on ``arrived`` and asks ``pending``
+        self.arrived = threading.Condition(self._lock)
+
+    def add(self, request: Request, flight_key: bytes) -> None:
+        """Queue a request, or hold it behind an identical in-flight one."""
+        with self._lock:
+            if self.flights.join(request.rid, flight_key):
+                self._held[request.rid] = request
+            else:
+                self._waiting.append(request)
+            self.arrived.notify_all()
+
+    def admit(self, running: int) -> list[Request]:
+        """Requests to admit now, oldest first, keeping at most ``max_running`` running."""
+        with self._lock:
+            count = min(len(self._waiting), max(self.max_running - running, 0))
+            return [self._waiting.popleft() for _ in range(count)]
+
+    def refresh_candidates(self) -> list[Request]:
+        """The first ``refresh_window`` waiting requests, in reverse queue order (DESIGN §7),
+        so the LRU ends with the head of the queue most recently used."""
+        with self._lock:
+            return list(islice(self._waiting, self.refresh_window))[::-1]
+
+    def prefilled(self, rid: int) -> None:
+        """A request published its prompt pages (may release its followers)."""
+        self._release(self.flights.prefilled(rid))
+
+    def finished(self, rid: int) -> None:
+        """A request finished (may release its followers)."""
+        self._release(self.flights.terminate(rid))
+
+    def _release(self, rids: list[int]) -> None:
+        with self._lock:
+            for rid in reversed(rids):
+                self._waiting.appendleft(self._held.pop(rid))
+
+    def pending(self) -> int:
+        """Requests not yet admitted, held ones included."""
+        with self._lock:
+            return len(self._waiting) + len(self._held)

@@ -1,0 +1,80 @@
+"""Restore-or-recompute decisions through the engine, flipping for the right reason."""
+
+import json
+import subprocess
+import sys
+
+from costmodel.models import ComputeModel, LinkModel
+from costmodel.plan import Profile
+from engine.engine import Engine, EngineConfig
+from engine.request import SamplingParams
+from tiers.hierarchy import StoreConfig
+from tiers.page import reusable_pages
+
+from ..engine.conftest import loaded, mlx_lm_greedy, text_prompt  # noqa: F401  (fixture)
+
+PAGE = 64
+GREEDY = SamplingParams(max_tokens=4)
+
+
+def engine_for(loaded, store_dir, throttle=None, l1_bytes=1 << 30):
+    store = StoreConfig(l1_bytes=l1_bytes, l2_bytes=1 << 30, l3_bytes=1 << 30, store_dir=store_dir,
+                        throttle=throttle or {})
+    return Engine(loaded, EngineConfig(page_size=PAGE, store=store))
+
+
+def test_throttled_l3_is_recomputed_and_unthrottled_is_restored(loaded, tmp_path):
+    prompt = text_prompt(loaded, 6 * PAGE + 3, seed=21)
+    first = engine_for(loaded, tmp_path)
+    first.generate([prompt], GREEDY)
+    first.close()
+
+    slow = engine_for(loaded, tmp_path, throttle={"L3": 2 << 20})  # 2 MiB/s
+    (request,) = slow.generate([prompt], GREEDY)
+    slow.close()
+    assert request.plan.matched == ["L3"] * 6 and request.plan.restore_pages == 0
+    assert request.sources()["recomputed"] == len(prompt)
+    assert request.output == mlx_lm_greedy(loaded, prompt, GREEDY.max_tokens)
+
+    fast = engine_for(loaded, tmp_path)
+    (request,) = fast.generate([prompt], GREEDY)
+    fast.close()
+    assert request.plan.restore_pages == 6
+    assert request.sources()["L3"] == reusable_pages(len(prompt), PAGE) * PAGE
+
+
+def test_short_prefix_is_recomputed_when_setup_dominates(loaded):
+    engine = engine_for(loaded, None, l1_bytes=0)  # pages live in L2
+    engine.profile = Profile({"L2->L1": LinkModel.of(0.05, 1 << 30), "L3->L2": LinkModel.of(0.05, 1 << 30)},
+                             ComputeModel([0.0, 1e-4, 0.0]))
+    short, long = text_prompt(loaded, PAGE + 5, seed=1), text_prompt(loaded, 20 * PAGE + 5, seed=2)
+    engine.generate([short, long], GREEDY)
+    again_short, again_long = engine.generate([short, long], GREEDY)
+    assert again_short.plan.matched == ["L2"] and again_short.sources()["recomputed"] == len(short)
+    assert again_long.sources()["L2"] == 20 * PAGE
+
+
+def test_restores_refine_the_link_model_and_record_errors(loaded):
+    engine = engine_for(loaded, None, l1_bytes=0)
+    samples = len(engine.profile.links["L2->L1"].samples)
+    for n in (2, 4, 8):
+        prompt = text_prompt(loaded, n * PAGE + 1, seed=n)
+        engine.generate([prompt], GREEDY)
+        engine.generate([prompt], GREEDY)
+    assert len(engine.profile.links["L2->L1"].samples) == samples + 3
+    assert engine.stats()["costmodel"]["links"]["L2->L1"]["error"]["count"] == 3
+    assert engine.stats()["costmodel"]["compute"]["error"]["count"] >= 1
+
+
+def test_calibrate_saves_a_profile_that_runs_use(tmp_path):
+    def kvtier(*args):
+        done = subprocess.run([sys.executable, "-m", "engine.cli", *args], capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    out = kvtier("calibrate", "--store", str(tmp_path))
+    assert "L2->L1" in out and "L3->L2" in out and "prefill" in out
+    lines = kvtier("run", "--json", "--store", str(tmp_path), "--prompt", "hello " * 50, "--max-tokens", "2")
+    counters = json.loads(lines.splitlines()[-1])["counters"]
+    assert counters["costmodel"]["calibrated"] is True
+    assert not list(tmp_path.glob("calibration-*")), "the scratch store must be removed"

@@ -1,0 +1,60 @@
+import pytest
+
+from engine.flights import FlightCoordinator
+
+
+def test_identical_inputs_wait_behind_one_leader():
+    flights = FlightCoordinator("after-prefill")
+    assert flights.join(1, b"A") is False
+    assert flights.join(2, b"A") is True and flights.join(3, b"A") is True
+    assert flights.join(4, b"B") is False
+    assert flights.waiting() == 2
+
+
+def test_after_prefill_releases_followers_and_removes_the_flight():
+    flights = FlightCoordinator("after-prefill")
+    flights.join(1, b"A")
+    flights.join(2, b"A")
+    assert flights.prefilled(1) == [2]
+    assert flights.join(3, b"A") is False, "a released flight is gone: a new identical request leads"
+    assert flights.terminate(2) == [] and flights.terminate(1) == []
+
+
+def test_at_completion_releases_when_the_leader_finishes():
+    flights = FlightCoordinator("at-completion")
+    flights.join(1, b"A")
+    flights.join(2, b"A")
+    assert flights.prefilled(1) == []
+    assert flights.terminate(1) == [2]
+    assert flights.terminate(2) == []
+
+
+def test_terminating_an_unknown_or_finished_id_is_an_error():
+    flights = FlightCoordinator("after-prefill")
+    flights.join(1, b"A")
+    flights.join(2, b"A")
+    flights.prefilled(1)
+    flights.terminate(2)
+    with pytest.raises(KeyError):
+        flights.terminate(2)
+    with pytest.raises(KeyError):
+        flights.terminate(99)
+
+
+def test_a_waiting_follower_cannot_terminate_before_release():
+    flights = FlightCoordinator("at-completion")
+    flights.join(1, b"A")
+    flights.join(2, b"A")
+    with pytest.raises(KeyError):
+        flights.terminate(2)
+
+
+def test_off_coordinates_nothing():
+    flights = FlightCoordinator("off")
+    assert flights.join(1, b"A") is False and flights.join(2, b"A") is False
+    assert flights.terminate(1) == []
+
+
+def test_unknown_policy_is_refused():
+    with pytest.raises(ValueError):
+        FlightCoordinator("sometimes")
