@@ -75,6 +75,11 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--cache-salt", default="", help="isolate this tenant's pages")
     run.add_argument("--throttle", type=parse_throttle, action="append", default=[], metavar="TIER=RATE",
                      help="cap a tier's read bandwidth, e.g. L3=2MiB/s (tests and demos)")
+    run.add_argument("--single-flight", choices=["off", "after-prefill", "at-completion"], default="after-prefill",
+                     help="identical concurrent prompts: compute once, release followers after the "
+                          "leader's prefill (default) or completion")
+    run.add_argument("--refresh-window", type=int, default=128, metavar="N",
+                     help="touch the L1 pages of the first N waiting requests before each admission")
     run.add_argument("--no-offload", action="store_true", help="no store: recompute every prompt")
     run.add_argument("--sequential", action="store_true", help="submit each prompt after the previous finishes")
     run.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
@@ -163,8 +168,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     prompts = _read_prompts(args, loaded.tokenizer)
     store = StoreConfig(args.l1_bytes, args.l2_bytes, args.l3_bytes,
                         args.store or default_store_dir(), args.codec, throttle=dict(args.throttle))
-    config = EngineConfig(page_size=args.page_size, offload=not args.no_offload,
-                          store=store, cache_salt=args.cache_salt)
+    config = EngineConfig(page_size=args.page_size, offload=not args.no_offload, store=store,
+                          cache_salt=args.cache_salt, single_flight=args.single_flight,
+                          refresh_window=max(args.refresh_window, 0))
     params = SamplingParams(args.max_tokens, args.temperature, args.top_p)
     engine = Engine(loaded, config)
     try:
