@@ -60,6 +60,9 @@ class StoreConfig:
     l3_bytes: int = 32 << 30
     store_dir: Path | None = None
     codec: str = "raw"
+    # Tier ("L2" or "L3") -> bytes per second: reads from that tier take at least
+    # bytes / rate (the rest is slept), and the link counters show it (tests, demos).
+    throttle: dict[str, float] = field(default_factory=dict)
     throttle: dict[str, float] = field(default_factory=dict)  # tier -> max read bytes/s
 
 
@@ -78,6 +81,7 @@ class TieredStore:
         self.l1: Tier[DevicePage] = Tier("L1", config.l1_bytes, geometry.nbytes)
         self.l2 = HostTier(config.l2_bytes, geometry)
         self.disk = _open_disk(config)
+        self.throttle = _checked_throttle(config.throttle)
         self.links = {name: LinkCounters() for name in LINKS}
         self._pins: Counter[PageKey] = Counter()
         self._lock = threading.RLock()
@@ -141,8 +145,9 @@ class TieredStore:
                 restored.layers = self._join(hosts)
                 moved = sum(s is not Source.L1 for s in restored.sources)
                 if moved:  # L1 pages cross no link; the rest came up from host memory
-                    share = (time.perf_counter() - t0) * moved / len(hosts)
-                    self.links["L2->L1"].record(moved * self.geometry.nbytes, share, moved)
+                    nbytes = moved * self.geometry.nbytes
+                    share = self._throttled("L2", nbytes, (time.perf_counter() - t0) * moved / len(hosts))
+                    self.links["L2->L1"].record(nbytes, share, moved)
             return restored
 
     def _load(self, key: PageKey, page_tokens: tuple[int, ...]) -> tuple[Source, np.ndarray] | None:
@@ -171,11 +176,20 @@ class TieredStore:
                 self.l2.give_back(slot)
             return None
         payload, stored_nbytes = hit
-        self.links["L3->L2"].record(stored_nbytes, time.perf_counter() - t0)
+        self.links["L3->L2"].record(stored_nbytes, self._throttled("L3", stored_nbytes, time.perf_counter() - t0))
         if slot is not None:
             self.l2.fill(key, page_tokens, slot)
         self._pins[key] += 1
         return Source.L3, self._shaped(payload)
+
+    def _throttled(self, tier: str, nbytes: int, seconds: float) -> float:
+        """Seconds a read of ``nbytes`` from ``tier`` took, after sleeping up to its throttle."""
+        rate = self.throttle.get(tier)
+        if rate is None or seconds >= nbytes / rate:
+            return seconds
+        t0 = time.perf_counter()
+        time.sleep(nbytes / rate - seconds)
+        return seconds + time.perf_counter() - t0
 
     def _shaped(self, data: np.ndarray | bytes) -> np.ndarray:
         return np.frombuffer(data, self.geometry.storage_dtype).reshape(self.geometry.shape)
@@ -313,6 +327,13 @@ class TieredStore:
                 tiers["L3"] = asdict(self.disk.counters)
             links = {name: asdict(link) for name, link in self.links.items()}
             return {"tiers": tiers, "links": links}
+
+
+def _checked_throttle(throttle: dict[str, float]) -> dict[str, float]:
+    for tier, rate in throttle.items():
+        if tier not in ("L2", "L3") or not rate > 0:
+            raise ValueError(f"bad throttle {tier}={rate!r}: tier L2 or L3, rate > 0 bytes/s")
+    return dict(throttle)
 
 
 def _open_disk(config: StoreConfig) -> DiskTier | None:
