@@ -262,6 +262,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
         raise UsageError(str(err)) from None
     try:
         counters = disk.persistent_counters()
+        counters["last_run"] = disk.get_meta("last_run") or {}
         counters.setdefault("tiers", {}).setdefault("L3", {}).update(
             bytes_used=disk.counters.bytes_used, pages=disk.counters.pages)
     finally:
@@ -278,7 +279,30 @@ def cmd_stats(args: argparse.Namespace) -> int:
             print("requests {requests}  prompt tokens {prompt_tokens}  generated {generated_tokens}".format(
                 **{k: engine.get(k, 0) for k in ("requests", "prompt_tokens", "generated_tokens")}))
             print("sources: " + "  ".join(f"{k}={v}" for k, v in engine.get("sources", {}).items()))
+            print(f"L1 hit loss between enqueue and admission: {engine.get('l1_hit_loss_tokens', 0)} tokens")
+        if counters["last_run"]:
+            print()
+            print(format_last_run(counters["last_run"]))
     return 0
+
+
+def format_last_run(last: dict) -> str:
+    """The last run's window and cost-model fit, with prediction errors."""
+    window = last.get("windowed", {})
+    lines = [f"last run ({last.get('model')}): cached tokens/s over {window.get('window_s', 0):.0f} s: "
+             f"{window.get('cached_tokens_per_s', 0):.1f}"]
+    cost = last.get("costmodel", {})
+    lines.append(f"cost model: {'calibrated' if cost.get('calibrated') else 'defaults'}")
+    rows = [(name, f"setup {m['setup_s'] * 1e3:.3f} ms, {m['gib_s']:.2f} GiB/s", m["error"])
+            for name, m in cost.get("links", {}).items()]
+    if "compute" in cost:
+        c = cost["compute"]
+        rows.append(("prefill", f"{c['c0']:.3g} + {c['c1']:.3g}*n + {c['c2']:.3g}*n*(p+n/2) s", c["error"]))
+    for name, fit, error in rows:
+        err = (f"error median {error['median']:.0%}, p90 {error['p90']:.0%} over {error['count']}"
+               if error.get("count") else "no predictions checked yet")
+        lines.append(f"  {name:<8} {fit:<42} {err}")
+    return "\n".join(lines)
 
 
 def format_prometheus(counters: dict) -> str:

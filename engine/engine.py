@@ -323,7 +323,10 @@ class Engine:
     def close(self) -> None:
         """Flush the store to L3 and persist counters; the engine is unusable after."""
         if self.store is not None:
-            if self.store.disk is not None:  # keep what online refinement learned
+            if self.store.disk is not None:  # keep what online refinement learned, and the last window
                 self.store.disk.put_meta(self.loaded.profile_key(self.geometry), self.profile.to_dict())
+                stats = self.stats()
+                self.store.disk.put_meta("last_run", {"model": self.loaded.name, "windowed": stats["windowed"],
+                                                      "costmodel": stats["costmodel"]})
             self.store.close(extra_counters={"engine": self.totals})
         self.generator.close()
