@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Iterator
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -24,8 +25,8 @@ from tiers.page import Namespace, PageGeometry, page_keys
 from .plan import Profile
 
 PAGE_COUNTS = (1, 2, 4, 8, 16)
-PREFILL_TOKENS = (32, 128, 512)
-CONTEXTS = (0, 512, 2048)
+PREFILL_TOKENS = (32, 128, 384)
+CONTEXTS = (0, 512, 1024)
 
 Tick = Callable[[], None]
 
@@ -48,17 +49,15 @@ def steps(page_counts: Iterable[int] = PAGE_COUNTS) -> int:
     return 2 * len(tuple(page_counts)) + len(PREFILL_TOKENS) * len(CONTEXTS)
 
 
-def link_samples(geometry: PageGeometry, store_dir: Path, tick: Tick,
-                 page_counts: Iterable[int] = PAGE_COUNTS) -> list[tuple[str, int, float]]:
-    """(link, bytes, seconds) of restores from L2 and from L3 (OS page cache warm)."""
-    counts = tuple(page_counts)
-    pages = max(counts)
+@contextmanager
+def scratch_store(geometry: PageGeometry, store_dir: Path, pages: int) -> Iterator[tuple[TieredStore, list, list[int]]]:
+    """A throwaway store beside ``store_dir`` (same filesystem) holding ``pages`` random
+    pages in L2 (and nothing in L1), with their keys and tokens; removed afterwards."""
     tokens = list(range(pages * geometry.page_size + 1))
     namespace = Namespace("kvtier-calibration", geometry.dtype, geometry.page_size)
     keys = page_keys(namespace, tokens)[:pages]
     room = (pages + 1) * geometry.nbytes
     store_dir.mkdir(parents=True, exist_ok=True)
-    samples = []
     with tempfile.TemporaryDirectory(dir=store_dir, prefix="calibration-") as scratch:
         config = StoreConfig(l1_bytes=0, l2_bytes=room, l3_bytes=4 * room, store_dir=Path(scratch))
         store = TieredStore(geometry, namespace, config)
@@ -66,17 +65,32 @@ def link_samples(geometry: PageGeometry, store_dir: Path, tick: Tick,
         for i, key in enumerate(keys):
             kv = mx.array(rng.standard_normal(geometry.shape, dtype=np.float32)).astype(_mx_dtype(geometry))
             store.publish(key, tokens[i * geometry.page_size : (i + 1) * geometry.page_size], kv)
-        for k in counts:  # L2 -> L1
+        try:
+            yield store, keys, tokens
+        finally:
+            store.close()
+
+
+def drop_l2(store: TieredStore) -> None:
+    """Forget L2's copies so the next restore reads L3 (the freed slots stay warm)."""
+    for key in list(store.l2):
+        store.l2.pop(key)
+
+
+def link_samples(geometry: PageGeometry, store_dir: Path, tick: Tick,
+                 page_counts: Iterable[int] = PAGE_COUNTS) -> list[tuple[str, int, float]]:
+    """(link, bytes, seconds) of restores from L2 and from L3 (OS page cache warm)."""
+    counts = tuple(page_counts)
+    samples = []
+    with scratch_store(geometry, store_dir, max(counts)) as (store, keys, tokens):
+        for k in counts:
             samples.append(_timed(store, keys[:k], tokens, "L2->L1"))
             tick()
         store.flush()
-        for k in counts:  # L3 -> L2: drop the L2 copies first (their slots stay warm)
-            for key in keys:
-                if key in store.l2:
-                    store.l2.pop(key)
+        for k in counts:
+            drop_l2(store)
             samples.append(_timed(store, keys[:k], tokens, "L3->L2"))
             tick()
-        store.close()
     return samples
 
 

@@ -90,6 +90,15 @@ def build_parser() -> argparse.ArgumentParser:
     calibrate.add_argument("--model", help="mlx-lm model directory or hub id (default: embedded model)")
     calibrate.add_argument("--page-size", type=positive_int, default=128)
 
+    bench = sub.add_parser("bench", help="measure the store on this machine")
+    bench_sub = bench.add_subparsers(dest="bench", required=True, parser_class=_Parser)
+    restore = bench_sub.add_parser("restore", help="restore bandwidth per link against size, beside memcpy")
+    restore.add_argument("--store", type=Path, default=None)
+    restore.add_argument("--model", help="mlx-lm model directory or hub id (default: embedded model)")
+    restore.add_argument("--page-size", type=positive_int, default=128)
+    restore.add_argument("--json", action="store_true")
+    restore.add_argument("--plot", type=Path, metavar="FILE.png", help="draw bandwidth against size (needs matplotlib)")
+
     stats = sub.add_parser("stats", help="counters persisted in a store")
     stats.add_argument("--store", type=Path, default=None)
     fmt = stats.add_mutually_exclusive_group()
@@ -103,7 +112,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
         logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                             format="kvtier: %(levelname)s: %(message)s")
-        commands = {"run": cmd_run, "stats": cmd_stats, "calibrate": cmd_calibrate}
+        commands = {"run": cmd_run, "stats": cmd_stats, "calibrate": cmd_calibrate, "bench": cmd_bench}
         return commands[args.command](args)
     except UsageError as err:
         print(f"kvtier: error: {err}", file=sys.stderr)
@@ -248,6 +257,60 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     print(f"prefill: T(n, p) = {c['c0']:.4g} + {c['c1']:.4g}*n + {c['c2']:.4g}*n*(p + n/2) s")
     print(f"profile saved in {store_dir}")
     return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from costmodel import bandwidth
+
+    if args.plot is not None:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise UsageError("--plot needs matplotlib (pip install matplotlib)") from None
+    loaded = _load_model(args.model)
+    geometry = loaded.geometry(args.page_size)
+    total = 2 * len(bandwidth.PAGE_COUNTS) + 1 + 9
+    with tqdm(total=total, desc="measuring", unit="step", file=sys.stderr) as bar:
+        report = bandwidth.run(loaded.model, geometry, args.store or default_store_dir(), bar.update)
+    report["blas"] = blas_in_use()
+    if args.plot is not None:
+        _plot(report, args.plot)
+    if args.json:
+        print(json.dumps(report))
+        return 0
+    print(f"{'link':<7} {'pages':>6} {'MiB':>8} {'GiB/s':>7} {'memcpy':>7} {'ratio':>6}")
+    for row in report["links"]:
+        print(f"{row['link']:<7} {row['pages']:>6} {row['bytes'] / (1 << 20):>8.1f} {row['gib_s']:>7.2f} "
+              f"{row['memcpy_gib_s']:>7.2f} {row['ratio_to_memcpy']:>6.2f}")
+    limits, peer = report["limits"], report["peer"]
+    print(f"\nwhole prompt ({limits['bytes'] / (1 << 20):.0f} MiB): memcpy {limits['memcpy_gib_s']:.2f} GiB/s, "
+          f"LMDB zero-copy read {limits['lmdb_zero_copy_read_gib_s']:.2f}, zstd decompress "
+          f"{limits['zstd_decompress_gib_s']:.2f}")
+    print(f"restore from L3 {peer['ours_l3_gib_s']:.2f} GiB/s vs mlx_lm load_prompt_cache "
+          f"{peer['load_prompt_cache_gib_s']:.2f} GiB/s: {peer['ratio']:.2f}x")
+    for tier, tokens in report["break_even_tokens"].items():
+        print(f"break-even prompt length for {tier}: {tokens if tokens else 'never (recompute wins)'} tokens")
+    return 0
+
+
+def _plot(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for link in sorted({r["link"] for r in report["links"]}):
+        rows = [r for r in report["links"] if r["link"] == link]
+        ax.plot([r["bytes"] / (1 << 20) for r in rows], [r["gib_s"] for r in rows], marker="o", label=link)
+    rows = report["links"]
+    ax.plot([r["bytes"] / (1 << 20) for r in rows], [r["memcpy_gib_s"] for r in rows], "k:", label="memcpy")
+    ax.set(xscale="log", xlabel="restore size (MiB)", ylabel="GiB/s", title="kvtier restore bandwidth")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
