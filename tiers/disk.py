@@ -206,6 +206,7 @@ class DiskTier:
         self._puts: dict[bytes, _PendingPut] = {}
         self._touches: dict[bytes, None] = {}  # insertion order = access order
         self._deletes: dict[bytes, int] = {}
+        self._deleting: frozenset[bytes] = frozenset()  # deletes of the batch being committed
         self._in_flight = self._closing = self._stopped = False
         self._flushers = 0
         self._failures_seen: set[tuple[str, type]] = set()
@@ -234,12 +235,27 @@ class DiskTier:
         except lmdb.Error as exc:
             raise StoreError(f"cannot open store at {self.path}: {_one_line(exc)}") from None
         try:
+            self._check_file_size(env)
             env.reader_check()  # free reader slots of killed processes (they pin old pages)
             self._open_dbs(env)
         except BaseException:
             env.close()
             raise
         return env
+
+    def _check_file_size(self, env: lmdb.Environment) -> None:
+        """Refuse a data file shorter than its meta page says.
+
+        LMDB checks only the meta pages on open and then reads the file through its
+        memory map: a page past the end of a truncated file kills the process with
+        SIGBUS at the first read. LMDB writes a commit's pages before its meta and never
+        shrinks the file, so a sound file always covers ``last_pgno``.
+        """
+        data = self.path / "data.mdb"
+        need = (env.info()["last_pgno"] + 1) * env.stat()["psize"]  # both read the meta only
+        have = data.stat().st_size
+        if have < need:
+            raise StoreError(f"store file {data} is truncated ({have} bytes, its meta needs {need})")
 
     def _open_dbs(self, env: lmdb.Environment) -> None:
         """Check the format version, then create the databases (one transaction)."""
@@ -260,7 +276,9 @@ class DiskTier:
     # --- caller threads ----------------------------------------------------------------
 
     def contains(self, key: bytes) -> bool:
-        """A committed record exists (unverified: get verifies)."""
+        """A committed record exists and is not being deleted (unverified: get verifies)."""
+        if self._doomed(key):
+            return False
         try:
             with self._env.begin(db=self._pages, buffers=True) as txn:
                 return txn.get(key) is not None
@@ -277,6 +295,8 @@ class DiskTier:
         """
         want_tokens = _token_bytes(tokens)
         self._count(lookups=1)
+        if self._doomed(key):
+            return None  # rejected already, its delete not yet committed: a miss, counted once
         try:
             with self._env.begin(db=self._pages, buffers=True) as txn:  # zero-copy view
                 value = txn.get(key)
@@ -317,6 +337,16 @@ class DiskTier:
         if len(raw) != raw_nbytes or xxh3_64_intdigest(raw) != header.checksum:
             raise _Corrupt("checksum mismatch")
         return raw
+
+    def _doomed(self, key: bytes) -> bool:
+        """A get rejected this record and its delete has not committed yet.
+
+        Such a key reads as absent, so a caller recomputes the page and may store it
+        again at once (the writer commits deletes before puts); answering "present"
+        would make put skip the fresh copy as already written.
+        """
+        with self._lock:
+            return key in self._deletes or key in self._deleting
 
     def _reject(self, key: bytes, fingerprint: int, reason: str) -> None:
         log.warning("L3 record %s rejected (%s); deleting it", bytes(key).hex(), reason)
@@ -427,6 +457,7 @@ class DiskTier:
                 return None
             batch = _Batch(list(self._puts.values()), list(self._touches), dict(self._deletes))
             self._puts, self._touches, self._deletes = {}, {}, {}
+            self._deleting = frozenset(batch.deletes)
             self._in_flight = True
             return batch
 
@@ -440,6 +471,7 @@ class DiskTier:
             finally:
                 with self._lock:
                     self._in_flight = False
+                    self._deleting = frozenset()
                     self._wake.notify_all()
 
     def _commit(self, batch: _Batch) -> None:
