@@ -81,8 +81,8 @@ class TimeModel:
         self.refit()
 
     def refit(self) -> None:
-        if len({s[:-1] for s in self.samples}) < len(self.coef):
-            return  # too few distinct inputs to separate the terms
+        if len({s[:-1] for s in self.samples}) < 2 * len(self.coef):
+            return  # too few distinct inputs to separate the terms reliably
         data = np.array(self.samples, dtype=float)
         features = np.array([self.features(*row[:-1]) for row in data])
         self.coef = [float(c) for c in robust_fit(features, data[:, -1])]

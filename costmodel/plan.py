@@ -37,9 +37,11 @@ class Profile:
 
     @classmethod
     def defaults(cls) -> Profile:
-        """Conservative guesses (slow links, fast compute): restore only clear wins."""
+        """Guesses for an uncalibrated machine: slow links (1 and 0.5 GiB/s), and prefill at
+        1 ms a token. Wrongly recomputing a long prefix costs far more than wrongly
+        restoring a short one, so the guesses lean towards restoring."""
         links = {"L2->L1": LinkModel.of(1e-3, 1 * GIB), "L3->L2": LinkModel.of(2e-3, 0.5 * GIB)}
-        return cls(links, ComputeModel([1e-3, 2e-4, 0.0]))
+        return cls(links, ComputeModel([1e-3, 1e-3, 0.0]))
 
     def to_dict(self) -> dict:
         return {"calibrated": self.calibrated, "compute": self.compute.to_dict(),
