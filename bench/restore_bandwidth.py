@@ -16,20 +16,21 @@ rounds is reported for each, so the ratios compare times from one stretch of the
 Reported per row:
 - GiB/s of the whole restore, and its ratio to one-thread memcpy of the same bytes;
 - each link's share (the link counters' bytes / seconds for that restore);
-- peak extra memory beyond the request's own KV, in pages: mlx's peak beyond its
-  active memory before the restore minus the restored KV, plus the host (numpy and
-  Python) allocations traced during the restore (tracemalloc peak). Measured on the
-  store's first restore, so buffers it allocates once and keeps count too;
+- peak extra memory beyond the request's own KV, in pages: the growth of the
+  process's peak RSS during the restore (host staging, any fresh buffer) plus mlx's
+  peak beyond the KV, on the first restore of a fresh store (see
+  ``Restorer.extra_pages``). Not tracemalloc: with mlx's file-object loads it hits
+  CPython 3.11's tracemalloc races with threads made outside Python (segfaults);
 - for load_prompt_cache: its time over ours from L3 (above 1: ours is faster).
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import tempfile
 import time
-import tracemalloc
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -45,7 +46,6 @@ from tiers.page import Namespace, PageGeometry, Source, page_keys
 GEOMETRY = PageGeometry(24, 2, 64, 128, "float32")
 NS = Namespace("bench", "float32", 128)
 GIB = 1 << 30
-CACHE_LIMIT = 4 * GIB
 
 
 def make_pages(n: int) -> tuple[list[int], list, list[mx.array]]:
@@ -78,45 +78,60 @@ class Memcpy:
         return time.perf_counter() - t0
 
 
-def store_with(tier: str, n: int, directory: Path) -> TieredStore:
+def store_with(tier: str, n: int, directory: Path | None) -> TieredStore:
     big = (n + 1) * GEOMETRY.nbytes
     sizes = {"L1": (big, 0), "L2": (0, big)}[tier]
     return TieredStore(GEOMETRY, NS, StoreConfig(*sizes, l3_bytes=4 * big, store_dir=directory))
+
+
+def pin_malloc_mmap_threshold() -> bool:
+    """Make glibc serve every allocation of 128 KiB or more with fresh pages (mmap), as it
+    does until its dynamic threshold has grown: a new host buffer then shows in RSS
+    instead of hiding in reused heap memory. Timed paths allocate no such buffers per
+    restore (mlx keeps its own buffers in its cache), so timings are unaffected."""
+    try:
+        return ctypes.CDLL("libc.so.6").mallopt(-3, 128 << 10) == 1  # M_MMAP_THRESHOLD
+    except OSError:
+        return False
+
+
+def _status_bytes(field: str) -> int:
+    """A memory figure of this process from /proc/self/status (kB there)."""
+    with open("/proc/self/status") as status:
+        line = next(line for line in status if line.startswith(field + ":"))
+    return int(line.split()[1]) * 1024
 
 
 class Restorer:
     """A store holding n pages in ``tier``; ``run`` restores them once (for L3: from L3)."""
 
     def __init__(self, tier: str, directory: Path, tokens, keys, pages) -> None:
-        self.tier, self.tokens, self.keys, self.n = tier, tokens, keys, len(keys)
-        writer = store_with("L1" if tier == "L3" else tier, self.n, directory)  # L3: written by close()
-        for i, key in enumerate(keys):
-            writer.publish(key, tokens[i * 128 : (i + 1) * 128], pages[i])
-        if tier == "L3":
-            writer.close()
-        self.store = writer if tier == "L2" else store_with("L2", self.n, directory)
+        self.tier, self.directory, self.tokens, self.keys, self.pages = tier, directory, tokens, keys, pages
+        self.n = len(keys)
+        if tier == "L3":  # written by close()
+            self._published(store_with("L1", self.n, directory)).close()
+        self.store = self._fresh_store()
         self.links: dict = {}
         self.best = float("inf")
-        self.extra_pages = self._first_restore_extra_pages()  # for L3 it also warms the page cache
+        self._release(self.store.restore(keys, tokens))  # warm up (for L3: the OS page cache too)
 
-    def _first_restore_extra_pages(self) -> float:
-        """Peak memory of the store's first restore beyond the request's own KV (pages)."""
-        mx.reset_peak_memory()
-        base = mx.get_active_memory()
-        tracemalloc.start()
-        restored = self.store.restore(self.keys, self.tokens)
-        host_peak = tracemalloc.get_traced_memory()[1]
-        tracemalloc.stop()
-        device_extra = mx.get_peak_memory() - base - self.n * GEOMETRY.nbytes
-        self._release(restored)
-        return (device_extra + host_peak) / GEOMETRY.nbytes
+    def _published(self, store: TieredStore) -> TieredStore:
+        for i, key in enumerate(self.keys):
+            store.publish(key, self.tokens[i * 128 : (i + 1) * 128], self.pages[i])
+        return store
 
-    def _release(self, restored) -> None:
+    def _fresh_store(self) -> TieredStore:
+        if self.tier == "L2":
+            return self._published(store_with("L2", self.n, None))
+        return store_with("L2", self.n, self.directory)
+
+    def _release(self, restored, store: TieredStore | None = None) -> None:
+        store = store or self.store
         assert restored.num_pages == self.n and set(restored.sources) == {Source(self.tier)}, restored.sources
-        self.store.release(restored.keys)
+        store.release(restored.keys)
         if self.tier == "L3":  # forget the L2 copies; their slots stay warm for the next read
             for key in self.keys:
-                self.store.l2.pop(key)
+                store.l2.pop(key)
 
     def run(self) -> float:
         before = {k: dict(v) for k, v in self.store.stats()["links"].items()}
@@ -133,8 +148,34 @@ class Restorer:
             self.best, self.links = seconds, links
         return seconds
 
-    def close(self) -> None:
+    def extra_pages(self) -> float:
+        """Peak memory of a restore beyond the request's own KV, in pages (closes the store).
+
+        Measured on the first restore of a fresh store, so buffers a store allocates once
+        and keeps (a staging buffer) count. Host side: the growth of this process's peak
+        RSS during the restore (its L2 arena is touched and, for L3, the pages read
+        once before, so neither the arena nor the file's page cache counts); the
+        request's KV comes from mlx's buffer cache, warm from the timed rounds. Device
+        side: mlx's peak beyond its active memory before the restore, minus the KV.
+        """
         self.store.close()
+        self.store = store = self._fresh_store()
+        if self.tier == "L3":  # touch the arena; map the records into this store's view of the file
+            store.l2.arena.fill(0)
+            scratch = np.zeros(GEOMETRY.nbytes, np.uint8)
+            for i, key in enumerate(self.keys):
+                store.disk.get(key, store.ns_digest, self.tokens[i * 128 : (i + 1) * 128], GEOMETRY.nbytes, out=scratch)
+        with open("/proc/self/clear_refs", "w") as clear:
+            clear.write("5")  # reset the peak RSS (VmHWM) to the current RSS
+        rss = _status_bytes("VmRSS")
+        mx.reset_peak_memory()
+        base = mx.get_active_memory()
+        restored = store.restore(self.keys, self.tokens)
+        host = _status_bytes("VmHWM") - rss
+        device = mx.get_peak_memory() - base - self.n * GEOMETRY.nbytes
+        self._release(restored)
+        store.close()
+        return (max(host, 0) + max(device, 0)) / GEOMETRY.nbytes
 
 
 class PromptCachePeer:
@@ -172,8 +213,7 @@ def measure(n: int, rounds: int) -> list[dict]:
         for _ in range(rounds):
             for name, run in timed.items():  # each returns the seconds of the timed part
                 best[name] = min(best[name], run())
-        for r in restorers.values():
-            r.close()
+        extra = {tier: r.extra_pages() for tier, r in restorers.items()}
     rows = []
     for tier, r in restorers.items():
         rows.append({"pages": n, "bytes": nbytes, "from": tier, "seconds": best[tier],
@@ -181,7 +221,7 @@ def measure(n: int, rounds: int) -> list[dict]:
                      "memcpy_gib_s": nbytes / best["memcpy"] / GIB,
                      "memcpy_2_threads_gib_s": nbytes / best["memcpy2"] / GIB,
                      "ratio_to_memcpy": best["memcpy"] / best[tier],
-                     "extra_pages": r.extra_pages, "links": r.links})
+                     "extra_pages": extra[tier], "links": r.links})
     rows.append({"pages": n, "bytes": nbytes, "from": "load_prompt_cache", "seconds": best["peer"],
                  "gib_s": nbytes / best["peer"] / GIB, "ratio_to_memcpy": best["memcpy"] / best["peer"],
                  "ratio_peer_over_ours_l3": best["peer"] / best["L3"]})
@@ -192,15 +232,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pages", type=int, nargs="+", default=[1, 16, 256])
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--mlx-cache-gib", type=float, default=4.0,
+                        help="mlx buffer cache limit (the engine raises it to at least 1)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    mx.set_cache_limit(CACHE_LIMIT)
+    cache_limit = int(args.mlx_cache_gib * GIB)
+    mx.set_cache_limit(cache_limit)
+    pinned = pin_malloc_mmap_threshold()
     rows = [row for n in args.pages for row in measure(n, args.rounds)]
     if args.json:
-        print(json.dumps({"blas": blas_in_use(), "mlx_cache_limit": CACHE_LIMIT, "rows": rows}, indent=1))
+        print(json.dumps({"blas": blas_in_use(), "mlx_cache_limit": cache_limit,
+                          "malloc_mmap_threshold_pinned": pinned, "rows": rows}, indent=1))
         return
     print(f"BLAS: {blas_in_use()}; page = {GEOMETRY.nbytes / (1 << 20):.1f} MiB; "
-          f"mlx cache limit {CACHE_LIMIT / GIB:.0f} GiB; best of {args.rounds} interleaved rounds")
+          f"mlx cache limit {cache_limit / GIB:g} GiB; best of {args.rounds} interleaved rounds")
     print(f"{'pages':>5} {'from':>17} {'GiB/s':>7} {'memcpy':>7} {'2thr':>6} {'ratio':>6} {'extra pages':>11}"
           f"  per link GiB/s")
     for r in rows:
@@ -212,6 +257,8 @@ def main() -> None:
         print(f"{r['pages']:>5} {r['from']:>17} {r['gib_s']:7.2f} {memcpy} {r['ratio_to_memcpy']:6.2f} {extra}"
               f"  {links}{peer}")
     print("ratio: memcpy time (one thread) / this time, same bytes; 2thr: memcpy split over two threads, GiB/s")
+    print("extra pages: peak RSS growth + mlx peak beyond the KV, first restore of a fresh store"
+          + ("" if pinned else " (glibc mmap threshold not pinned: reused heap memory may hide host buffers)"))
 
 
 if __name__ == "__main__":

@@ -17,17 +17,25 @@ as well (that would double device memory); an L3 hit is kept in L2. A page leavi
 L1 is copied to L2 only if L2 lacks it; a page leaving L2 is queued for L3 only if
 L3 lacks it. When L2 has no room (every page pinned) an L1 page goes straight to L3
 (``L1->L3``).
+
+A restore plans the longest stored prefix (pins its L1/L2 pages, reserves an L2 slot
+for each L3 page), reads the L3 pages into their slots on a few threads, then joins
+all pages in one pass straight into the mlx array that becomes the request's KV
+(``_join``): no staging copy, nothing allocated beyond the request's own KV.
 """
 
 from __future__ import annotations
 
+import io
 import logging
+import os
 import threading
 import time
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -38,6 +46,14 @@ from .page import Namespace, PageGeometry, PageKey, Source
 from .tier import DevicePage, HostTier, Tier, kv_to_host
 
 log = logging.getLogger(__name__)
+
+# Threads for a restore's bulk copies: numpy copies and LMDB reads release the GIL, and
+# one thread alone does not saturate memory bandwidth (on the 2-core dev VM, when idle,
+# two threads copy ~1.6x faster). Each takes at least _MIN_SHARE bytes, so a small
+# restore stays on one thread (handing work over costs more than it saves).
+_WORKERS = max(1, min(4, os.cpu_count() or 1))
+_MIN_SHARE = 8 << 20
+_MAX_BUFFER = 64 << 20  # bytes of one restored array (a group of layers)
 
 
 @dataclass
@@ -54,6 +70,18 @@ class RestoredPrefix:
 
 
 @dataclass
+class _Page:
+    """One page of a restore being planned: where it is and a host view of its bytes."""
+
+    key: PageKey
+    tokens: tuple[int, ...]
+    source: Source
+    data: np.ndarray | None = None  # geometry.shape; None until an L3 page is read
+    slot: int | None = None  # the L2 slot an L3 page is read into
+    stored_nbytes: int = 0  # record bytes read from L3
+
+
+@dataclass
 class StoreConfig:
     l1_bytes: int = 1 << 30
     l2_bytes: int = 4 << 30
@@ -62,8 +90,9 @@ class StoreConfig:
     codec: str = "raw"
     # Tier ("L2" or "L3") -> bytes per second: reads from that tier take at least
     # bytes / rate (the rest is slept), and the link counters show it (tests, demos).
+    # "L3" slows the L3->L2 reads; "L2" slows the L2->L1 join of every page that
+    # crosses it (so also of pages that came up from L3 in the same restore).
     throttle: dict[str, float] = field(default_factory=dict)
-    throttle: dict[str, float] = field(default_factory=dict)  # tier -> max read bytes/s
 
 
 class TieredStore:
@@ -86,7 +115,6 @@ class TieredStore:
         self._pins: Counter[PageKey] = Counter()
         self._lock = threading.RLock()
         self._closed = False
-        self._staging = np.empty(0, geometry.storage_dtype)
 
     # -- queries -------------------------------------------------------------
 
@@ -131,30 +159,44 @@ class TieredStore:
         the caller recomputes from there.
         """
         with self._lock:
-            restored = RestoredPrefix([], [], [])
-            hosts = []
-            for i, key in enumerate(keys):
-                loaded = self._load(key, self._page_tokens(tokens, i))
-                if loaded is None:
-                    break
-                restored.keys.append(key)
-                restored.sources.append(loaded[0])
-                hosts.append(loaded[1])
-            if hosts:
+            pages = self._read_l3(self._plan(keys, tokens))
+            restored = RestoredPrefix([p.key for p in pages], [p.source for p in pages], [])
+            if pages:
                 t0 = time.perf_counter()
-                restored.layers = self._join(hosts)
-                moved = sum(s is not Source.L1 for s in restored.sources)
+                restored.layers = self._join([p.data for p in pages])
+                moved = sum(p.source is not Source.L1 for p in pages)
                 if moved:  # L1 pages cross no link; the rest came up from host memory
                     nbytes = moved * self.geometry.nbytes
-                    share = self._throttled("L2", nbytes, (time.perf_counter() - t0) * moved / len(hosts))
+                    share = self._throttled("L2", nbytes, (time.perf_counter() - t0) * moved / len(pages))
                     self.links["L2->L1"].record(nbytes, share, moved)
             return restored
 
-    def _load(self, key: PageKey, page_tokens: tuple[int, ...]) -> tuple[Source, np.ndarray] | None:
-        """Pin one page and return a host view of its bytes (``geometry.shape``).
+    def _plan(self, keys: Sequence[PageKey], tokens: Sequence[int]) -> list[_Page]:
+        """The longest stored prefix: L1/L2 pages pinned with host views of their bytes,
+        L3 pages with an L2 slot reserved to read into (None when L2 has no room).
 
-        Lookups and hits count here for L1 and L2; L3 counts its own in ``get``.
+        Resident pages are pinned before any slot is reserved, so making room in L2
+        never evicts a page of this prefix. Lookups and hits count here for L1 and L2;
+        L3 counts its own in ``get``.
         """
+        pages = []
+        for i, key in enumerate(keys):
+            page_tokens = self._page_tokens(tokens, i)
+            page = self._pin_resident(key, page_tokens)
+            if page is None and self.disk is not None:
+                if self.disk.contains(key):
+                    page = _Page(key, page_tokens, Source.L3)
+                else:  # the miss that ends the prefix is an L3 lookup too
+                    self.disk.get(key, self.ns_digest, page_tokens, self.geometry.nbytes)
+            if page is None:
+                break
+            pages.append(page)
+        for page in pages:
+            if page.source is Source.L3 and self._make_room(self.l2):
+                page.slot = self.l2.take_slot()
+        return pages
+
+    def _pin_resident(self, key: PageKey, page_tokens: tuple[int, ...]) -> _Page | None:
         for tier in (self.l1, self.l2):
             tier.counters.lookups += 1
             entry = tier.get(key)
@@ -163,24 +205,42 @@ class TieredStore:
                 tier.counters.hit_pages += 1
                 tier.counters.hit_tokens += self.geometry.page_size
                 data = kv_to_host(entry.kv) if tier is self.l1 else self.l2.read(key)
-                return Source(tier.name), self._shaped(data)
-        if self.disk is None:
-            return None
-        # Read straight into an L2 slot (an L3 hit is kept in L2): one copy, warm memory.
-        slot = self.l2.take_slot() if self._make_room(self.l2) else None
+                return _Page(key, page_tokens, Source(tier.name), self._shaped(data))
+        return None
+
+    def _read_l3(self, pages: list[_Page]) -> list[_Page]:
+        """Read the planned L3 pages (on a few threads) into their L2 slots, keep them in
+        L2, and cut the prefix at the first page that failed; returns the pinned prefix."""
+        reads = [p for p in pages if p.source is Source.L3]
+        if not reads:
+            return pages
         t0 = time.perf_counter()
-        out = None if slot is None else self.l2.arena[slot]
-        hit = self.disk.get(key, self.ns_digest, page_tokens, self.geometry.nbytes, out=out)
-        if hit is None:
-            if slot is not None:
-                self.l2.give_back(slot)
-            return None
-        payload, stored_nbytes = hit
-        self.links["L3->L2"].record(stored_nbytes, self._throttled("L3", stored_nbytes, time.perf_counter() - t0))
-        if slot is not None:
-            self.l2.fill(key, page_tokens, slot)
-        self._pins[key] += 1
-        return Source.L3, self._shaped(payload)
+        _in_parallel(self._read_pages, _shares(reads, len(reads) * self.geometry.nbytes))
+        done = [p for p in reads if p.data is not None]
+        if done:
+            nbytes = sum(p.stored_nbytes for p in done)
+            self.links["L3->L2"].record(nbytes, self._throttled("L3", nbytes, time.perf_counter() - t0), len(done))
+        for page in reads:  # a page read whole is kept in L2, even past the cut
+            if page.slot is not None:
+                if page.data is not None:
+                    self.l2.fill(page.key, page.tokens, page.slot)
+                else:
+                    self.l2.give_back(page.slot)
+        cut = next((i for i, p in enumerate(pages) if p.data is None), len(pages))
+        for page in pages[:cut]:
+            if page.source is Source.L3:
+                self._pins[page.key] += 1
+        self.release([p.key for p in pages[cut:] if p.source is not Source.L3])
+        return pages[:cut]
+
+    def _read_pages(self, pages: list[_Page]) -> None:
+        """One thread's share of the L3 reads, in order; stops at its first miss."""
+        for page in pages:
+            out = None if page.slot is None else self.l2.arena[page.slot]
+            hit = self.disk.get(page.key, self.ns_digest, page.tokens, self.geometry.nbytes, out=out)
+            if hit is None:
+                return
+            page.data, page.stored_nbytes = self._shaped(hit[0]), hit[1]
 
     def _throttled(self, tier: str, nbytes: int, seconds: float) -> float:
         """Seconds a read of ``nbytes`` from ``tier`` took, after sleeping up to its throttle."""
@@ -195,25 +255,27 @@ class TieredStore:
         return np.frombuffer(data, self.geometry.storage_dtype).reshape(self.geometry.shape)
 
     def _join(self, hosts: list[np.ndarray]) -> list[tuple[mx.array, mx.array]]:
-        """Per-layer K/V device arrays of consecutive pages.
+        """Per-layer K/V device arrays of consecutive pages, written in one pass.
 
-        One pass gathers a layer's pages into a reused host staging buffer, one copy
-        moves it to the device: no per-page device arrays, and the extra memory is one
-        layer's K and V, not the whole prefix.
+        ``mx.load`` reads the joined prefix from a file-like ``_JoinedPages``, whose
+        ``readinto`` is handed mlx's freshly allocated buffer and gathers the pages
+        straight into it: no host staging, no zero-fill, so nothing beyond the
+        request's own KV. One load per group of layers of at most ``_MAX_BUFFER``
+        bytes (a few for a long prefix): mlx's buffer cache then keeps and reuses
+        them like the model's own buffers, and a cache trim drops one group, not
+        the whole prefix. The layers are views of the groups' arrays.
         """
         g = self.geometry
-        shape = (2, g.num_kv_heads, g.page_size * len(hosts), g.head_dim)
-        size = int(np.prod(shape))
-        if self._staging.size < size:
-            self._staging = np.empty(size, g.storage_dtype)
-        stage = self._staging[:size].reshape(shape)
+        layer_bytes = len(hosts) * g.nbytes // g.num_layers
+        per_group = max(1, min(g.num_layers, _MAX_BUFFER // layer_bytes))
         layers = []
-        for layer in range(g.num_layers):
-            np.concatenate([h[layer] for h in hosts], axis=2, out=stage)
-            kv = mx.array(stage)
+        for first in range(0, g.num_layers, per_group):
+            group = range(first, min(first + per_group, g.num_layers))
+            kv = mx.load(_JoinedPages(hosts, g, group), format="npy")
             kv = kv.view(mx.bfloat16) if g.dtype == "bfloat16" else kv
-            mx.eval(kv)
-            layers.append((kv[0][None], kv[1][None]))
+            mx.eval(kv)  # read now, while the pages are pinned
+            halves = mx.split(kv.reshape(2 * len(group), *kv.shape[2:]), 2 * len(group))  # views, lazy
+            layers.extend(zip(halves[0::2], halves[1::2]))  # (1, heads, tokens, dim) each
         return layers
 
     def release(self, keys: Sequence[PageKey]) -> None:
@@ -327,6 +389,117 @@ class TieredStore:
                 tiers["L3"] = asdict(self.disk.counters)
             links = {name: asdict(link) for name, link in self.links.items()}
             return {"tiers": tiers, "links": links}
+
+
+class _JoinedPages:
+    """A read-only file: the ``.npy`` of consecutive pages joined along tokens, for a
+    range of layers: shape ``(layers, 2, kv_heads, pages * page_size, head_dim)``.
+
+    Why a file: ``mx.load`` allocates the array and hands its memory to ``readinto``,
+    the one way mlx's Python API lets us fill a fresh mlx buffer in a single pass
+    (``mx.array`` copies a finished host buffer, ``mx.zeros``/``mx.empty`` write the
+    whole buffer first). mlx calls ``readinto`` on one of its own I/O threads, which
+    takes the GIL; CPython 3.11's tracemalloc is not safe with threads made outside
+    Python (it can crash), so do not trace allocations around restores.
+
+    A read of the whole payload (what ``mx.load`` does) gathers with a few threads,
+    one group of layers each; any other read is served run by run (a run: one page's
+    tokens of one layer, K or V, and head).
+    """
+
+    closed = False
+
+    def __init__(self, hosts: list[np.ndarray], geometry: PageGeometry, layers: range) -> None:
+        g = geometry
+        self.hosts = [host[layers.start : layers.stop] for host in hosts]
+        self.shape = (len(layers), 2, g.num_kv_heads, g.page_size * len(hosts), g.head_dim)
+        self.dtype = g.storage_dtype
+        self.run = g.page_size * g.head_dim * self.dtype.itemsize
+        header = io.BytesIO()
+        np.lib.format.write_array_header_1_0(
+            header, {"descr": self.dtype.str, "fortran_order": False, "shape": self.shape})
+        self.header = header.getvalue()
+        self.payload = len(hosts) * g.nbytes * len(layers) // g.num_layers
+        self.pos = 0
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        base = {0: 0, 1: self.pos, 2: len(self.header) + self.payload}[whence]
+        self.pos = base + offset
+        return self.pos
+
+    def tell(self) -> int:
+        return self.pos
+
+    def readinto(self, buffer) -> int:
+        out = memoryview(buffer).cast("B")
+        start, head = self.pos, len(self.header)
+        end = min(start + len(out), head + self.payload)
+        if end <= start:
+            return 0
+        if start < head:
+            out[: min(end, head) - start] = self.header[start : min(end, head)]
+        if end > head:
+            at = max(start, head)
+            self._gather(out[at - start : end - start], at - head)
+        self.pos = end
+        return end - start
+
+    def _gather(self, out: memoryview, offset: int) -> None:
+        """Payload bytes ``offset .. offset + len(out)`` into ``out``."""
+        if offset == 0 and len(out) == self.payload:  # all of it: straight into the array
+            joined = np.frombuffer(out, self.dtype).reshape(self.shape)
+            size = self.shape[3] // len(self.hosts)
+
+            def fill(layers: range) -> None:
+                for i, host in enumerate(self.hosts):
+                    joined[layers.start : layers.stop, :, :, i * size : (i + 1) * size] = \
+                        host[layers.start : layers.stop]
+
+            _in_parallel(fill, _shares(range(self.shape[0]), self.payload))
+            return
+        runs = [host.view(np.uint8).reshape(-1, self.run) for host in self.hosts]
+        row_bytes = self.run * len(self.hosts)  # one (layer, K or V, head) row of the join
+        done = 0
+        while done < len(out):
+            row, within = divmod(offset + done, row_bytes)
+            page, at = divmod(within, self.run)
+            n = min(self.run - at, len(out) - done)
+            out[done : done + n] = runs[page][row, at : at + n]
+            done += n
+
+
+_pool: ThreadPoolExecutor | None = None
+_setup = threading.Lock()
+
+
+def _chunks(items: Sequence, n: int) -> list:
+    """``items`` cut into at most ``n`` contiguous, non-empty, near-equal runs."""
+    n = max(1, min(n, len(items)))
+    bounds = [len(items) * i // n for i in range(n + 1)]
+    return [items[a:b] for a, b in zip(bounds, bounds[1:])]
+
+
+def _shares(items: Sequence, nbytes: int) -> list:
+    """``items`` cut into one run per worker, each worth at least ``_MIN_SHARE`` of ``nbytes``."""
+    return _chunks(items, min(_WORKERS, max(1, nbytes // _MIN_SHARE)))
+
+
+def _in_parallel(work: Callable[[object], None], parts: list) -> None:
+    """``work(part)`` for every part: the first on this thread, the others on the shared
+    pool; returns when all are done (raising the first error)."""
+    global _pool
+    if len(parts) > 1 and _pool is None:
+        with _setup:
+            _pool = _pool or ThreadPoolExecutor(_WORKERS - 1, thread_name_prefix="kvtier-copy")
+    futures = [_pool.submit(work, part) for part in parts[1:]]
+    try:
+        if parts:
+            work(parts[0])
+    finally:
+        for future in futures:
+            future.exception()  # wait: the others write into buffers the caller owns
+    for future in futures:
+        future.result()
 
 
 def _checked_throttle(throttle: dict[str, float]) -> dict[str, float]:

@@ -53,7 +53,7 @@ class Tier(Generic[Entry]):
         return next((k for k in self.entries if not pinned(k)), None)
 
     def add(self, key: PageKey, entry: Entry) -> None:
-        if not self.has_room():
+        if len(self.entries) >= self.max_pages:
             raise MemoryError(f"{self.name} is full")
         self.entries[key] = entry
         self.counters.inserts += 1
@@ -98,6 +98,10 @@ class HostTier(Tier[HostPage]):
         slot = self.take_slot()
         self.arena[slot] = np.frombuffer(data, dtype=np.uint8)
         self.fill(key, tokens, slot)
+
+    def has_room(self) -> bool:
+        """A slot is free (slots reserved by ``take_slot`` and not yet filled are not)."""
+        return bool(self.free_slots)
 
     def take_slot(self) -> int:
         """Reserve a free slot to be filled in place (then ``fill``, or ``give_back``)."""

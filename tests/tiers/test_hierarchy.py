@@ -1,5 +1,8 @@
 """The tier invariants of tiers/hierarchy.py, one test (or more) each."""
 
+import io
+
+import lmdb
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -7,6 +10,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+import tiers.hierarchy as hierarchy
 from tiers.hierarchy import StoreConfig, TieredStore
 from tiers.page import Namespace, PageGeometry, Source, page_keys
 from tiers.tier import kv_to_host
@@ -76,6 +80,77 @@ def test_round_trip_is_byte_identical(tmp_path, tier, codec):
     restored = store.restore(KEYS[:2], TOKENS)
     assert restored.sources == [Source(tier)] * 2
     assert same_bytes(joined(restored), mx.concatenate([KV[0], KV[1]], axis=3))
+    store.release(restored.keys)
+    store.close()
+
+
+@pytest.fixture
+def many_threads(monkeypatch):
+    """Restores split their reads and joins over threads, and their KV into one array
+    per layer, even for tiny pages."""
+    monkeypatch.setattr(hierarchy, "_WORKERS", 3)
+    monkeypatch.setattr(hierarchy, "_MIN_SHARE", 1)
+    monkeypatch.setattr(hierarchy, "_MAX_BUFFER", 1)
+
+
+@pytest.mark.parametrize("tier", ["L2", "L3"])
+def test_threaded_restore_is_byte_identical(tmp_path, tier, many_threads):
+    store = make_store(0, 8, tmp_path)
+    publish(store, *range(7))
+    if tier == "L3":
+        store.close()
+        store = make_store(0, 8, tmp_path)
+    restored = store.restore(KEYS[:7], TOKENS)
+    assert restored.sources == [Source(tier)] * 7
+    assert same_bytes(joined(restored), mx.concatenate(KV[:7], axis=3))
+    store.release(restored.keys)
+    store.close()
+
+
+def test_restored_kv_is_the_requests_own_copy():
+    store = make_store(0, 2)
+    publish(store, 0)
+    restored = store.restore(KEYS[:1], TOKENS)
+    expected = np.array(joined(restored).view(mx.uint16))
+    store.release(restored.keys)
+    publish(store, 1, 2)  # evicts page 0; its slot now holds page 2
+    assert np.array_equal(np.array(joined(restored).view(mx.uint16)), expected)
+
+
+@pytest.mark.parametrize("layers", [range(2), range(1, 2)])
+def test_joined_pages_serve_any_read_pattern(layers):
+    """The file mx.load reads: reads of any size and offset give the .npy of the join."""
+    hosts = [kv_to_host(KV[i]).view(GEOMETRY.storage_dtype).reshape(GEOMETRY.shape) for i in range(3)]
+    expected = np.concatenate(hosts, axis=3)[layers.start : layers.stop]
+    for step in (1, 7, 100, 1 << 20):
+        f = hierarchy._JoinedPages(hosts, GEOMETRY, layers)
+        data, chunk = bytearray(), bytearray(step)
+        while n := f.readinto(chunk):
+            data += chunk[:n]
+        assert np.array_equal(np.load(io.BytesIO(bytes(data))), expected)
+
+
+def test_a_bad_l3_page_ends_the_prefix_and_frees_what_it_held(tmp_path, many_threads):
+    store = make_store(0, 0, tmp_path)
+    publish(store, *range(6))
+    store.close()
+    env = lmdb.open(str(tmp_path), max_dbs=8, map_size=1 << 30)
+    with env.begin(write=True) as txn:
+        pages = env.open_db(b"pages", txn=txn)
+        value = bytearray(txn.get(KEYS[2], db=pages))
+        value[-1] ^= 0xFF  # payload damaged: fails its checksum
+        txn.put(KEYS[2], bytes(value), db=pages)
+    env.close()
+    store = make_store(0, 8, tmp_path)
+    restored = store.restore(KEYS[:6], TOKENS)
+    assert restored.sources == [Source.L3] * 2
+    assert same_bytes(joined(restored), mx.concatenate(KV[:2], axis=3))
+    assert store.disk.counters.checksum_failures == 1
+    assert KEYS[2] not in store.l2 and KEYS[0] in store.l2 and KEYS[1] in store.l2
+    for key in store.l2:  # pages past the cut that a thread read whole are kept, intact
+        assert np.array_equal(store.l2.read(key), kv_to_host(KV[KEYS.index(key)]))
+    assert [k for k in KEYS[:6] if store.pinned(k)] == KEYS[:2]
+    assert len(store.l2.entries) + len(store.l2.free_slots) == store.l2.max_pages
     store.release(restored.keys)
     store.close()
 
