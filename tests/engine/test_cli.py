@@ -92,3 +92,16 @@ def test_bad_prompts_file_is_one_line_and_exit_2(tmp_path, content, message):
     done = kvtier("run", "--store", str(tmp_path / "s"), "--prompts-file", str(path), check=False)
     assert done.returncode == 2 and message in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1
+
+
+def test_bench_restore_reports_links_limits_peer_and_break_even(tmp_path):
+    done = kvtier("bench", "restore", "--json", "--store", str(tmp_path), "--page-size", "16")
+    report = json.loads(done.stdout)
+    links = {row["link"] for row in report["links"]}
+    assert links == {"L2->L1", "L3->L2"}
+    for row in report["links"]:
+        assert row["bytes"] > 0 and row["gib_s"] > 0 and row["ratio_to_memcpy"] > 0
+    assert {"load_prompt_cache_gib_s", "ours_l3_gib_s", "ratio"} <= set(report["peer"])
+    assert set(report["break_even_tokens"]) == {"L2", "L3"}
+    assert report["limits"]["lmdb_zero_copy_read_gib_s"] > 0
+    assert not list(tmp_path.glob("calibration-*")), "the scratch store must be removed"

@@ -437,3 +437,13 @@ def test_writer_killed_mid_write_leaves_no_partial_page(store: Path) -> None:
     assert all(tier.get(key(i), NS, TOKENS, 4096)[0] == payload(i) for i in present)
     tier.close()
     _assert_consistent(store, 1 << 26)
+
+
+def test_read_through_touches_every_stored_byte(tmp_path):
+    from tiers.disk import DiskTier
+
+    disk = DiskTier(tmp_path, 1 << 20)
+    disk.put(b"k" * 16, b"n" * 16, [1, 2], b"x" * 1000)
+    disk.flush()
+    assert disk.read_through([b"k" * 16, b"missing-key-0000"]) == disk.counters.bytes_used
+    disk.close()
