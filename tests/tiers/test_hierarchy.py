@@ -10,7 +10,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-import tiers.hierarchy as hierarchy
+import tiers.join as join
 from tiers.hierarchy import StoreConfig, TieredStore
 from tiers.page import Namespace, PageGeometry, Source, page_keys
 from tiers.tier import kv_to_host
@@ -88,9 +88,9 @@ def test_round_trip_is_byte_identical(tmp_path, tier, codec):
 def many_threads(monkeypatch):
     """Restores split their reads and joins over threads, and their KV into one array
     per layer, even for tiny pages."""
-    monkeypatch.setattr(hierarchy, "_WORKERS", 3)
-    monkeypatch.setattr(hierarchy, "_MIN_SHARE", 1)
-    monkeypatch.setattr(hierarchy, "_MAX_BUFFER", 1)
+    monkeypatch.setattr(join, "_WORKERS", 3)
+    monkeypatch.setattr(join, "_MIN_SHARE", 1)
+    monkeypatch.setattr(join, "_MAX_BUFFER", 1)
 
 
 @pytest.mark.parametrize("tier", ["L2", "L3"])
@@ -123,7 +123,7 @@ def test_joined_pages_serve_any_read_pattern(layers):
     hosts = [kv_to_host(KV[i]).view(GEOMETRY.storage_dtype).reshape(GEOMETRY.shape) for i in range(3)]
     expected = np.concatenate(hosts, axis=3)[layers.start : layers.stop]
     for step in (1, 7, 100, 1 << 20):
-        f = hierarchy._JoinedPages(hosts, GEOMETRY, layers)
+        f = join._JoinedPages(hosts, GEOMETRY, layers)
         data, chunk = bytearray(), bytearray(step)
         while n := f.readinto(chunk):
             data += chunk[:n]

@@ -1,0 +1,163 @@
+"""Joining a restore's pages into the request's KV, and the copy threads behind it.
+
+A restore ends with every page's bytes in host memory (L1 pages as views of their
+device arrays, L2 slots, L3 pages read into L2 slots); ``join_pages`` turns them
+into mlx-lm's per-layer K/V arrays in one pass.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Sequence
+
+import mlx.core as mx
+import numpy as np
+
+from .page import PageGeometry
+
+# Threads for a restore's bulk copies: numpy copies and LMDB reads release the GIL, and
+# one thread alone does not saturate memory bandwidth (on the 2-core dev VM, when idle,
+# two threads copy ~1.6x faster). Each takes at least _MIN_SHARE bytes, so a small
+# restore stays on one thread (handing work over costs more than it saves).
+_WORKERS = max(1, min(4, os.cpu_count() or 1))
+_MIN_SHARE = 8 << 20
+_MAX_BUFFER = 64 << 20  # bytes of one restored array (a group of layers)
+
+
+def join_pages(hosts: list[np.ndarray], geometry: PageGeometry) -> list[tuple[mx.array, mx.array]]:
+    """Per-layer K/V device arrays of consecutive pages, written in one pass.
+
+    ``mx.load`` reads the joined prefix from a file-like ``_JoinedPages``, whose
+    ``readinto`` is handed mlx's freshly allocated buffer and gathers the pages
+    straight into it: no host staging, no zero-fill, so nothing beyond the
+    request's own KV. One load per group of layers of at most ``_MAX_BUFFER``
+    bytes (a few for a long prefix): mlx's buffer cache then keeps and reuses
+    them like the model's own buffers, and a cache trim drops one group, not
+    the whole prefix. The layers are views of the groups' arrays.
+    """
+    g = geometry
+    layer_bytes = len(hosts) * g.nbytes // g.num_layers
+    per_group = max(1, min(g.num_layers, _MAX_BUFFER // layer_bytes))
+    layers = []
+    for first in range(0, g.num_layers, per_group):
+        group = range(first, min(first + per_group, g.num_layers))
+        kv = mx.load(_JoinedPages(hosts, g, group), format="npy")
+        kv = kv.view(mx.bfloat16) if g.dtype == "bfloat16" else kv
+        mx.eval(kv)  # read now, while the pages are pinned
+        halves = mx.split(kv.reshape(2 * len(group), *kv.shape[2:]), 2 * len(group))  # views, lazy
+        layers.extend(zip(halves[0::2], halves[1::2]))  # (1, heads, tokens, dim) each
+    return layers
+
+
+class _JoinedPages:
+    """A read-only file: the ``.npy`` of consecutive pages joined along tokens, for a
+    range of layers: shape ``(layers, 2, kv_heads, pages * page_size, head_dim)``.
+
+    Why a file: ``mx.load`` allocates the array and hands its memory to ``readinto``,
+    the one way mlx's Python API lets us fill a fresh mlx buffer in a single pass
+    (``mx.array`` copies a finished host buffer, ``mx.zeros``/``mx.empty`` write the
+    whole buffer first). mlx calls ``readinto`` on one of its own I/O threads, which
+    takes the GIL; CPython 3.11's tracemalloc is not safe with threads made outside
+    Python (it can crash), so do not trace allocations around restores.
+
+    A read of the whole payload (what ``mx.load`` does) gathers with a few threads,
+    one group of layers each; any other read is served run by run (a run: one page's
+    tokens of one layer, K or V, and head).
+    """
+
+    closed = False
+
+    def __init__(self, hosts: list[np.ndarray], geometry: PageGeometry, layers: range) -> None:
+        g = geometry
+        self.hosts = [host[layers.start : layers.stop] for host in hosts]
+        self.shape = (len(layers), 2, g.num_kv_heads, g.page_size * len(hosts), g.head_dim)
+        self.dtype = g.storage_dtype
+        self.run = g.page_size * g.head_dim * self.dtype.itemsize
+        header = io.BytesIO()
+        np.lib.format.write_array_header_1_0(
+            header, {"descr": self.dtype.str, "fortran_order": False, "shape": self.shape})
+        self.header = header.getvalue()
+        self.payload = len(hosts) * g.nbytes * len(layers) // g.num_layers
+        self.pos = 0
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        base = {0: 0, 1: self.pos, 2: len(self.header) + self.payload}[whence]
+        self.pos = base + offset
+        return self.pos
+
+    def tell(self) -> int:
+        return self.pos
+
+    def readinto(self, buffer) -> int:
+        out = memoryview(buffer).cast("B")
+        start, head = self.pos, len(self.header)
+        end = min(start + len(out), head + self.payload)
+        if end <= start:
+            return 0
+        if start < head:
+            out[: min(end, head) - start] = self.header[start : min(end, head)]
+        if end > head:
+            at = max(start, head)
+            self._gather(out[at - start : end - start], at - head)
+        self.pos = end
+        return end - start
+
+    def _gather(self, out: memoryview, offset: int) -> None:
+        """Payload bytes ``offset .. offset + len(out)`` into ``out``."""
+        if offset == 0 and len(out) == self.payload:  # all of it: straight into the array
+            joined = np.frombuffer(out, self.dtype).reshape(self.shape)
+            size = self.shape[3] // len(self.hosts)
+
+            def fill(layers: range) -> None:
+                for i, host in enumerate(self.hosts):
+                    joined[layers.start : layers.stop, :, :, i * size : (i + 1) * size] = \
+                        host[layers.start : layers.stop]
+
+            in_parallel(fill, shares(range(self.shape[0]), self.payload))
+            return
+        runs = [host.view(np.uint8).reshape(-1, self.run) for host in self.hosts]
+        row_bytes = self.run * len(self.hosts)  # one (layer, K or V, head) row of the join
+        done = 0
+        while done < len(out):
+            row, within = divmod(offset + done, row_bytes)
+            page, at = divmod(within, self.run)
+            n = min(self.run - at, len(out) - done)
+            out[done : done + n] = runs[page][row, at : at + n]
+            done += n
+
+
+_pool: ThreadPoolExecutor | None = None
+_setup = threading.Lock()
+
+
+def _chunks(items: Sequence, n: int) -> list:
+    """``items`` cut into at most ``n`` contiguous, non-empty, near-equal runs."""
+    n = max(1, min(n, len(items)))
+    bounds = [len(items) * i // n for i in range(n + 1)]
+    return [items[a:b] for a, b in zip(bounds, bounds[1:])]
+
+
+def shares(items: Sequence, nbytes: int) -> list:
+    """``items`` cut into one run per worker, each worth at least ``_MIN_SHARE`` of ``nbytes``."""
+    return _chunks(items, min(_WORKERS, max(1, nbytes // _MIN_SHARE)))
+
+
+def in_parallel(work: Callable[[object], None], parts: list) -> None:
+    """``work(part)`` for every part: the first on this thread, the others on the shared
+    pool; returns when all are done (raising the first error)."""
+    global _pool
+    if len(parts) > 1 and _pool is None:
+        with _setup:
+            _pool = _pool or ThreadPoolExecutor(_WORKERS - 1, thread_name_prefix="kvtier-copy")
+    futures = [_pool.submit(work, part) for part in parts[1:]]
+    try:
+        if parts:
+            work(parts[0])
+    finally:
+        for future in futures:
+            future.exception()  # wait: the others write into buffers the caller owns
+    for future in futures:
+        future.result()
