@@ -7,9 +7,11 @@ into mlx-lm's per-layer K/V arrays in one pass.
 
 from __future__ import annotations
 
+import atexit
 import io
 import os
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Sequence
 
@@ -27,6 +29,17 @@ _MIN_SHARE = 8 << 20
 _MAX_BUFFER = 64 << 20  # bytes of one restored array (a group of layers)
 
 
+_joined = False
+
+
+@atexit.register
+def _let_mlx_finish_loads() -> None:
+    """mlx ends an ``mx.load`` from a Python file on one of its own threads, which needs
+    the GIL; a process exiting right then aborts. A pause at exit lets it finish."""
+    if _joined:
+        time.sleep(0.02)
+
+
 def join_pages(hosts: list[np.ndarray], geometry: PageGeometry) -> list[tuple[mx.array, mx.array]]:
     """Per-layer K/V device arrays of consecutive pages, written in one pass.
 
@@ -38,6 +51,8 @@ def join_pages(hosts: list[np.ndarray], geometry: PageGeometry) -> list[tuple[mx
     them like the model's own buffers, and a cache trim drops one group, not
     the whole prefix. The layers are views of the groups' arrays.
     """
+    global _joined
+    _joined = True
     g = geometry
     layer_bytes = len(hosts) * g.nbytes // g.num_layers
     per_group = max(1, min(g.num_layers, _MAX_BUFFER // layer_bytes))
