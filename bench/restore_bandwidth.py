@@ -129,9 +129,10 @@ class Restorer:
         store = store or self.store
         assert restored.num_pages == self.n and set(restored.sources) == {Source(self.tier)}, restored.sources
         store.release(restored.keys)
-        if self.tier == "L3":  # forget the L2 copies; their slots stay warm for the next read
+        if self.tier == "L3":  # forget any L2 copies (compressed pages); their slots stay warm
             for key in self.keys:
-                store.l2.pop(key)
+                if key in store.l2:
+                    store.l2.pop(key)
 
     def run(self) -> float:
         before = {k: dict(v) for k, v in self.store.stats()["links"].items()}

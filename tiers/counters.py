@@ -2,7 +2,8 @@
 
 Tier gauges (capacity, bytes used, pages) describe the tier now; the other
 fields only grow. Link counters record the bytes that physically crossed a link:
-one restore from L3 adds to ``L3->L2`` and ``L2->L1`` while its tokens count once.
+one restore of a compressed L3 page adds to ``L3->L2`` and ``L2->L1`` while its
+tokens count once.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 
 TIERS = ("L1", "L2", "L3")
-LINKS = ("L3->L2", "L2->L1", "L1->L2", "L2->L3", "L1->L3")
+LINKS = ("L3->L1", "L3->L2", "L2->L1", "L1->L2", "L2->L3", "L1->L3")
 GAUGES = ("capacity", "bytes_used", "pages")
 
 

@@ -18,9 +18,10 @@ import logging
 import os
 import struct
 import threading
+from contextlib import contextmanager
 from dataclasses import astuple, dataclass, fields
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import lmdb
 import msgpack
@@ -78,6 +79,86 @@ class RecordHeader:
         return cls(*values), end
 
 
+def _check_header(header: RecordHeader, namespace: bytes, tokens: bytes, raw_nbytes: int) -> None:
+    """_Corrupt unless the header describes this page of this namespace."""
+    for ok, reason in ((header.version == FORMAT_VERSION, "format version differs"),
+                       (header.namespace == namespace, "namespace digest differs"),
+                       (header.tokens == tokens, "token ids differ"),
+                       (header.raw_len == raw_nbytes, "raw length differs"),
+                       (header.codec in CODECS, "unknown codec")):
+        if not ok:
+            raise _Corrupt(reason)
+
+
+def verify_payload(header: RecordHeader, payload: memoryview, out: np.ndarray | None = None) -> memoryview | np.ndarray | bytes:
+    """The raw bytes of a payload under a checked header (see ``decode_payload`` for
+    ``out``); _Corrupt unless they have the header's length and checksum."""
+    raw = decode_payload(header.codec, payload, header.raw_len, out)
+    if len(raw) != header.raw_len or xxh3_64_intdigest(raw) != header.checksum:
+        raise _Corrupt("checksum mismatch")
+    return raw
+
+
+def decode_record(value: memoryview, namespace: bytes, tokens: bytes, raw_nbytes: int,
+                  out: np.ndarray | None = None) -> memoryview | np.ndarray | bytes:
+    """The raw page of a stored value, checked against the page it should hold
+    (namespace, token ids as <u4 bytes, raw length); _Corrupt otherwise."""
+    header, offset = RecordHeader.unpack(value)
+    _check_header(header, namespace, tokens, raw_nbytes)
+    return verify_payload(header, value[offset:], out)
+
+
+@dataclass
+class StoredRecord:
+    """A page record found in a snapshot: header checked, payload not yet verified."""
+
+    key: bytes
+    header: RecordHeader
+    value: memoryview  # the whole record, in the map
+    payload: memoryview
+
+    @property
+    def stored(self) -> int:
+        """Bytes read from L3 for this page (D of the L3 link)."""
+        return len(self.value)
+
+    @property
+    def compressed(self) -> bool:
+        return self.header.codec != "raw"
+
+
+class Snapshot:
+    """Page lookups inside one LMDB read transaction (``DiskTier.snapshot``)."""
+
+    def __init__(self, disk: DiskTier, txn: lmdb.Transaction | None) -> None:
+        self.disk, self.txn = disk, txn
+
+    def find(self, key: bytes, namespace_digest: bytes, tokens: Sequence[int],
+             raw_nbytes: int) -> StoredRecord | None:
+        """The record of ``key`` if its header matches this page, else None (a record
+        with a bad header is rejected). Counts the lookup."""
+        disk = self.disk
+        disk._count(lookups=1)
+        if self.txn is None or disk._doomed(key):
+            return None  # a rejected record whose delete is not committed yet: a miss
+        try:
+            value = self.txn.get(key)
+        except lmdb.Error as exc:
+            disk._failed("read", exc)
+            return None
+        if value is None:
+            return None
+        try:
+            header, offset = RecordHeader.unpack(value)
+            _check_header(header, namespace_digest, _token_bytes(tokens), raw_nbytes)
+            if header.codec == "raw" and len(value) - offset != raw_nbytes:
+                raise _Corrupt("raw payload length differs from the raw length")
+        except _Corrupt as exc:
+            disk._reject(key, xxh3_64_intdigest(value), str(exc))
+            return None
+        return StoredRecord(bytes(key), header, value, value[offset:])
+
+
 @dataclass
 class _PendingPut:
     key: bytes
@@ -114,7 +195,7 @@ class _Outcome:
 
 
 def _token_bytes(tokens: Sequence[int]) -> bytes:
-    return np.asarray(tokens, dtype="<u4").tobytes()
+    return struct.pack(f"<{len(tokens)}I", *tokens)  # 10x faster than numpy for a page
 
 
 def _one_line(exc: BaseException) -> str:
@@ -148,9 +229,8 @@ def encode_payload(codec: str, raw: bytes, level: int) -> tuple[str, bytes]:
 
 def decode_payload(codec: str, payload: memoryview, raw_len: int,
                    out: np.ndarray | None = None) -> bytes | np.ndarray:
-    """Raw bytes of a payload, written into ``out`` when given (one copy out of the map
-    for raw: a preallocated ``out`` also spares a fresh allocation's page faults);
-    _Corrupt if it cannot be decoded."""
+    """Raw bytes of a payload, written into ``out`` when given; without ``out`` a raw
+    payload is returned as it is (a view into the map); _Corrupt if it cannot be decoded."""
     if out is not None:
         if len(payload) != raw_len and codec == "raw":
             raise _Corrupt("raw payload length differs from the raw length")
@@ -158,7 +238,7 @@ def decode_payload(codec: str, payload: memoryview, raw_len: int,
         np.copyto(out, np.frombuffer(raw, np.uint8))
         return out
     if codec == "raw":
-        return bytes(payload)
+        return payload
     if not hasattr(_local, "decompressor"):
         _local.decompressor = zstandard.ZstdDecompressor()
     try:
@@ -298,6 +378,21 @@ class DiskTier:
             self._failed("lookup", exc)
             return False
 
+    @contextmanager
+    def snapshot(self) -> Iterator[Snapshot]:
+        """One read transaction for a batch of page lookups: payload views it hands out
+        point into the map and stay valid, unchanged by any writer, until it ends."""
+        try:
+            txn = self._env.begin(db=self._pages, buffers=True)
+        except lmdb.Error as exc:  # closed, or another process grew the map
+            self._failed("read", exc)
+            txn = None
+        try:
+            yield Snapshot(self, txn)
+        finally:
+            if txn is not None:
+                txn.abort()
+
     def get(self, key: bytes, namespace_digest: bytes, tokens: Sequence[int],
             raw_nbytes: int, out: np.ndarray | None = None) -> tuple[bytes | np.ndarray, int] | None:
         """Verified raw payload and the stored record size D (bytes read), or None.
@@ -305,50 +400,47 @@ class DiskTier:
         With ``out`` (uint8, ``raw_nbytes`` long) the payload is written there and
         ``out`` returned; on a miss its content is unspecified.
         """
-        want_tokens = _token_bytes(tokens)
-        self._count(lookups=1)
-        if self._doomed(key):
-            return None  # rejected already, its delete not yet committed: a miss, counted once
+        with self.snapshot() as snap:
+            record = snap.find(key, namespace_digest, tokens, raw_nbytes)
+            raw = None if record is None else self.verified(record, out)
+            if raw is None:
+                return None
+            return (bytes(raw) if isinstance(raw, memoryview) else raw), record.stored
+
+    def verified(self, record: StoredRecord, out: np.ndarray | None = None) -> memoryview | np.ndarray | bytes | None:
+        """The record's raw bytes once its checksum holds; else None, and it is rejected.
+
+        A raw payload comes back as the map view itself (no copy) unless ``out`` is
+        given; a compressed one is decoded into ``out`` (or new memory). Safe on any
+        thread while the record's snapshot is open; counts the hit and the LRU use.
+        """
         try:
-            with self._env.begin(db=self._pages, buffers=True) as txn:  # zero-copy view
-                value = txn.get(key)
-                if value is None:
-                    return None
-                try:
-                    raw = self._verify(value, namespace_digest, want_tokens, raw_nbytes, out)
-                except _Corrupt as exc:
-                    self._reject(key, xxh3_64_intdigest(value), str(exc))
-                    return None
-                stored = len(value)
-        except lmdb.Error as exc:
-            self._failed("read", exc)
+            raw = verify_payload(record.header, record.payload, out)
+        except _Corrupt as exc:
+            self._reject(record.key, xxh3_64_intdigest(record.value), str(exc))
             return None
+        self._hit(record)
+        return raw
+
+    def accept(self, record: StoredRecord, digest: int) -> bool:
+        """Whether a raw record's payload, hashed by the caller while it copied it (the
+        snapshot still open), matches its checksum; counted like ``verified``."""
+        if record.compressed or digest != record.header.checksum:
+            self._reject(record.key, xxh3_64_intdigest(record.value), "checksum mismatch")
+            return False
+        self._hit(record)
+        return True
+
+    def _hit(self, record: StoredRecord) -> None:
         with self._lock:
             self.counters.hit_pages += 1
-            self.counters.hit_tokens += len(tokens)
-            self._touches.pop(key, None)
-            self._touches[key] = None
+            self.counters.hit_tokens += len(record.header.tokens) // 4
+            self._touches.pop(record.key, None)
+            self._touches[record.key] = None
             if len(self._touches) > _MAX_TOUCHES:
                 del self._touches[next(iter(self._touches))]
             if len(self._touches) == 1:
                 self._wake.notify_all()  # later touches ride along (see _next_batch)
-        return raw, stored
-
-    @staticmethod
-    def _verify(value: memoryview, namespace: bytes, tokens: bytes, raw_nbytes: int,
-                out: np.ndarray | None = None) -> bytes | np.ndarray:
-        header, offset = RecordHeader.unpack(value)
-        for ok, reason in ((header.version == FORMAT_VERSION, "format version differs"),
-                           (header.namespace == namespace, "namespace digest differs"),
-                           (header.tokens == tokens, "token ids differ"),
-                           (header.raw_len == raw_nbytes, "raw length differs"),
-                           (header.codec in CODECS, "unknown codec")):
-            if not ok:
-                raise _Corrupt(reason)
-        raw = decode_payload(header.codec, value[offset:], raw_nbytes, out)  # the one copy
-        if len(raw) != raw_nbytes or xxh3_64_intdigest(raw) != header.checksum:
-            raise _Corrupt("checksum mismatch")
-        return raw
 
     def _doomed(self, key: bytes) -> bool:
         """A get rejected this record and its delete has not committed yet.

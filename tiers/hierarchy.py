@@ -5,7 +5,8 @@ Invariants (DESIGN §4), each tested in ``tests/tiers/test_hierarchy.py``:
 1. A published page is immutable: a key is published once and every tier holds
    exactly the bytes that were computed (raw copies; L3 checks a checksum).
 2. A pinned page (being restored, or in use by a request) is never evicted from
-   L1 or L2. L3 reads are single LMDB read transactions, so they need no pin.
+   L1 or L2. An L3 restore reads inside one LMDB read transaction (a snapshot no
+   writer changes), so L3 pages need no pin.
 3. Capacities are hard caps (see ``tiers.tier``); a page that finds no room in
    any tier is dropped and counted, never forced in.
 4. A page is written to L3 at most once: a page already there (or already
@@ -13,15 +14,20 @@ Invariants (DESIGN §4), each tested in ``tests/tiers/test_hierarchy.py``:
 
 Placement is inclusive. L1 holds pages computed on this device. A restore copies
 pages into the request's own KV, so a page restored from L2 is not copied into L1
-as well (that would double device memory); an L3 hit is kept in L2. A page leaving
+as well (that would double device memory). A raw L3 page is read straight from
+LMDB's map into the request's KV (``L3->L1``) and not kept in L2: the OS page cache
+already holds it, and a copy into L2 would double the restore's work. A compressed
+L3 page is decoded into an L2 slot and kept there (``L3->L2``, then ``L2->L1``):
+decoding costs more than a copy. A page leaving
 L1 is copied to L2 only if L2 lacks it; a page leaving L2 is queued for L3 only if
 L3 lacks it. When L2 has no room (every page pinned) an L1 page goes straight to L3
 (``L1->L3``).
 
-A restore plans the longest stored prefix (pins its L1/L2 pages, reserves an L2 slot
-for each L3 page), reads the L3 pages into their slots on a few threads, then joins
-all pages in one pass straight into the mlx array that becomes the request's KV
-(``tiers.join``): no staging copy, nothing allocated beyond the request's own KV.
+A restore plans the longest stored prefix (pins its L1/L2 pages, finds its L3
+records in one snapshot, reserves L2 slots for compressed ones), checks the L3 pages'
+checksums on a few threads, then joins all pages in one pass straight into the mlx
+array that becomes the request's KV (``tiers.join``): no staging copy, nothing
+allocated beyond the request's own KV.
 """
 
 from __future__ import annotations
@@ -30,15 +36,17 @@ import logging
 import threading
 import time
 from collections import Counter
+from contextlib import ExitStack, nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import ContextManager, Sequence
 
 import mlx.core as mx
 import numpy as np
+from xxhash import xxh3_64_intdigest
 
 from .counters import LINKS, LinkCounters, add_into
-from .disk import DiskTier, StoreError
+from .disk import DiskTier, Snapshot, StoredRecord, StoreError
 from .page import Namespace, PageGeometry, PageKey, Source
 from .join import in_parallel, join_pages, shares
 from .tier import DevicePage, HostTier, Tier, kv_to_host
@@ -65,9 +73,27 @@ class _Page:
     key: PageKey
     tokens: tuple[int, ...]
     source: Source
-    data: np.ndarray | None = None  # geometry.shape; None until an L3 page is read
-    slot: int | None = None  # the L2 slot an L3 page is read into
-    stored_nbytes: int = 0  # record bytes read from L3
+    data: np.ndarray | None = None  # geometry.shape; None until an L3 page is verified
+    record: StoredRecord | None = None  # an L3 page's record, in the restore's snapshot
+    slot: int | None = None  # the L2 slot a compressed L3 page is decoded into
+
+    @property
+    def compressed(self) -> bool:
+        return self.record is not None and self.record.compressed
+
+    @property
+    def stored(self) -> int:
+        return self.record.stored if self.record is not None else 0
+
+
+@dataclass
+class PendingRestore:
+    """A restore between its host work (``TieredStore.begin``) and its join (``finish``)."""
+
+    pages: list[_Page]  # pinned
+    digests: list[int | None]  # xxh3 of raw L3 pages checked ahead, else None
+    host_s: float
+    snapshot: ExitStack  # holds the L3 snapshot open until finish
 
 
 @dataclass
@@ -79,8 +105,8 @@ class StoreConfig:
     codec: str = "raw"
     # Tier ("L2" or "L3") -> bytes per second: reads from that tier take at least
     # bytes / rate (the rest is slept), and the link counters show it (tests, demos).
-    # "L3" slows the L3->L2 reads; "L2" slows the L2->L1 join of every page that
-    # crosses it (so also of pages that came up from L3 in the same restore).
+    # "L3" slows the reads of L3 pages (L3->L1, L3->L2); "L2" slows the L2->L1 join of
+    # every page that crosses it (so also of compressed L3 pages decoded into L2).
     throttle: dict[str, float] = field(default_factory=dict)
 
 
@@ -141,47 +167,80 @@ class TieredStore:
 
     # -- restore -------------------------------------------------------------
 
-    def restore(self, keys: Sequence[PageKey], tokens: Sequence[int]) -> RestoredPrefix:
-        """Pin and load the longest loadable prefix of ``keys`` as per-layer device arrays.
+    def restore(self, keys: Sequence[PageKey], tokens: Sequence[int], first: int = 0) -> RestoredPrefix:
+        """Pin and load the longest loadable run of pages ``first..`` of ``keys`` as
+        per-layer device arrays (``begin`` then ``finish``).
 
-        A page that vanished or failed its check since ``locate`` ends the prefix;
-        the caller recomputes from there.
+        A page that vanished or failed its check since ``locate`` ends the run; the
+        caller recomputes from there.
         """
-        with self._lock:
-            pages = self._read_l3(self._plan(keys, tokens))
-            restored = RestoredPrefix([p.key for p in pages], [p.source for p in pages], [])
-            if pages:
-                t0 = time.perf_counter()
-                restored.layers = join_pages([p.data for p in pages], self.geometry)
-                moved = sum(p.source is not Source.L1 for p in pages)
-                if moved:  # L1 pages cross no link; the rest came up from host memory
-                    nbytes = moved * self.geometry.nbytes
-                    share = self._throttled("L2", nbytes, (time.perf_counter() - t0) * moved / len(pages))
-                    self.links["L2->L1"].record(nbytes, share, moved)
-            return restored
+        return self.finish(self.begin(keys, tokens, first))
 
-    def _plan(self, keys: Sequence[PageKey], tokens: Sequence[int]) -> list[_Page]:
-        """The longest stored prefix: L1/L2 pages pinned with host views of their bytes,
-        L3 pages with an L2 slot reserved to read into (None when L2 has no room).
+    def begin(self, keys: Sequence[PageKey], tokens: Sequence[int], first: int = 0,
+              ahead: bool = False) -> PendingRestore:
+        """The host side of a restore: find and pin the pages (L3 records in a snapshot
+        held until ``finish``), decode compressed L3 pages, wait out an L3 throttle.
+        With ``ahead`` the raw L3 pages are also checked now, so ``finish`` only
+        copies; without, the join hashes them as it copies them. Touches no mlx
+        array: safe on another thread while the model runs."""
+        with self._lock, ExitStack() as stack:
+            snap = stack.enter_context(self._snapshot())
+            pages = self._plan(keys, tokens, snap, first)
+            t0 = time.perf_counter()
+            pages = self._decode_compressed(pages)
+            digests = self._hash_raw_l3(pages) if ahead else [None] * len(pages)
+            l3_bytes = sum(p.stored for p in pages)
+            host_s = self._throttled("L3", l3_bytes, time.perf_counter() - t0) if l3_bytes else 0.0
+            return PendingRestore(pages, digests, host_s, stack.pop_all())
 
-        Resident pages are pinned before any slot is reserved, so making room in L2
-        never evicts a page of this prefix. Lookups and hits count here for L1 and L2;
-        L3 counts its own in ``get``.
+    def finish(self, pending: PendingRestore) -> RestoredPrefix:
+        """Join a begun restore's pages into per-layer device arrays and end its snapshot."""
+        with self._lock, pending.snapshot:
+            pages = pending.pages
+            if not pages:
+                return RestoredPrefix([], [], [])
+            t0 = time.perf_counter()
+            hash_now = [p.source is Source.L3 and not p.compressed and d is None
+                        for p, d in zip(pages, pending.digests)]
+            joined = join_pages([p.data for p in pages], self.geometry, hash_now)
+            digests = [a if a is not None else b for a, b in zip(pending.digests, joined.digests)]
+            good = self._cut(pages, self._first_bad(pages, digests))
+            self._record_restore(good, pending.host_s, time.perf_counter() - t0)
+            kept = len(good) * self.geometry.page_size
+            layers = joined.layers if len(good) == len(pages) else \
+                [(k[:, :, :kept], v[:, :, :kept]) for k, v in joined.layers]
+            return RestoredPrefix([p.key for p in good], [p.source for p in good], layers)
+
+    def _snapshot(self) -> ContextManager[Snapshot | None]:
+        return self.disk.snapshot() if self.disk is not None else nullcontext()
+
+    def _plan(self, keys: Sequence[PageKey], tokens: Sequence[int], snap: Snapshot | None,
+              first: int = 0) -> list[_Page]:
+        """The longest stored run from page ``first``, every page pinned: L1/L2 pages with
+        host views of their bytes, L3 pages with their record (header checked) and a
+        view of the map (raw) or an L2 slot reserved to decode into (compressed; None
+        when L2 has no room).
+
+        Pages are pinned before any slot is reserved, so making room in L2 never
+        evicts a page of this run. Lookups and hits count here for L1 and L2, in the
+        snapshot for L3.
         """
         pages = []
-        for i, key in enumerate(keys):
+        for i in range(first, len(keys)):
+            key = keys[i]
             page_tokens = self._page_tokens(tokens, i)
             page = self._pin_resident(key, page_tokens)
-            if page is None and self.disk is not None:
-                if self.disk.contains(key):
-                    page = _Page(key, page_tokens, Source.L3)
-                else:  # the miss that ends the prefix is an L3 lookup too
-                    self.disk.get(key, self.ns_digest, page_tokens, self.geometry.nbytes)
+            if page is None and snap is not None:
+                record = snap.find(key, self.ns_digest, page_tokens, self.geometry.nbytes)
+                page = record and _Page(key, page_tokens, Source.L3, record=record,
+                                        data=None if record.compressed else self._shaped(record.payload))
+                if page is not None:
+                    self._pins[key] += 1
             if page is None:
                 break
             pages.append(page)
         for page in pages:
-            if page.source is Source.L3 and self._make_room(self.l2):
+            if page.compressed and self._make_room(self.l2):
                 page.slot = self.l2.take_slot()
         return pages
 
@@ -197,39 +256,80 @@ class TieredStore:
                 return _Page(key, page_tokens, Source(tier.name), self._shaped(data))
         return None
 
-    def _read_l3(self, pages: list[_Page]) -> list[_Page]:
-        """Read the planned L3 pages (on a few threads) into their L2 slots, keep them in
-        L2, and cut the prefix at the first page that failed; returns the pinned prefix."""
-        reads = [p for p in pages if p.source is Source.L3]
+    def _decode_compressed(self, pages: list[_Page]) -> list[_Page]:
+        """Decode the compressed L3 pages into their L2 slots (on a few threads), checking
+        their checksums; they stay in L2. Returns the prefix up to the first failure."""
+        reads = [p for p in pages if p.compressed]
         if not reads:
             return pages
-        t0 = time.perf_counter()
-        in_parallel(self._read_pages, shares(reads, len(reads) * self.geometry.nbytes))
-        done = [p for p in reads if p.data is not None]
-        if done:
-            nbytes = sum(p.stored_nbytes for p in done)
-            self.links["L3->L2"].record(nbytes, self._throttled("L3", nbytes, time.perf_counter() - t0), len(done))
-        for page in reads:  # a page read whole is kept in L2, even past the cut
+        in_parallel(self._decode_pages, shares(reads, len(reads) * self.geometry.nbytes))
+        for page in reads:  # a page decoded whole is kept in L2, even past the cut
             if page.slot is not None:
                 if page.data is not None:
                     self.l2.fill(page.key, page.tokens, page.slot)
                 else:
                     self.l2.give_back(page.slot)
-        cut = next((i for i, p in enumerate(pages) if p.data is None), len(pages))
-        for page in pages[:cut]:
-            if page.source is Source.L3:
-                self._pins[page.key] += 1
-        self.release([p.key for p in pages[cut:] if p.source is not Source.L3])
-        return pages[:cut]
+        return self._cut(pages, next((i for i, p in enumerate(pages) if p.data is None), len(pages)))
 
-    def _read_pages(self, pages: list[_Page]) -> None:
-        """One thread's share of the L3 reads, in order; stops at its first miss."""
+    def _decode_pages(self, pages: list[_Page]) -> None:
+        """One thread's share of the decodes, in order; stops at its first failure."""
         for page in pages:
             out = None if page.slot is None else self.l2.arena[page.slot]
-            hit = self.disk.get(page.key, self.ns_digest, page.tokens, self.geometry.nbytes, out=out)
-            if hit is None:
+            raw = self.disk.verified(page.record, out)
+            if raw is None:
                 return
-            page.data, page.stored_nbytes = self._shaped(hit[0]), hit[1]
+            page.data = self._shaped(raw)
+
+    def _hash_raw_l3(self, pages: list[_Page]) -> list[int | None]:
+        """xxh3 of each raw L3 page's bytes in the map (on a few threads), else None."""
+        digests: list[int | None] = [None] * len(pages)
+        raw = [i for i, p in enumerate(pages) if p.source is Source.L3 and not p.compressed]
+
+        def hash_share(share: list[int]) -> None:
+            for i in share:
+                digests[i] = xxh3_64_intdigest(pages[i].data)
+
+        in_parallel(hash_share, shares(raw, len(raw) * self.geometry.nbytes))
+        return digests
+
+    def _first_bad(self, pages: list[_Page], digests: list[int | None]) -> int:
+        """Index of the first raw L3 page whose bytes, hashed as they were joined, fail
+        its checksum (that record is rejected), else len(pages)."""
+        for i, (page, digest) in enumerate(zip(pages, digests)):
+            if digest is not None and not self.disk.accept(page.record, digest):
+                return i
+        return len(pages)
+
+    def _cut(self, pages: list[_Page], n: int) -> list[_Page]:
+        """``pages[:n]``; the pages after it are unpinned."""
+        self.release([p.key for p in pages[n:]])
+        return pages[:n]
+
+    def _record_restore(self, pages: list[_Page], host_s: float, join_s: float) -> None:
+        """Add a restore's bytes and seconds to the links its pages crossed: each page
+        takes an equal share of the join, each L3 page an equal share of the host work
+        (decodes, checks, an L3 throttle's wait); an L2 throttle stretches the join."""
+        moved: dict[str, LinkCounters] = {}
+        l3 = sum(p.source is Source.L3 for p in pages)
+        for page in pages:
+            host = host_s / l3 if page.source is Source.L3 else 0.0
+            for link, nbytes, seconds in self._crossings(page, host, join_s / len(pages)):
+                moved.setdefault(link, LinkCounters()).record(nbytes, seconds)
+        if (joined := moved.get("L2->L1")) is not None and joined.seconds > 0:
+            joined.seconds = self._throttled("L2", joined.bytes, joined.seconds)
+        for name, link in moved.items():
+            self.links[name].record(link.bytes, link.seconds, link.pages)
+
+    def _crossings(self, page: _Page, check_s: float, join_s: float) -> tuple[tuple[str, int, float], ...]:
+        """(link, bytes, seconds) of each link a page crossed into the request's KV."""
+        if page.source is Source.L1:
+            return ()
+        joined = ("L2->L1", self.geometry.nbytes, join_s)
+        if page.source is Source.L2:
+            return (joined,)
+        if page.compressed:
+            return (("L3->L2", page.stored, check_s), joined)
+        return (("L3->L1", page.stored, check_s + join_s),)
 
     def _throttled(self, tier: str, nbytes: int, seconds: float) -> float:
         """Seconds a read of ``nbytes`` from ``tier`` took, after sleeping up to its throttle."""

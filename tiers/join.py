@@ -1,8 +1,9 @@
 """Joining a restore's pages into the request's KV, and the copy threads behind it.
 
 A restore ends with every page's bytes in host memory (L1 pages as views of their
-device arrays, L2 slots, L3 pages read into L2 slots); ``join_pages`` turns them
-into mlx-lm's per-layer K/V arrays in one pass.
+device arrays, L2 slots, raw L3 pages as views of LMDB's map, compressed ones
+decoded into L2 slots); ``join_pages`` turns them into mlx-lm's per-layer K/V
+arrays in one pass, hashing the L3 pages as it copies them.
 """
 
 from __future__ import annotations
@@ -13,10 +14,12 @@ import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import mlx.core as mx
 import numpy as np
+from xxhash import xxh3_64
 
 from .page import PageGeometry
 
@@ -40,7 +43,15 @@ def _let_mlx_finish_loads() -> None:
         time.sleep(0.02)
 
 
-def join_pages(hosts: list[np.ndarray], geometry: PageGeometry) -> list[tuple[mx.array, mx.array]]:
+@dataclass
+class Joined:
+    """A restore's pages joined into per-layer K/V, with the checksums taken on the way."""
+
+    layers: list[tuple[mx.array, mx.array]]  # per layer K, V: (1, kv_heads, tokens, head_dim)
+    digests: list[int | None]  # xxh3_64 of each page's bytes where asked for, else None
+
+
+def join_pages(hosts: list[np.ndarray], geometry: PageGeometry, digest: Sequence[bool] = ()) -> Joined:
     """Per-layer K/V device arrays of consecutive pages, written in one pass.
 
     ``mx.load`` reads the joined prefix from a file-like ``_JoinedPages``, whose
@@ -50,21 +61,44 @@ def join_pages(hosts: list[np.ndarray], geometry: PageGeometry) -> list[tuple[mx
     bytes (a few for a long prefix): mlx's buffer cache then keeps and reuses
     them like the model's own buffers, and a cache trim drops one group, not
     the whole prefix. The layers are views of the groups' arrays.
+
+    Pages flagged in ``digest`` are hashed, group by group, just before their bytes
+    are copied (they are then in the CPU cache), so checking them costs no second
+    pass over memory; the caller compares the digests and drops what follows a bad
+    page.
     """
     global _joined
     _joined = True
     g = geometry
+    hashers = [xxh3_64() if i < len(digest) and digest[i] else None for i in range(len(hosts))]
     layer_bytes = len(hosts) * g.nbytes // g.num_layers
     per_group = max(1, min(g.num_layers, _MAX_BUFFER // layer_bytes))
     layers = []
     for first in range(0, g.num_layers, per_group):
         group = range(first, min(first + per_group, g.num_layers))
-        kv = mx.load(_JoinedPages(hosts, g, group), format="npy")
+        kv = _join_group(hosts, g, group, hashers)
         kv = kv.view(mx.bfloat16) if g.dtype == "bfloat16" else kv
-        mx.eval(kv)  # read now, while the pages are pinned
         halves = mx.split(kv.reshape(2 * len(group), *kv.shape[2:]), 2 * len(group))  # views, lazy
         layers.extend(zip(halves[0::2], halves[1::2]))  # (1, heads, tokens, dim) each
-    return layers
+    return Joined(layers, [None if h is None else h.intdigest() for h in hashers])
+
+
+def _join_group(hosts: list[np.ndarray], geometry: PageGeometry, layers: range,
+                hashers: list[xxh3_64 | None]) -> mx.array:
+    """The pages joined along tokens for ``layers``, as one new mlx array, read now
+    (while the pages are pinned), each hasher fed its page's bytes of these layers."""
+    if len(hosts) == 1 and len(layers) == geometry.num_layers:  # a page is its own join
+        if hashers[0] is not None:
+            hashers[0].update(hosts[0])
+        return mx.array(hosts[0])  # one copy, no file protocol
+    joined = _JoinedPages(hosts, geometry, layers, hashers)
+    kv = mx.load(joined, format="npy")
+    mx.eval(kv)
+    if not joined.hashed:  # mlx read in pieces: hash these layers now, in order
+        for host, hasher in zip(joined.hosts, hashers):
+            if hasher is not None:
+                hasher.update(host)
+    return kv
 
 
 class _JoinedPages:
@@ -79,15 +113,19 @@ class _JoinedPages:
     Python (it can crash), so do not trace allocations around restores.
 
     A read of the whole payload (what ``mx.load`` does) gathers with a few threads,
-    one group of layers each; any other read is served run by run (a run: one page's
-    tokens of one layer, K or V, and head).
+    one run of pages each, hashing each page's layers just before copying them;
+    any other read is served run by run (a run: one page's tokens of one layer, K or
+    V, and head) and hashes nothing.
     """
 
     closed = False
 
-    def __init__(self, hosts: list[np.ndarray], geometry: PageGeometry, layers: range) -> None:
+    def __init__(self, hosts: list[np.ndarray], geometry: PageGeometry, layers: range,
+                 hashers: Sequence[xxh3_64 | None] = ()) -> None:
         g = geometry
         self.hosts = [host[layers.start : layers.stop] for host in hosts]
+        self.hashers = list(hashers) or [None] * len(hosts)
+        self.hashed = False  # whether a whole-payload read hashed every page's layers
         self.shape = (len(layers), 2, g.num_kv_heads, g.page_size * len(hosts), g.head_dim)
         self.dtype = g.storage_dtype
         self.run = g.page_size * g.head_dim * self.dtype.itemsize
@@ -126,12 +164,14 @@ class _JoinedPages:
             joined = np.frombuffer(out, self.dtype).reshape(self.shape)
             size = self.shape[3] // len(self.hosts)
 
-            def fill(layers: range) -> None:
-                for i, host in enumerate(self.hosts):
-                    joined[layers.start : layers.stop, :, :, i * size : (i + 1) * size] = \
-                        host[layers.start : layers.stop]
+            def fill(pages: range) -> None:
+                for i in pages:
+                    if self.hashers[i] is not None:
+                        self.hashers[i].update(self.hosts[i])
+                    joined[:, :, :, i * size : (i + 1) * size] = self.hosts[i]
 
-            in_parallel(fill, shares(range(self.shape[0]), self.payload))
+            in_parallel(fill, shares(range(len(self.hosts)), self.payload))
+            self.hashed = True
             return
         runs = [host.view(np.uint8).reshape(-1, self.run) for host in self.hosts]
         row_bytes = self.run * len(self.hosts)  # one (layer, K or V, head) row of the join

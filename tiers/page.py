@@ -17,6 +17,8 @@ reusable pages.
 
 from __future__ import annotations
 
+import math
+
 import hashlib
 from dataclasses import asdict, dataclass
 from enum import Enum
@@ -108,7 +110,7 @@ class PageGeometry:
 
     @property
     def nbytes(self) -> int:
-        return int(np.prod(self.shape)) * self.storage_dtype.itemsize
+        return math.prod(self.shape) * self.storage_dtype.itemsize
 
     @property
     def bytes_per_token(self) -> int:

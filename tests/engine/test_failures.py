@@ -25,7 +25,7 @@ from costmodel.models import ComputeModel
 from costmodel.plan import Profile
 from engine.engine import Engine, EngineConfig
 from engine.request import SamplingParams
-from tiers.disk import FORMAT_VERSION, DiskTier, RecordHeader
+from tiers.disk import FORMAT_VERSION, DiskTier, RecordHeader, decode_record
 from tiers.hierarchy import StoreConfig
 from tiers.page import page_keys, reusable_pages
 
@@ -139,7 +139,7 @@ def verify_records(store: Path, capacity: int = 32 << 30) -> int:
         with env.begin(buffers=True) as txn:
             for _, value in txn.cursor(db=pages):
                 header, _ = RecordHeader.unpack(value)
-                DiskTier._verify(value, header.namespace, header.tokens, header.raw_len)  # _Corrupt fails
+                decode_record(value, header.namespace, header.tokens, header.raw_len)  # _Corrupt fails
     return s["pages"]
 
 

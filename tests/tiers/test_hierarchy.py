@@ -6,6 +6,7 @@ import lmdb
 import mlx.core as mx
 import numpy as np
 import pytest
+from xxhash import xxh3_64_intdigest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -30,6 +31,8 @@ def kv(i: int) -> mx.array:
 
 
 KV = [kv(i) for i in range(16)]
+# Small integers: every page compresses, so a zstd store keeps every page compressed.
+SMALL = [mx.array(np.random.default_rng(i).integers(0, 4, GEOMETRY.shape)).astype(mx.bfloat16) for i in range(16)]
 
 
 def page_tokens(i: int) -> list[int]:
@@ -41,9 +44,9 @@ def make_store(l1_pages: int, l2_pages: int, store_dir=None, namespace=NS, codec
     return TieredStore(GEOMETRY, namespace, config)
 
 
-def publish(store: TieredStore, *pages: int) -> None:
+def publish(store: TieredStore, *pages: int, data: list[mx.array] = KV) -> None:
     for i in pages:
-        store.publish(KEYS[i], page_tokens(i), KV[i])
+        store.publish(KEYS[i], page_tokens(i), data[i])
 
 
 def same_bytes(a: mx.array, b: mx.array) -> bool:
@@ -130,43 +133,70 @@ def test_joined_pages_serve_any_read_pattern(layers):
         assert np.array_equal(np.load(io.BytesIO(bytes(data))), expected)
 
 
-def test_a_bad_l3_page_ends_the_prefix_and_frees_what_it_held(tmp_path, many_threads):
-    store = make_store(0, 0, tmp_path)
-    publish(store, *range(6))
+@pytest.mark.parametrize("pages, groups, pieces", [(1, 1, False), (3, 1, False), (3, 2, False), (3, 2, True)])
+def test_join_hashes_the_flagged_pages_as_it_copies(monkeypatch, pages, groups, pieces):
+    """Digests of the flagged pages equal their xxh3 whichever way the join runs: one
+    page, one group of layers, several groups, or mlx reading the file in pieces."""
+    hosts = [kv_to_host(KV[i]).view(GEOMETRY.storage_dtype).reshape(GEOMETRY.shape) for i in range(pages)]
+    monkeypatch.setattr(join, "_MAX_BUFFER", pages * PAGE // groups)
+    if pieces:  # serve the payload in two reads: the run-by-run path, which hashes nothing
+        whole = join._JoinedPages._gather
+        monkeypatch.setattr(join._JoinedPages, "_gather", lambda self, out, offset: (
+            whole(self, out[: len(out) // 2], offset), whole(self, out[len(out) // 2 :], offset + len(out) // 2)))
+    flags = [i % 2 == 0 for i in range(pages)]
+    result = join.join_pages(hosts, GEOMETRY, flags)
+    assert result.digests == [xxh3_64_intdigest(h) if f else None for h, f in zip(hosts, flags)]
+    assert len(result.layers) == GEOMETRY.num_layers
+    assert np.array_equal(kv_to_host(joined(result)), kv_to_host(mx.concatenate(KV[:pages], axis=3)))
+
+
+@pytest.mark.parametrize("codec", ["raw", "zstd"])
+def test_a_bad_l3_page_ends_the_prefix_and_frees_what_it_held(tmp_path, many_threads, codec):
+    store = make_store(0, 0, tmp_path, codec=codec)
+    publish(store, *range(6), data=SMALL)
     store.close()
     env = lmdb.open(str(tmp_path), max_dbs=8, map_size=1 << 30)
     with env.begin(write=True) as txn:
         pages = env.open_db(b"pages", txn=txn)
         value = bytearray(txn.get(KEYS[2], db=pages))
-        value[-1] ^= 0xFF  # payload damaged: fails its checksum
+        value[-1] ^= 0xFF  # payload damaged: fails its checksum (or does not decode)
         txn.put(KEYS[2], bytes(value), db=pages)
     env.close()
-    store = make_store(0, 8, tmp_path)
+    store = make_store(0, 8, tmp_path, codec=codec)
     restored = store.restore(KEYS[:6], TOKENS)
     assert restored.sources == [Source.L3] * 2
-    assert same_bytes(joined(restored), mx.concatenate(KV[:2], axis=3))
+    assert same_bytes(joined(restored), mx.concatenate(SMALL[:2], axis=3))
     assert store.disk.counters.checksum_failures == 1
-    assert KEYS[2] not in store.l2 and KEYS[0] in store.l2 and KEYS[1] in store.l2
-    for key in store.l2:  # pages past the cut that a thread read whole are kept, intact
-        assert np.array_equal(store.l2.read(key), kv_to_host(KV[KEYS.index(key)]))
+    assert KEYS[2] not in store.l2
+    if codec == "raw":  # read from the map: nothing kept in L2
+        assert not store.l2.entries
+    else:
+        assert KEYS[0] in store.l2 and KEYS[1] in store.l2
+    for key in store.l2:  # pages past the cut that a thread decoded whole are kept, intact
+        assert np.array_equal(store.l2.read(key), kv_to_host(SMALL[KEYS.index(key)]))
     assert [k for k in KEYS[:6] if store.pinned(k)] == KEYS[:2]
     assert len(store.l2.entries) + len(store.l2.free_slots) == store.l2.max_pages
     store.release(restored.keys)
     store.close()
 
 
-def test_l3_hit_is_kept_in_l2(tmp_path):
-    store = make_store(0, 0, tmp_path)
-    publish(store, 0)
-    store.close()
-    store = make_store(4, 4, tmp_path)
-    restored = store.restore(KEYS[:1], TOKENS)
-    assert restored.sources == [Source.L3]
-    assert KEYS[0] in store.l2 and KEYS[0] not in store.l1
-    assert store.links["L3->L2"].pages == 1 and store.links["L2->L1"].pages == 1
-    store.release(restored.keys)
-    assert store.restore(KEYS[:1], TOKENS).sources == [Source.L2]
-    store.close()
+def test_l3_hit_placement(tmp_path):
+    """A raw L3 page goes straight into the request's KV (L3->L1) and is not kept in L2;
+    a compressed one is decoded into L2 and kept there (L3->L2, then L2->L1)."""
+    for codec, links, again in (("raw", {"L3->L1"}, Source.L3), ("zstd", {"L3->L2", "L2->L1"}, Source.L2)):
+        store = make_store(0, 0, tmp_path / codec, codec=codec)
+        publish(store, 0, data=SMALL)
+        store.close()
+        store = make_store(4, 4, tmp_path / codec, codec=codec)
+        restored = store.restore(KEYS[:1], TOKENS)
+        assert restored.sources == [Source.L3]
+        assert same_bytes(joined(restored), SMALL[0])
+        assert {name for name, link in store.links.items() if link.pages} == links
+        assert all(store.links[name].pages == 1 for name in links)
+        assert KEYS[0] not in store.l1 and (KEYS[0] in store.l2) == (again is Source.L2)
+        store.release(restored.keys)
+        assert store.restore(KEYS[:1], TOKENS).sources == [again]
+        store.close()
 
 
 def test_pins_block_eviction():

@@ -31,7 +31,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from xxhash import xxh3_64_intdigest
 
-from tiers.disk import CODECS, FORMAT_VERSION, DiskTier, RecordHeader, _Corrupt
+from tiers.disk import CODECS, FORMAT_VERSION, DiskTier, RecordHeader, _Corrupt, decode_record
 from tiers.hierarchy import StoreConfig, TieredStore
 from tiers.page import Namespace, PageGeometry, page_keys
 from tiers.tier import kv_to_host
@@ -290,7 +290,9 @@ def test_one_writer_killed_while_others_read_and_write(tmp_path: Path) -> None:
     thread.start()
     mine: list[bytes] = []
     try:
-        for _ in range(4):
+        for trial in range(12):  # 4 trials, more until a kill lands mid-write (load-dependent)
+            if trial >= 4 and log.killed:
+                break
             (k, ns, toks), index = crash_keys("disk", log.next_start, 1)[0], log.next_start
             log.next_start += 1
             log.written[k] = ("disk", index, ns, toks)
@@ -303,7 +305,7 @@ def test_one_writer_killed_while_others_read_and_write(tmp_path: Path) -> None:
     other.close()
     assert not errors and not log.failures, (errors, log.failures)
     assert other.counters.checksum_failures == 0
-    assert log.killed >= 1  # kill timing depends on machine load; the invariants above are the test
+    assert log.killed >= 1
     assert other.counters.inserts == len(mine)  # committed (LRU may have evicted them since)
     assert_consistent(store, log.capacity)
 
@@ -323,7 +325,7 @@ def damage_record(value: bytes, rng: random.Random, in_header: bool) -> bytes:
             pos = rng.randrange(header_end) if in_header else rng.randrange(header_end, len(value))
             bad[pos] ^= rng.randint(1, 255)
         try:
-            DiskTier._verify(memoryview(bytes(bad)), header.namespace, header.tokens, header.raw_len)
+            decode_record(memoryview(bytes(bad)), header.namespace, header.tokens, header.raw_len)
         except _Corrupt:
             return bytes(bad)
 
@@ -659,7 +661,7 @@ def decode(value: bytes, raw_nbytes: int, out: bool) -> bytes | None:
     """The page a stored value yields, or None for a clean "corrupt"; anything else raises."""
     buffer = np.empty(raw_nbytes, np.uint8) if out else None
     try:
-        got = DiskTier._verify(memoryview(value), NS, FUZZ_TOKENS, raw_nbytes, buffer)
+        got = decode_record(memoryview(value), NS, FUZZ_TOKENS, raw_nbytes, buffer)
     except _Corrupt:
         return None
     return got.tobytes() if out else bytes(got)
@@ -697,7 +699,7 @@ _FAST = dict(deadline=None, database=None, suppress_health_check=list(HealthChec
 
 def test_fuzz_record_decoder_yields_the_page_or_corrupt() -> None:
     """Over 10,000 stored values through the L3 decoder (``RecordHeader.unpack`` and
-    ``DiskTier._verify``, with and without an ``out`` buffer): it returns the page's own
+    ``decode_record``, with and without an ``out`` buffer): it returns the page's own
     bytes, or a clean ``_Corrupt``; it never raises anything else or serves other bytes."""
     seeds = seed_records()
     inputs: set[int] = set()
