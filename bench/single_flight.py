@@ -47,7 +47,7 @@ def summarise(requests, t0: float) -> dict:
     followers = requests[1:]
     return {
         "computed": sum(r.sources()["recomputed"] for r in requests),
-        "reused_per_follower": statistics.mean(r.restored_tokens for r in followers) if followers else 0,
+        "reused_per_follower": statistics.mean(r.restored.num_pages * r.page_size for r in followers) if followers else 0,
         "mean_ttft": statistics.mean(r.t_first_token - r.t_submit for r in requests),
         "slowest": max(r.t_done for r in requests) - t0,
     }

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import platform
-from collections import Counter
+from itertools import accumulate
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -12,10 +12,16 @@ from tiers.page import Source
 from .models import ComputeModel, LinkModel
 
 GIB = 1 << 30
-# Links a page crosses on its way into a request's KV, by the tier it is found in.
-PATH = {Source.L1: (), Source.L2: ("L2->L1",), Source.L3: ("L3->L2", "L2->L1")}
-# The link that reads from a tier (what a read throttle on that tier slows).
-READ_LINK = {"L2": "L2->L1", "L3": "L3->L2"}
+# The links that read from a tier (what a read throttle on that tier slows).
+READ_LINKS = {"L2": ("L2->L1",), "L3": ("L3->L1", "L3->L2")}
+
+
+def links_crossed(source: Source, codec: str = "raw") -> tuple[str, ...]:
+    """Links a page crosses on its way into a request's KV, by the tier it is found in
+    (a raw L3 page is read straight from the map, a compressed one decoded into L2)."""
+    if source is Source.L3:
+        return ("L3->L1",) if codec == "raw" else ("L3->L2", "L2->L1")
+    return ("L2->L1",) if source is Source.L2 else ()
 
 
 def machine_id() -> str:
@@ -40,7 +46,8 @@ class Profile:
         """Guesses for an uncalibrated machine: slow links (1 and 0.5 GiB/s), and prefill at
         1 ms a token. Wrongly recomputing a long prefix costs far more than wrongly
         restoring a short one, so the guesses lean towards restoring."""
-        links = {"L2->L1": LinkModel.of(1e-3, 1 * GIB), "L3->L2": LinkModel.of(2e-3, 0.5 * GIB)}
+        links = {"L2->L1": LinkModel.of(1e-3, 1 * GIB), "L3->L1": LinkModel.of(2e-3, 0.5 * GIB),
+                 "L3->L2": LinkModel.of(2e-3, 0.5 * GIB)}
         return cls(links, ComputeModel([1e-3, 1e-3, 0.0]))
 
     def to_dict(self) -> dict:
@@ -49,15 +56,17 @@ class Profile:
 
     @classmethod
     def from_dict(cls, d: dict) -> Profile:
-        links = {name: LinkModel.from_dict(link) for name, link in d["links"].items()}
+        """A stored profile; links it lacks (saved by an older kvtier) start at the defaults."""
+        links = cls.defaults().links
+        links.update({name: LinkModel.from_dict(link) for name, link in d["links"].items()})
         return cls(links, ComputeModel.from_dict(d["compute"]), d.get("calibrated", False))
 
     def capped(self, throttle: dict[str, float]) -> Profile:
         """A view whose throttled tiers' links are no faster than the cap (bytes/s)."""
         links = dict(self.links)
         for tier, rate in throttle.items():
-            link = links[READ_LINK[tier]]
-            links[READ_LINK[tier]] = LinkModel.of(link.setup_s, min(link.bytes_per_s, rate))
+            for name in READ_LINKS[tier]:
+                links[name] = LinkModel.of(links[name].setup_s, min(links[name].bytes_per_s, rate))
         return Profile(links, self.compute, self.calibrated)
 
     def summary(self) -> dict:
@@ -71,43 +80,81 @@ class Profile:
 
 @dataclass
 class RestorePlan:
-    """Which leading matched pages to restore; the rest of the prompt is recomputed."""
+    """How a prompt's matched pages are used.
+
+    Pages ``[0, restore_pages)`` are not computed after the restore: the leading L1
+    pages are used as they are, the next ``overlap_pages`` are computed while the
+    pages after them, up to ``restore_pages``, load (Cake: compute walks forward,
+    loads take the back); the rest of the prompt is computed after. With
+    ``overlap_pages == 0`` the plan is serial: restore, then compute.
+    """
 
     matched: list[str]  # tier of each matched page, in prompt order
     restore_pages: int
-    predicted_s: float  # predicted restore + prefill time of the chosen plan
+    predicted_s: float  # predicted time of the chosen plan
     recompute_s: float  # predicted prefill time with nothing restored
+    overlap_pages: int = 0
+    l1_pages: int = 0  # leading L1 pages
+
+    @property
+    def first_loaded(self) -> int:
+        """Index of the first page loaded from the store after the leading L1 pages."""
+        return self.l1_pages + self.overlap_pages
 
     def to_dict(self) -> dict:
         return {"matched": self.matched, "restore_pages": self.restore_pages,
-                "predicted_s": round(self.predicted_s, 6), "recompute_s": round(self.recompute_s, 6)}
+                "overlap_pages": self.overlap_pages, "predicted_s": round(self.predicted_s, 6),
+                "recompute_s": round(self.recompute_s, 6)}
 
 
-def restore_seconds(sources: Sequence[Source], page_bytes: int, profile: Profile) -> float:
+class LoadCost:
+    """Predicted time to bring any run of the matched pages into a request's KV, from
+    per-link prefix sums of the bytes they would move (each link pays its setup once)."""
+
+    def __init__(self, matched: Sequence[Source], page_bytes: int, profile: Profile, codec: str = "raw") -> None:
+        self.profile = profile
+        crossed = [links_crossed(source, codec) for source in matched]
+        self.prefix = {link: list(accumulate((page_bytes * (link in c) for c in crossed), initial=0))
+                       for link in {link for c in crossed for link in c}}
+
+    def seconds(self, start: int, stop: int) -> float:
+        return sum(self.profile.links[link].predict(sums[stop] - sums[start]) for link, sums in self.prefix.items())
+
+
+def restore_seconds(sources: Sequence[Source], page_bytes: int, profile: Profile, codec: str = "raw") -> float:
     """Predicted time to bring these pages into a request's KV."""
-    moved: Counter[str] = Counter()
-    for source in sources:
-        for link in PATH[source]:
-            moved[link] += page_bytes
-    return sum(profile.links[link].predict(nbytes) for link, nbytes in moved.items())
+    return LoadCost(sources, page_bytes, profile, codec).seconds(0, len(sources))
 
 
 def plan_restore(matched: Sequence[Source], prompt_tokens: int, page_size: int,
-                 page_bytes: int, profile: Profile) -> RestorePlan:
-    """Restore the prefix of ``matched`` that minimises restore + prefill time.
+                 page_bytes: int, profile: Profile, codec: str = "raw") -> RestorePlan:
+    """The plan with the least predicted time to the end of prefill.
 
-    Restores are serial with prefill here (the engine restores, then mlx-lm
-    prefills the rest), so a plan costs their sum. Pages in L1 are always used,
-    so the prefix reaches at least the last L1 page.
+    For each restored prefix length ``k`` (at least up to the last L1 page: L1 pages
+    are always used) it weighs the serial plan, restore then compute, against the
+    overlapped one whose split balances computing the first pages against loading
+    the others (the two times move in opposite directions, so a bisection finds it).
     """
+    loads = LoadCost(matched, page_bytes, profile, codec)
+    compute = profile.compute.predict
     l1 = [i for i, s in enumerate(matched) if s is Source.L1]
-    shortest = l1[-1] + 1 if l1 else 0
-    best_k, best_s = shortest, float("inf")
-    for k in range(shortest, len(matched) + 1):
-        cached = k * page_size
-        seconds = (restore_seconds(matched[:k], page_bytes, profile)
-                   + profile.compute.predict(prompt_tokens - cached, cached))
-        if seconds < best_s:
-            best_k, best_s = k, seconds
-    recompute = profile.compute.predict(prompt_tokens, 0)
-    return RestorePlan([s.value for s in matched], best_k, best_s, recompute)
+    lead = next((i for i, s in enumerate(matched) if s is not Source.L1), len(matched))
+    movable = next((i for i in l1 if i >= lead), len(matched)) - lead  # pages after the lead that are not L1
+    recompute = compute(prompt_tokens, 0)
+    best = RestorePlan([s.value for s in matched], 0, float("inf"), recompute, 0, lead)
+    for k in range(l1[-1] + 1 if l1 else 0, len(matched) + 1):
+        rest = compute(prompt_tokens - k * page_size, k * page_size)
+        front = lambda c: compute(c * page_size, lead * page_size)  # noqa: E731
+        options = [(loads.seconds(0, k) + rest, 0)]
+        most = min(movable, k - lead - 1)  # compute c pages while at least one loads
+        if most >= 1:
+            lo, hi = 1, most  # smallest c whose compute outlasts its load
+            while lo < hi:
+                mid = (lo + hi) // 2
+                lo, hi = (lo, mid) if front(mid) >= loads.seconds(lead + mid, k) else (mid + 1, hi)
+            for c in {max(1, lo - 1), lo}:
+                options.append((max(front(c), loads.seconds(lead + c, k)) + rest, c))
+        seconds, c = min(options)
+        if seconds < best.predicted_s:
+            best = RestorePlan(best.matched, k, seconds, recompute, c, lead)
+    return best

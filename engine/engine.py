@@ -13,6 +13,7 @@ import itertools
 import logging
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -22,9 +23,9 @@ from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_sampler
 
-from costmodel.plan import READ_LINK, Profile, plan_restore
+from costmodel.plan import READ_LINKS, Profile, plan_restore
 from tiers.counters import add_into
-from tiers.hierarchy import StoreConfig, TieredStore
+from tiers.hierarchy import RestoredPrefix, StoreConfig, TieredStore
 from tiers.page import Source, page_keys, reusable_pages
 
 from .flights import FlightCoordinator
@@ -82,6 +83,7 @@ class Engine:
         self._running: dict[int, Request] = {}
         self._rids = itertools.count()
         self._serving: threading.Thread | None = None
+        self._loader = ThreadPoolExecutor(1, thread_name_prefix="kvtier-restore")  # overlapped loads
         self._stop = threading.Event()
         # store_seconds: time the step loop spent in the store (restore, publish): the offload overhead
         self.totals: dict = {"requests": 0, "prompt_tokens": 0, "generated_tokens": 0,
@@ -174,38 +176,73 @@ class Engine:
             self._on_token(self._running[response.uid], response)
 
     def _admit(self, request: Request) -> None:
-        """Plan, restore the chosen prefix (matched now, not at enqueue), hand it to mlx-lm."""
-        cache, restored = None, 0
+        """Plan, bring in the chosen prefix (matched now, not at enqueue), hand it to mlx-lm."""
+        cache = None
         if self.store is not None and request.keys:
             t0 = time.perf_counter()
             matched = self.store.locate(request.keys, request.prompt)
             profile = self.profile.capped(self.config.store.throttle)
             request.plan = plan_restore(matched, len(request.prompt), self.config.page_size,
-                                        self.geometry.nbytes, profile)
+                                        self.geometry.nbytes, profile, self.config.store.codec)
             request.l1_tokens_at_admission = self._l1_tokens(matched)
             links_before = self.store.stats()["links"]
-            request.restored = self.store.restore(request.keys[: request.plan.restore_pages], request.prompt)
+            cache = self._prefix_cache(request)
             self._observe_links(links_before)
-            restored = request.restored_tokens
-            request.published = request.restored.num_pages
-            self.cached_tokens.add(restored)
-            if restored:
-                cache = self._cache_from(request.restored.layers, restored)
+            request.published = request.prefix_tokens // self.config.page_size
+            self.cached_tokens.add(request.restored.num_pages * self.config.page_size)
             self.totals["store_seconds"] += time.perf_counter() - t0
         params = request.params
         sampler = make_sampler(params.temperature, params.top_p)
+        done = request.prefix_tokens
         (request.uid,) = self.generator.insert(
-            [request.prompt[restored:]],
+            [request.prompt[done:]],
             max_tokens=[params.max_tokens],
             caches=[cache],
-            all_tokens=[request.prompt[:restored]],
+            all_tokens=[request.prompt[:done]],
             samplers=[sampler],
         )
         self._running[request.uid] = request
 
+    def _prefix_cache(self, request: Request) -> list | None:
+        """A fresh mlx-lm cache holding the plan's prefix (None if empty); sets
+        ``request.restored`` and ``request.prefix_tokens``.
+
+        An overlapped plan (Cake) computes pages ``l1_pages .. first_loaded`` here while
+        a thread does the host side of loading pages ``first_loaded .. restore_pages``
+        (finding, checking, decoding them: no mlx work off this thread); the loaded
+        pages are then joined and appended to the computed ones.
+        """
+        plan, size, keys = request.plan, self.config.page_size, request.keys
+        if not plan.overlap_pages:
+            request.restored = self.store.restore(keys[: plan.restore_pages], request.prompt)
+            request.prefix_tokens = request.restored.num_pages * size
+            return self._cache_from(request.restored.layers, request.prefix_tokens)
+        head = self.store.restore(keys[: plan.l1_pages], request.prompt)
+        loading = self._loader.submit(self.store.begin, keys[: plan.restore_pages], request.prompt,
+                                      plan.first_loaded, ahead=True)
+        cache = self._cache_from(head.layers, head.num_pages * size) or make_prompt_cache(self.loaded.model)
+        try:
+            self._prefill(cache, request.prompt[head.num_pages * size : plan.first_loaded * size])
+        finally:
+            tail = self.store.finish(loading.result())
+        request.restored = RestoredPrefix(head.keys + tail.keys, head.sources + tail.sources, [])
+        request.prefix_tokens = (plan.first_loaded + tail.num_pages) * size
+        for c, (k, v) in zip(cache, tail.layers):  # the computed tokens (its buffers run past them), then the loaded
+            done = c.offset
+            c.state = (mx.concatenate([c.keys[:, :, :done], k], axis=2),
+                       mx.concatenate([c.values[:, :, :done], v], axis=2), request.prefix_tokens)
+        return cache
+
+    def _prefill(self, cache: list, tokens: list[int]) -> None:
+        """Run the model over ``tokens`` into ``cache``, in mlx-lm's prefill steps."""
+        step = self.config.prefill_step_size
+        for i in range(0, len(tokens), step):
+            self.loaded.model(mx.array([tokens[i : i + step]]), cache=cache)
+            mx.eval([c.state for c in cache])
+
     def _observe_links(self, before: dict) -> None:
         """Feed the link models with what this restore really moved (online refinement)."""
-        throttled = {READ_LINK[tier] for tier in self.config.store.throttle}  # they time the throttle
+        throttled = {link for tier in self.config.store.throttle for link in READ_LINKS[tier]}  # they time the throttle
         for name, after in self.store.stats()["links"].items():
             if name in self.profile.links and name not in throttled and after["bytes"] > before[name]["bytes"]:
                 self.profile.links[name].observe(after["bytes"] - before[name]["bytes"],
@@ -218,12 +255,15 @@ class Engine:
                  and all(r.t_first_token is None for r in self._running.values()))
         for response in prompt_responses:
             request = self._running[response.uid]
-            chunk, cached = response.progress[0] - request.prefilled, request.restored_tokens + request.prefilled
+            chunk, cached = response.progress[0] - request.prefilled, request.prefix_tokens + request.prefilled
             request.prefilled = response.progress[0]
             if clean and chunk > 0:
                 self.profile.compute.observe(chunk, cached, seconds=seconds)
 
-    def _cache_from(self, layers: list[tuple[mx.array, mx.array]], num_tokens: int) -> list:
+    def _cache_from(self, layers: list[tuple[mx.array, mx.array]], num_tokens: int) -> list | None:
+        """An mlx-lm cache holding these per-layer K/V; None (mlx-lm makes one) when empty."""
+        if not num_tokens:
+            return None
         cache = make_prompt_cache(self.loaded.model)
         for c, (keys, values) in zip(cache, layers):
             c.state = (keys, values, num_tokens)
@@ -238,7 +278,7 @@ class Engine:
             request = self._running[response.uid]
             early = response.end_of_prompt and self.scheduler.flights.is_leader(request.rid)
             if self.config.publish == "incremental" or early:
-                in_cache = request.restored_tokens + response.progress[0]
+                in_cache = request.prefix_tokens + response.progress[0]
                 ready = min(len(request.keys), in_cache // self.config.page_size)
                 if ready > request.published:
                     caches, _ = self.generator.extract_cache([request.uid])[request.uid]
@@ -329,4 +369,5 @@ class Engine:
                 self.store.disk.put_meta("last_run", {"model": self.loaded.name, "windowed": stats["windowed"],
                                                       "costmodel": stats["costmodel"]})
             self.store.close(extra_counters={"engine": self.totals})
+        self._loader.shutdown()
         self.generator.close()

@@ -24,7 +24,8 @@ class Request:
     """One prompt in the engine.
 
     ``sources`` always sums to ``len(prompt)``: restored pages count by the tier
-    they came from, every other token (the last one always) as recomputed.
+    they came from, every other token (the last one always) as recomputed (pages
+    computed while others load, in an overlapped plan, too).
     """
 
     rid: int
@@ -35,6 +36,7 @@ class Request:
     uid: int | None = None  # BatchGenerator's id once admitted
     plan: RestorePlan | None = None
     restored: RestoredPrefix | None = None
+    prefix_tokens: int = 0  # tokens in the cache handed to mlx-lm: restored, or computed while loading
     published: int = 0  # leading pages known to be in the store
     prefilled: int = 0  # tokens mlx-lm has prefilled after the restored prefix
     l1_tokens_at_enqueue: int = 0  # prompt tokens in L1 when submitted
@@ -50,10 +52,6 @@ class Request:
         """Output tokens as they are generated (from any thread), until the request ends."""
         while (token := self._tokens.get()) is not None:
             yield token
-
-    @property
-    def restored_tokens(self) -> int:
-        return self.restored.num_pages * self.page_size if self.restored else 0
 
     @property
     def done(self) -> bool:

@@ -51,7 +51,32 @@ def test_short_prefix_is_recomputed_when_setup_dominates(loaded):
     engine.generate([short, long], GREEDY)
     again_short, again_long = engine.generate([short, long], GREEDY)
     assert again_short.plan.matched == ["L2"] and again_short.sources()["recomputed"] == len(short)
-    assert again_long.sources()["L2"] == 20 * PAGE
+    plan = again_long.plan  # every page reused (some computed while the others load)
+    assert plan.restore_pages == 20 and again_long.sources()["L2"] == (20 - plan.overlap_pages) * PAGE
+    assert again_long.output == mlx_lm_greedy(loaded, long, GREEDY.max_tokens)
+
+
+def test_overlapped_plan_computes_the_front_while_the_back_loads(loaded, tmp_path):
+    """A link as slow as compute: the planner splits (Cake); the output is unchanged and
+    each page is labelled by where it came from."""
+    prompt = text_prompt(loaded, 12 * PAGE + 7, seed=31)
+    first = engine_for(loaded, tmp_path)
+    first.generate([prompt], GREEDY)
+    first.close()
+    per_page = 0.05  # seconds to compute or to load a page, as the planner sees it
+    engine = engine_for(loaded, tmp_path, throttle={"L3": 1.5 * loaded.geometry(PAGE).nbytes / per_page})
+    engine.profile = Profile({**Profile.defaults().links, "L3->L1": LinkModel.of(0.0, 1 << 40)},
+                             ComputeModel([0.0, per_page / PAGE, 0.0]))
+    (request,) = engine.generate([prompt], GREEDY)
+    plan = request.plan
+    engine.close()
+    assert plan.matched == ["L3"] * 12 and plan.restore_pages == 12 and 0 < plan.overlap_pages < 12
+    assert plan.predicted_s < min(plan.recompute_s, 12 * 1.5 * per_page)
+    sources = request.sources()
+    assert sources["L3"] == (12 - plan.overlap_pages) * PAGE
+    assert sources["recomputed"] == len(prompt) - sources["L3"]
+    assert request.output == mlx_lm_greedy(loaded, prompt, GREEDY.max_tokens)
+    assert json.dumps(engine.result(request)["plan"])  # shown in --json
 
 
 def test_restores_refine_the_link_model_and_record_errors(loaded):

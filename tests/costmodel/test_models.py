@@ -42,8 +42,7 @@ def test_prediction_errors_are_recorded():
 
 
 def profile(link_gib_s: float, setup_s: float = 1e-4, per_token: float = 1e-3) -> Profile:
-    links = {"L2->L1": LinkModel.of(setup_s, link_gib_s * (1 << 30)),
-             "L3->L2": LinkModel.of(setup_s, link_gib_s * (1 << 30))}
+    links = {name: LinkModel.of(setup_s, link_gib_s * (1 << 30)) for name in ("L2->L1", "L3->L1", "L3->L2")}
     return Profile(links, ComputeModel([0.0, per_token, 0.0]))
 
 
@@ -74,8 +73,38 @@ def test_l1_pages_are_always_used():
 def test_restore_seconds_counts_each_link_crossed():
     p = profile(1.0, setup_s=0.0)
     one_link = restore_seconds([Source.L2], PAGE_BYTES, p)
-    assert restore_seconds([Source.L3], PAGE_BYTES, p) == pytest.approx(2 * one_link)
+    assert restore_seconds([Source.L3], PAGE_BYTES, p) == pytest.approx(one_link)  # raw: L3->L1
+    assert restore_seconds([Source.L3], PAGE_BYTES, p, codec="zstd") == pytest.approx(2 * one_link)
     assert restore_seconds([Source.L1], PAGE_BYTES, p) == 0.0
+
+
+def test_setup_is_paid_once_per_link():
+    p = profile(1.0, setup_s=0.25)
+    assert restore_seconds([Source.L2] * 3, PAGE_BYTES, p) == pytest.approx(0.25 + 3 * PAGE_BYTES / (1 << 30))
+
+
+def test_overlap_balances_compute_of_the_front_against_loads_of_the_back():
+    """A page takes 0.1 s to compute and ~0.1 s to load: computing half while the other
+    half loads beats both the serial restore and recomputing."""
+    p = profile(PAGE_BYTES / 0.1 / (1 << 30), setup_s=0.0, per_token=0.1 / PAGE)
+    plan = plan_restore([Source.L3] * 8, 8 * PAGE + 1, PAGE, PAGE_BYTES, p)
+    assert plan.restore_pages == 8 and plan.overlap_pages == 4 and plan.first_loaded == 4
+    assert plan.predicted_s == pytest.approx(0.4 + 0.1 / PAGE)  # max(4 computed, 4 loaded) + last token
+    assert plan.predicted_s < 0.8 and plan.recompute_s == pytest.approx(0.8 + 0.1 / PAGE)
+
+
+def test_no_overlap_when_loads_are_cheap():
+    plan = plan_restore([Source.L3] * 8, 8 * PAGE + 1, PAGE, PAGE_BYTES, profile(100.0))
+    assert plan.restore_pages == 8 and plan.overlap_pages == 0
+
+
+def test_overlap_starts_after_the_leading_l1_pages_and_stops_at_the_next_one():
+    p = profile(PAGE_BYTES / 0.1 / (1 << 30), setup_s=0.0, per_token=0.1 / PAGE)
+    plan = plan_restore([Source.L1] * 2 + [Source.L3] * 6, 8 * PAGE + 1, PAGE, PAGE_BYTES, p)
+    assert plan.l1_pages == 2 and plan.overlap_pages == 3 and plan.first_loaded == 5
+    plan = plan_restore([Source.L3, Source.L3, Source.L1] + [Source.L3] * 5, 8 * PAGE + 1, PAGE, PAGE_BYTES, p)
+    assert plan.l1_pages == 0 and plan.overlap_pages <= 2 and plan.restore_pages >= 3  # the L1 page is used
+    assert plan.predicted_s == pytest.approx(0.5 + 0.1 / PAGE)
 
 
 def test_profile_round_trips():
