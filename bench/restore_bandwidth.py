@@ -10,7 +10,7 @@ evaluated). Each round times, back to back on the same bytes: numpy memcpy (one
 thread, warm source and destination), memcpy split over two threads, the restore
 from L2, the restore from L3 (OS page cache warm, raw codec) and mlx_lm's
 ``load_prompt_cache`` of the same KV (safetensors, page cache warm). The best of the
-rounds is reported for each, so the ratios compare times from one stretch of the run
+rounds (16/n times as many for n < 16 pages) is reported for each, so the ratios compare times from one stretch of the run
 (this VM's bandwidth drifts by 1.5x from minute to minute).
 
 Reported per row:
@@ -211,7 +211,7 @@ def measure(n: int, rounds: int) -> list[dict]:
         timed = {"memcpy": memcpy.one_thread, "memcpy2": memcpy.two_threads,
                  **{t: r.run for t, r in restorers.items()}, "peer": peer.run}
         best = dict.fromkeys(timed, float("inf"))
-        for _ in range(rounds):
+        for _ in range(rounds * max(1, 16 // n)):  # sub-millisecond restores get more rounds
             for name, run in timed.items():  # each returns the seconds of the timed part
                 best[name] = min(best[name], run())
         extra = {tier: r.extra_pages() for tier, r in restorers.items()}
@@ -246,7 +246,8 @@ def main() -> None:
                           "malloc_mmap_threshold_pinned": pinned, "rows": rows}, indent=1))
         return
     print(f"BLAS: {blas_in_use()}; page = {GEOMETRY.nbytes / (1 << 20):.1f} MiB; "
-          f"mlx cache limit {cache_limit / GIB:g} GiB; best of {args.rounds} interleaved rounds")
+          f"mlx cache limit {cache_limit / GIB:g} GiB; best of {args.rounds} interleaved rounds "
+          "(x16/n below 16 pages)")
     print(f"{'pages':>5} {'from':>17} {'GiB/s':>7} {'memcpy':>7} {'2thr':>6} {'ratio':>6} {'extra pages':>11}"
           f"  per link GiB/s")
     for r in rows:
