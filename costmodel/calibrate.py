@@ -1,13 +1,14 @@
 """Calibration: timed restores on every link and timed prefills, fitted into a Profile.
 
 Link samples are restores of 1..N pages of the model's page geometry through a
-scratch ``TieredStore`` next to the real store (same filesystem), each timed in
-steady state (the second of two restores). Compute samples are forward passes of
-``n`` tokens after ``p`` cached ones.
+scratch ``TieredStore`` next to the real store (same filesystem), timed in steady
+state (after a warm-up restore). Compute samples are forward passes of ``n`` tokens
+after ``p`` cached ones. Each sample is the median of ``REPEATS`` timings.
 """
 
 from __future__ import annotations
 
+import statistics
 import tempfile
 import time
 from contextlib import contextmanager
@@ -25,6 +26,7 @@ from tiers.page import Namespace, PageGeometry, page_keys
 from .plan import Profile
 
 PAGE_COUNTS = (1, 2, 4, 8, 16)
+REPEATS = 3  # timings per sample, the median kept: one stall of a noisy machine moves nothing
 PREFILL_TOKENS = (32, 128, 384)
 CONTEXTS = (0, 512, 1024)
 
@@ -97,13 +99,15 @@ def link_samples(geometry: PageGeometry, store_dir: Path, tick: Tick,
 
 
 def _timed(store: TieredStore, keys: list, tokens: list[int], link: str) -> tuple[str, int, float]:
-    """Bytes and seconds on ``link`` of a steady-state restore of ``keys``."""
-    if link == "L2->L1":
-        store.release(store.restore(keys, tokens).keys)  # warm staging and buffers
-    before = dict(store.stats()["links"][link])
-    store.release(store.restore(keys, tokens).keys)
-    after = store.stats()["links"][link]
-    return link, after["bytes"] - before["bytes"], after["seconds"] - before["seconds"]
+    """Bytes and median seconds on ``link`` of steady-state restores of ``keys``."""
+    store.release(store.restore(keys, tokens).keys)  # warm mlx's buffers (and the page cache)
+    seconds = []
+    for _ in range(REPEATS):
+        before = dict(store.stats()["links"][link])
+        store.release(store.restore(keys, tokens).keys)
+        after = store.stats()["links"][link]
+        seconds.append(after["seconds"] - before["seconds"])
+    return link, after["bytes"] - before["bytes"], statistics.median(seconds)
 
 
 def prefill_samples(model: nn.Module, tick: Tick) -> list[tuple[int, int, float]]:
@@ -116,10 +120,13 @@ def prefill_samples(model: nn.Module, tick: Tick) -> list[tuple[int, int, float]
         if p:
             mx.eval(model(tokens[:, :p], cache=cache))
         for n in PREFILL_TOKENS:
-            t0 = time.perf_counter()
-            mx.eval(model(tokens[:, p : p + n], cache=cache))
-            samples.append((n, p, time.perf_counter() - t0))
-            trim_prompt_cache(cache, n)
+            seconds = []
+            for _ in range(REPEATS):
+                t0 = time.perf_counter()
+                mx.eval(model(tokens[:, p : p + n], cache=cache))
+                seconds.append(time.perf_counter() - t0)
+                trim_prompt_cache(cache, n)
+            samples.append((n, p, statistics.median(seconds)))
             tick()
     return samples
 

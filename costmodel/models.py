@@ -4,10 +4,11 @@
 - Compute: ``T(n, p) = c0 + c1*n + c2*n*(p + n/2)`` for ``n`` new tokens after
   ``p`` cached ones (attention work grows with the context).
 
-Both are least-squares fits over a window of recent samples (calibration first,
-then every real transfer and prefill), refitted on each new sample after dropping
-outliers (residual above 3 median absolute residuals), so one slow step caused by
-the machine does not move the model. Coefficients are clamped non-negative.
+Both are least-squares fits of relative error over a window of recent samples
+(calibration first, then every real transfer and prefill), refitted on each new
+sample after dropping outliers (residual above 3 median absolute residuals), so one
+slow step caused by the machine does not move the model. Coefficients are clamped
+non-negative.
 """
 
 from __future__ import annotations
@@ -85,7 +86,10 @@ class TimeModel:
             return  # too few distinct inputs to separate the terms reliably
         data = np.array(self.samples, dtype=float)
         features = np.array([self.features(*row[:-1]) for row in data])
-        self.coef = [float(c) for c in robust_fit(features, data[:, -1])]
+        # Each row divided by its time: the fit minimises relative errors, so a 3 MiB
+        # restore counts as much as a 300 MiB one (predictions are judged relatively).
+        weight = 1.0 / np.maximum(data[:, -1], 1e-9)
+        self.coef = [float(c) for c in robust_fit(features * weight[:, None], data[:, -1] * weight)]
 
     def to_dict(self) -> dict:
         return {"coef": self.coef, "samples": [list(s) for s in self.samples]}

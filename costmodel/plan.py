@@ -116,9 +116,19 @@ class LoadCost:
         crossed = [links_crossed(source, codec) for source in matched]
         self.prefix = {link: list(accumulate((page_bytes * (link in c) for c in crossed), initial=0))
                        for link in {link for c in crossed for link in c}}
+        self.joined = list(accumulate((page_bytes * (s is not Source.L1) for s in matched), initial=0))
 
-    def seconds(self, start: int, stop: int) -> float:
-        return sum(self.profile.links[link].predict(sums[stop] - sums[start]) for link, sums in self.prefix.items())
+    def seconds(self, start: int, stop: int, links: Sequence[str] | None = None) -> float:
+        return sum(self.profile.links[link].predict(sums[stop] - sums[start])
+                   for link, sums in self.prefix.items() if links is None or link in links)
+
+    def overlapped(self, start: int, stop: int) -> tuple[float, float]:
+        """(reads, join) of loading these pages beside the model: only the L3 reads
+        (checks, decodes) run beside it; joining every page into the KV (priced as
+        an L2->L1 copy) runs after it, on the model's thread. For a raw L3 page that
+        counts its copy twice: a pessimism that keeps overlap for clear wins."""
+        join = self.profile.links["L2->L1"].predict(self.joined[stop] - self.joined[start])
+        return self.seconds(start, stop, READ_LINKS["L3"]), join
 
 
 def restore_seconds(sources: Sequence[Source], page_bytes: int, profile: Profile, codec: str = "raw") -> float:
@@ -132,8 +142,9 @@ def plan_restore(matched: Sequence[Source], prompt_tokens: int, page_size: int,
 
     For each restored prefix length ``k`` (at least up to the last L1 page: L1 pages
     are always used) it weighs the serial plan, restore then compute, against the
-    overlapped one whose split balances computing the first pages against loading
-    the others (the two times move in opposite directions, so a bisection finds it).
+    overlapped one whose split balances computing the first pages against reading
+    the others (the two times move in opposite directions, so a bisection finds it);
+    the overlapped plan then joins what was read (see ``LoadCost.overlapped``).
     """
     loads = LoadCost(matched, page_bytes, profile, codec)
     compute = profile.compute.predict
@@ -144,16 +155,19 @@ def plan_restore(matched: Sequence[Source], prompt_tokens: int, page_size: int,
     best = RestorePlan([s.value for s in matched], 0, float("inf"), recompute, 0, lead)
     for k in range(l1[-1] + 1 if l1 else 0, len(matched) + 1):
         rest = compute(prompt_tokens - k * page_size, k * page_size)
-        front = lambda c: compute(c * page_size, lead * page_size)  # noqa: E731
         options = [(loads.seconds(0, k) + rest, 0)]
         most = min(movable, k - lead - 1)  # compute c pages while at least one loads
         if most >= 1:
-            lo, hi = 1, most  # smallest c whose compute outlasts its load
+            def front(c: int) -> float:
+                return compute(c * page_size, lead * page_size)
+
+            lo, hi = 1, most  # smallest c whose compute outlasts the reads beside it
             while lo < hi:
                 mid = (lo + hi) // 2
-                lo, hi = (lo, mid) if front(mid) >= loads.seconds(lead + mid, k) else (mid + 1, hi)
+                lo, hi = (lo, mid) if front(mid) >= loads.overlapped(lead + mid, k)[0] else (mid + 1, hi)
             for c in {max(1, lo - 1), lo}:
-                options.append((max(front(c), loads.seconds(lead + c, k)) + rest, c))
+                reads, join = loads.overlapped(lead + c, k)
+                options.append((max(front(c), reads) + join + rest, c))
         seconds, c = min(options)
         if seconds < best.predicted_s:
             best = RestorePlan(best.matched, k, seconds, recompute, c, lead)

@@ -67,9 +67,6 @@ class Engine:
             TieredStore(self.geometry, self.namespace, self.config.store)
             if self.config.offload else None
         )
-        # Freed buffers are reused only below mlx's cache limit; restores need it raised.
-        previous = mx.set_cache_limit(1 << 30)
-        mx.set_cache_limit(max(previous, 1 << 30))
         self.generator = BatchGenerator(
             loaded.model,
             stop_tokens=[[t] for t in loaded.tokenizer.eos_token_ids],

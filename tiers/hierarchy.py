@@ -48,7 +48,7 @@ from xxhash import xxh3_64_intdigest
 from .counters import LINKS, LinkCounters, add_into
 from .disk import DiskTier, Snapshot, StoredRecord, StoreError
 from .page import Namespace, PageGeometry, PageKey, Source
-from .join import in_parallel, join_pages, shares
+from .join import in_parallel, join_pages, keep_buffers_for_restores, shares
 from .tier import DevicePage, HostTier, Tier, kv_to_host
 
 log = logging.getLogger(__name__)
@@ -121,6 +121,7 @@ class TieredStore:
     ) -> None:
         self.geometry = geometry
         self.namespace = namespace
+        keep_buffers_for_restores()
         self.ns_digest = namespace.digest()
         self.l1: Tier[DevicePage] = Tier("L1", config.l1_bytes, geometry.nbytes)
         self.l2 = HostTier(config.l2_bytes, geometry)

@@ -43,6 +43,13 @@ def _let_mlx_finish_loads() -> None:
         time.sleep(0.02)
 
 
+def keep_buffers_for_restores(limit: int = 1 << 30) -> None:
+    """Raise mlx's buffer-cache limit to at least ``limit``: a restore's arrays come from
+    that cache, and below the limit freed buffers are kept for the next restore
+    instead of being returned to the OS and faulted in again (2-3x slower on CPU)."""
+    mx.set_cache_limit(max(mx.set_cache_limit(limit), limit))
+
+
 @dataclass
 class Joined:
     """A restore's pages joined into per-layer K/V, with the checksums taken on the way."""

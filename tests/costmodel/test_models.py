@@ -41,8 +41,10 @@ def test_prediction_errors_are_recorded():
     assert link.error.summary()["median"] == pytest.approx(0.5)
 
 
-def profile(link_gib_s: float, setup_s: float = 1e-4, per_token: float = 1e-3) -> Profile:
+def profile(link_gib_s: float, setup_s: float = 1e-4, per_token: float = 1e-3, join_gib_s: float | None = None) -> Profile:
     links = {name: LinkModel.of(setup_s, link_gib_s * (1 << 30)) for name in ("L2->L1", "L3->L1", "L3->L2")}
+    if join_gib_s is not None:
+        links["L2->L1"] = LinkModel.of(0.0, join_gib_s * (1 << 30))
     return Profile(links, ComputeModel([0.0, per_token, 0.0]))
 
 
@@ -83,14 +85,27 @@ def test_setup_is_paid_once_per_link():
     assert restore_seconds([Source.L2] * 3, PAGE_BYTES, p) == pytest.approx(0.25 + 3 * PAGE_BYTES / (1 << 30))
 
 
-def test_overlap_balances_compute_of_the_front_against_loads_of_the_back():
-    """A page takes 0.1 s to compute and ~0.1 s to load: computing half while the other
-    half loads beats both the serial restore and recomputing."""
-    p = profile(PAGE_BYTES / 0.1 / (1 << 30), setup_s=0.0, per_token=0.1 / PAGE)
-    plan = plan_restore([Source.L3] * 8, 8 * PAGE + 1, PAGE, PAGE_BYTES, p)
+def slow_reads(join_s: float = 0.001) -> Profile:
+    """A page takes 0.1 s to compute, 0.1 s to read from L3, ``join_s`` to join."""
+    return profile(PAGE_BYTES / 0.1 / (1 << 30), setup_s=0.0, per_token=0.1 / PAGE,
+                   join_gib_s=PAGE_BYTES / join_s / (1 << 30))
+
+
+def test_overlap_balances_compute_of_the_front_against_reads_of_the_back():
+    """Computing half while the other half is read, then joining it, beats both the
+    serial restore and recomputing."""
+    plan = plan_restore([Source.L3] * 8, 8 * PAGE + 1, PAGE, PAGE_BYTES, slow_reads())
     assert plan.restore_pages == 8 and plan.overlap_pages == 4 and plan.first_loaded == 4
-    assert plan.predicted_s == pytest.approx(0.4 + 0.1 / PAGE)  # max(4 computed, 4 loaded) + last token
-    assert plan.predicted_s < 0.8 and plan.recompute_s == pytest.approx(0.8 + 0.1 / PAGE)
+    # max(4 computed, 4 read) + 4 joined + the last token
+    assert plan.predicted_s == pytest.approx(0.4 + 0.004 + 0.1 / PAGE)
+    assert plan.recompute_s == pytest.approx(0.8 + 0.1 / PAGE)
+
+
+def test_joins_run_after_the_overlap():
+    """When joining costs as much as reading (L2 pages: the join is the whole load), an
+    overlap gains nothing and the plan stays serial."""
+    plan = plan_restore([Source.L2] * 8, 8 * PAGE + 1, PAGE, PAGE_BYTES, slow_reads(join_s=0.05))
+    assert plan.overlap_pages == 0 and plan.restore_pages == 8
 
 
 def test_no_overlap_when_loads_are_cheap():
@@ -99,7 +114,7 @@ def test_no_overlap_when_loads_are_cheap():
 
 
 def test_overlap_starts_after_the_leading_l1_pages_and_stops_at_the_next_one():
-    p = profile(PAGE_BYTES / 0.1 / (1 << 30), setup_s=0.0, per_token=0.1 / PAGE)
+    p = slow_reads(join_s=1e-9)
     plan = plan_restore([Source.L1] * 2 + [Source.L3] * 6, 8 * PAGE + 1, PAGE, PAGE_BYTES, p)
     assert plan.l1_pages == 2 and plan.overlap_pages == 3 and plan.first_loaded == 5
     plan = plan_restore([Source.L3, Source.L3, Source.L1] + [Source.L3] * 5, 8 * PAGE + 1, PAGE, PAGE_BYTES, p)
