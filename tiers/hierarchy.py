@@ -92,7 +92,8 @@ class PendingRestore:
 
     pages: list[_Page]  # pinned
     digests: list[int | None]  # xxh3 of raw L3 pages checked ahead, else None
-    host_s: float
+    find_s: float  # finding and pinning the pages
+    host_s: float  # decoding and checking L3 pages, waiting out an L3 throttle
     snapshot: ExitStack  # holds the L3 snapshot open until finish
 
 
@@ -185,14 +186,15 @@ class TieredStore:
         copies; without, the join hashes them as it copies them. Touches no mlx
         array: safe on another thread while the model runs."""
         with self._lock, ExitStack() as stack:
+            t0 = time.perf_counter()
             snap = stack.enter_context(self._snapshot())
             pages = self._plan(keys, tokens, snap, first)
-            t0 = time.perf_counter()
+            t1 = time.perf_counter()
             pages = self._decode_compressed(pages)
             digests = self._hash_raw_l3(pages) if ahead else [None] * len(pages)
             l3_bytes = sum(p.stored for p in pages)
-            host_s = self._throttled("L3", l3_bytes, time.perf_counter() - t0) if l3_bytes else 0.0
-            return PendingRestore(pages, digests, host_s, stack.pop_all())
+            host_s = self._throttled("L3", l3_bytes, time.perf_counter() - t1) if l3_bytes else 0.0
+            return PendingRestore(pages, digests, t1 - t0, host_s, stack.pop_all())
 
     def finish(self, pending: PendingRestore) -> RestoredPrefix:
         """Join a begun restore's pages into per-layer device arrays and end its snapshot."""
@@ -206,7 +208,7 @@ class TieredStore:
             joined = join_pages([p.data for p in pages], self.geometry, hash_now)
             digests = [a if a is not None else b for a, b in zip(pending.digests, joined.digests)]
             good = self._cut(pages, self._first_bad(pages, digests))
-            self._record_restore(good, pending.host_s, time.perf_counter() - t0)
+            self._record_restore(good, pending.host_s, pending.find_s + time.perf_counter() - t0)
             kept = len(good) * self.geometry.page_size
             layers = joined.layers if len(good) == len(pages) else \
                 [(k[:, :, :kept], v[:, :, :kept]) for k, v in joined.layers]
@@ -308,8 +310,9 @@ class TieredStore:
 
     def _record_restore(self, pages: list[_Page], host_s: float, join_s: float) -> None:
         """Add a restore's bytes and seconds to the links its pages crossed: each page
-        takes an equal share of the join, each L3 page an equal share of the host work
-        (decodes, checks, an L3 throttle's wait); an L2 throttle stretches the join."""
+        takes an equal share of finding and joining (``join_s``), each L3 page an equal
+        share of the host work (decodes, checks, an L3 throttle's wait); an L2 throttle
+        stretches the joins. L1 pages cross no link: their shares are not counted."""
         moved: dict[str, LinkCounters] = {}
         l3 = sum(p.source is Source.L3 for p in pages)
         for page in pages:
