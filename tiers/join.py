@@ -47,7 +47,8 @@ def keep_buffers_for_restores(limit: int = 1 << 30) -> None:
     """Raise mlx's buffer-cache limit to at least ``limit``: a restore's arrays come from
     that cache, and below the limit freed buffers are kept for the next restore
     instead of being returned to the OS and faulted in again (2-3x slower on CPU)."""
-    mx.set_cache_limit(max(mx.set_cache_limit(limit), limit))
+    previous = mx.set_cache_limit(1 << 62)  # read the limit by raising it: lowering would trim the cache
+    mx.set_cache_limit(max(previous, limit))
 
 
 @dataclass
