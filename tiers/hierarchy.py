@@ -360,10 +360,15 @@ class TieredStore:
 
     # -- publish and spill ---------------------------------------------------
 
+    def has(self, key: PageKey) -> bool:
+        """Whether some tier holds ``key`` (unverified: a restore checks it)."""
+        with self._lock:
+            return key in self.l1 or key in self.l2 or (self.disk is not None and self.disk.contains(key))
+
     def publish(self, key: PageKey, tokens: Sequence[int], kv: mx.array) -> bool:
         """Add a newly computed full page to L1; False if it was already stored."""
         with self._lock:
-            if key in self.l1 or key in self.l2 or (self.disk and self.disk.contains(key)):
+            if self.has(key):
                 return False
             self._add_l1(key, tuple(tokens), kv)
             return True
