@@ -6,6 +6,7 @@ import argparse
 import json
 import logging
 import re
+import signal
 import sys
 from pathlib import Path
 from typing import Sequence
@@ -108,6 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    if hasattr(signal, "SIGPIPE"):  # `kvtier ... | head` ends quietly, like any Unix tool (output comes after the store closes)
+        signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     try:
         args = build_parser().parse_args(argv)
         logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
