@@ -95,10 +95,8 @@ def _join_group(hosts: list[np.ndarray], geometry: PageGeometry, layers: range,
                 hashers: list[xxh3_64 | None]) -> mx.array:
     """The pages joined along tokens for ``layers``, as one new mlx array, read now
     (while the pages are pinned), each hasher fed its page's bytes of these layers."""
-    if len(hosts) == 1 and len(layers) == geometry.num_layers:  # a page is its own join
-        if hashers[0] is not None:
-            hashers[0].update(hosts[0])
-        return mx.array(hosts[0])  # one copy, no file protocol
+    if len(hosts) == 1 and len(layers) == geometry.num_layers:  # a page is its own join: one copy
+        return _copied(hosts[0], hashers[0])
     joined = _JoinedPages(hosts, geometry, layers, hashers)
     kv = mx.load(joined, format="npy")
     mx.eval(kv)
@@ -107,6 +105,27 @@ def _join_group(hosts: list[np.ndarray], geometry: PageGeometry, layers: range,
             if hasher is not None:
                 hasher.update(host)
     return kv
+
+
+def _copied(host: np.ndarray, hasher: xxh3_64 | None) -> mx.array:
+    """``mx.array(host)``, with ``host`` fed to ``hasher`` beside the copy. mx.array keeps
+    the GIL while it copies and xxhash lets it go, so the hash is started first."""
+    if hasher is None or _WORKERS == 1:
+        if hasher is not None:
+            hasher.update(host)
+        return mx.array(host)
+    started = threading.Event()
+
+    def feed() -> None:
+        started.set()
+        hasher.update(host)
+
+    hashing = _executor().submit(feed)
+    started.wait()
+    try:
+        return mx.array(host)
+    finally:
+        hashing.result()
 
 
 class _JoinedPages:
@@ -208,14 +227,18 @@ def shares(items: Sequence, nbytes: int) -> list:
     return _chunks(items, min(_WORKERS, max(1, nbytes // _MIN_SHARE)))
 
 
+def _executor() -> ThreadPoolExecutor:
+    global _pool
+    if _pool is None:
+        with _setup:
+            _pool = _pool or ThreadPoolExecutor(max(1, _WORKERS - 1), thread_name_prefix="kvtier-copy")
+    return _pool
+
+
 def in_parallel(work: Callable[[object], None], parts: list) -> None:
     """``work(part)`` for every part: the first on this thread, the others on the shared
     pool; returns when all are done (raising the first error)."""
-    global _pool
-    if len(parts) > 1 and _pool is None:
-        with _setup:
-            _pool = _pool or ThreadPoolExecutor(_WORKERS - 1, thread_name_prefix="kvtier-copy")
-    futures = [_pool.submit(work, part) for part in parts[1:]]
+    futures = [_executor().submit(work, part) for part in parts[1:]]
     try:
         if parts:
             work(parts[0])
