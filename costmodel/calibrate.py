@@ -48,20 +48,22 @@ def calibrate(model: nn.Module, geometry: PageGeometry, store_dir: Path, tick: T
 
 def steps(page_counts: Iterable[int] = PAGE_COUNTS) -> int:
     """How many samples ``calibrate`` takes (for a progress bar)."""
-    return 2 * len(tuple(page_counts)) + len(PREFILL_TOKENS) * len(CONTEXTS)
+    return 3 * len(tuple(page_counts)) + len(PREFILL_TOKENS) * len(CONTEXTS)
 
 
 @contextmanager
-def scratch_store(geometry: PageGeometry, store_dir: Path, pages: int) -> Iterator[tuple[TieredStore, list, list[int]]]:
+def scratch_store(geometry: PageGeometry, store_dir: Path, pages: int,
+                  codec: str = "raw") -> Iterator[tuple[TieredStore, list, list[int]]]:
     """A throwaway store beside ``store_dir`` (same filesystem) holding ``pages`` random
-    pages in L2 (and nothing in L1), with their keys and tokens; removed afterwards."""
+    pages in L2 (and nothing in L1), with their keys and tokens; removed afterwards.
+    Random values compress a little (~0.93 with zstd), as real KV does."""
     tokens = list(range(pages * geometry.page_size + 1))
     namespace = Namespace("kvtier-calibration", geometry.dtype, geometry.page_size)
     keys = page_keys(namespace, tokens)[:pages]
     room = (pages + 1) * geometry.nbytes
     store_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=store_dir, prefix="calibration-") as scratch:
-        config = StoreConfig(l1_bytes=0, l2_bytes=room, l3_bytes=4 * room, store_dir=Path(scratch))
+        config = StoreConfig(l1_bytes=0, l2_bytes=room, l3_bytes=4 * room, store_dir=Path(scratch), codec=codec)
         store = TieredStore(geometry, namespace, config)
         rng = np.random.default_rng(0)
         for i, key in enumerate(keys):
@@ -81,33 +83,32 @@ def drop_l2(store: TieredStore) -> None:
 
 def link_samples(geometry: PageGeometry, store_dir: Path, tick: Tick,
                  page_counts: Iterable[int] = PAGE_COUNTS) -> list[tuple[str, int, float]]:
-    """(link, bytes, seconds) of restores from L2 and from L3 (raw codec, OS page cache
-    warm). The compressed path (L3->L2) keeps its defaults until real restores refine
-    it: random pages do not compress, and the model's own KV would take a long prefill."""
+    """(link, bytes, seconds) of restores from L2 and from L3 (OS page cache warm): raw
+    pages (``L3->L1``) and zstd pages (``L3->L2``, their decode into L2)."""
     counts = tuple(page_counts)
     samples = []
-    with scratch_store(geometry, store_dir, max(counts)) as (store, keys, tokens):
-        for k in counts:
-            samples.append(_timed(store, keys[:k], tokens, "L2->L1"))
-            tick()
-        store.flush()
-        for k in counts:
-            drop_l2(store)
-            samples.append(_timed(store, keys[:k], tokens, "L3->L1"))
-            tick()
+    for codec, links in (("raw", ("L2->L1", "L3->L1")), ("zstd", ("L3->L2",))):
+        with scratch_store(geometry, store_dir, max(counts), codec) as (store, keys, tokens):
+            store.flush()
+            for link in links:
+                for k in counts:
+                    samples.append(_timed(store, keys[:k], tokens, link))
+                    tick()
     return samples
 
 
 def _timed(store: TieredStore, keys: list, tokens: list[int], link: str) -> tuple[str, int, float]:
-    """Bytes and median seconds on ``link`` of steady-state restores of ``keys``."""
-    store.release(store.restore(keys, tokens).keys)  # warm mlx's buffers (and the page cache)
+    """Bytes and median seconds on ``link`` of steady-state restores of ``keys`` (for an
+    L3 link, with L2's copies dropped before each, so every restore reads L3)."""
     seconds = []
-    for _ in range(REPEATS):
+    for i in range(REPEATS + 1):  # the first warms mlx's buffers (and the page cache)
+        if link.startswith("L3"):
+            drop_l2(store)
         before = dict(store.stats()["links"][link])
         store.release(store.restore(keys, tokens).keys)
         after = store.stats()["links"][link]
         seconds.append(after["seconds"] - before["seconds"])
-    return link, after["bytes"] - before["bytes"], statistics.median(seconds)
+    return link, after["bytes"] - before["bytes"], statistics.median(seconds[1:])
 
 
 def prefill_samples(model: nn.Module, tick: Tick) -> list[tuple[int, int, float]]:

@@ -98,7 +98,7 @@ def test_bench_restore_reports_links_limits_peer_and_break_even(tmp_path):
     done = kvtier("bench", "restore", "--json", "--store", str(tmp_path), "--page-size", "16")
     report = json.loads(done.stdout)
     links = {row["link"] for row in report["links"]}
-    assert links == {"L2->L1", "L3->L1"}
+    assert links == {"L2->L1", "L3->L1", "L3->L2"}
     for row in report["links"]:
         assert row["bytes"] > 0 and row["gib_s"] > 0 and row["ratio_to_memcpy"] > 0
     assert {"load_prompt_cache_gib_s", "ours_l3_gib_s", "ratio"} <= set(report["peer"])
