@@ -228,7 +228,7 @@ def encode_payload(codec: str, raw: bytes, level: int) -> tuple[str, bytes]:
 
 
 def decode_payload(codec: str, payload: memoryview, raw_len: int,
-                   out: np.ndarray | None = None) -> bytes | np.ndarray:
+                   out: np.ndarray | None = None) -> memoryview | bytes | np.ndarray:
     """Raw bytes of a payload, written into ``out`` when given; without ``out`` a raw
     payload is returned as it is (a view into the map); _Corrupt if it cannot be decoded."""
     if out is not None:
@@ -425,7 +425,7 @@ class DiskTier:
     def accept(self, record: StoredRecord, digest: int) -> bool:
         """Whether a raw record's payload, hashed by the caller while it copied it (the
         snapshot still open), matches its checksum; counted like ``verified``."""
-        if record.compressed or digest != record.header.checksum:
+        if digest != record.header.checksum:  # find checked the length
             self._reject(record.key, xxh3_64_intdigest(record.value), "checksum mismatch")
             return False
         self._hit(record)
