@@ -6,7 +6,8 @@ Invariants (DESIGN §4), each tested in ``tests/tiers/test_hierarchy.py``:
    exactly the bytes that were computed (raw copies; L3 checks a checksum).
 2. A pinned page (being restored, or in use by a request) is never evicted from
    L1 or L2. An L3 restore reads inside one LMDB read transaction (a snapshot no
-   writer changes), so L3 pages need no pin.
+   writer changes), which keeps its bytes; L3 pages are pinned too, only so that
+   every restored key is released alike (and a decoded one stays in L2 meanwhile).
 3. Capacities are hard caps (see ``tiers.tier``); a page that finds no room in
    any tier is dropped and counted, never forced in.
 4. A page is written to L3 at most once: a page already there (or already
@@ -23,10 +24,10 @@ L1 is copied to L2 only if L2 lacks it; a page leaving L2 is queued for L3 only 
 L3 lacks it. When L2 has no room (every page pinned) an L1 page goes straight to L3
 (``L1->L3``).
 
-A restore plans the longest stored prefix (pins its L1/L2 pages, finds its L3
-records in one snapshot, reserves L2 slots for compressed ones), checks the L3 pages'
-checksums on a few threads, then joins all pages in one pass straight into the mlx
-array that becomes the request's KV (``tiers.join``): no staging copy, nothing
+A restore plans the longest stored prefix (pins its pages, finds its L3 records in
+one snapshot, reserves L2 slots for compressed ones and decodes them), then joins all
+pages in one pass straight into the mlx array that becomes the request's KV
+(``tiers.join``), hashing raw L3 pages as it copies them: no staging copy, nothing
 allocated beyond the request's own KV.
 """
 
@@ -80,6 +81,11 @@ class _Page:
     @property
     def compressed(self) -> bool:
         return self.record is not None and self.record.compressed
+
+    @property
+    def raw_l3(self) -> bool:
+        """Read from LMDB's map as it is: its checksum is taken from the map's bytes."""
+        return self.record is not None and not self.record.compressed
 
     @property
     def stored(self) -> int:
@@ -203,8 +209,7 @@ class TieredStore:
             if not pages:
                 return RestoredPrefix([], [], [])
             t0 = time.perf_counter()
-            hash_now = [p.source is Source.L3 and not p.compressed and d is None
-                        for p, d in zip(pages, pending.digests)]
+            hash_now = [p.raw_l3 and d is None for p, d in zip(pages, pending.digests)]
             joined = join_pages([p.data for p in pages], self.geometry, hash_now)
             digests = [a if a is not None else b for a, b in zip(pending.digests, joined.digests)]
             good = self._cut(pages, self._first_bad(pages, digests))
@@ -286,7 +291,7 @@ class TieredStore:
     def _hash_raw_l3(self, pages: list[_Page]) -> list[int | None]:
         """xxh3 of each raw L3 page's bytes in the map (on a few threads), else None."""
         digests: list[int | None] = [None] * len(pages)
-        raw = [i for i, p in enumerate(pages) if p.source is Source.L3 and not p.compressed]
+        raw = [i for i, p in enumerate(pages) if p.raw_l3]
 
         def hash_share(share: list[int]) -> None:
             for i in share:
@@ -296,8 +301,8 @@ class TieredStore:
         return digests
 
     def _first_bad(self, pages: list[_Page], digests: list[int | None]) -> int:
-        """Index of the first raw L3 page whose bytes, hashed as they were joined, fail
-        its checksum (that record is rejected), else len(pages)."""
+        """Index of the first raw L3 page whose bytes (hashed ahead, or as they were
+        joined) fail its checksum (that record is rejected), else len(pages)."""
         for i, (page, digest) in enumerate(zip(pages, digests)):
             if digest is not None and not self.disk.accept(page.record, digest):
                 return i
