@@ -219,6 +219,8 @@ def verify_store(store: Path, log: CrashLog, fresh: set[bytes], tier: DiskTier |
             mode, index, ns, toks = log.written[k]
             expected = crash_payload(mode, index)
             got = tier.get(k, ns, toks, len(expected))
+            if got is None and not own and not tier.contains(k):
+                continue  # evicted since the listing by a commit of the shared handle's writer
             assert got is not None and got[0] == expected, f"page {k.hex()} does not read back as written"
         assert tier.counters.checksum_failures == failures
         log.pages_verified += len(present)
