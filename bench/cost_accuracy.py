@@ -80,21 +80,21 @@ import time
 from pathlib import Path
 from typing import Callable, Sequence
 
-import engine as _engine  # noqa: F401  (OpenBLAS before mlx)
+import kvtier  # noqa: F401  (loads OpenBLAS before mlx, when installed)
 import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
-from costmodel.calibrate import calibrate, drop_l2
-from costmodel.models import ComputeModel, LinkModel
-from costmodel.plan import Profile, restore_seconds
-from engine.blas import blas_in_use
-from engine.engine import Engine, EngineConfig
-from engine.model import load_model
-from engine.paths import kvtier_home
-from engine.request import SamplingParams
-from tiers.hierarchy import StoreConfig, TieredStore
-from tiers.page import Namespace, PageGeometry, Source, page_keys, reusable_pages
+from kvtier.costmodel.calibrate import calibrate, drop_l2
+from kvtier.costmodel.models import ComputeModel, LinkModel
+from kvtier.costmodel.plan import Profile, restore_seconds
+from kvtier.engine.blas import blas_in_use
+from kvtier.engine.engine import Engine, EngineConfig
+from kvtier.engine.model import load_model
+from kvtier.engine.paths import kvtier_home
+from kvtier.engine.request import SamplingParams
+from kvtier.tiers.hierarchy import StoreConfig, TieredStore
+from kvtier.tiers.page import Namespace, PageGeometry, Source, page_keys, reusable_pages
 
 MIB = 1 << 20
 LENGTHS = (64, 128, 256, 512, 1024, 2048, 4096)

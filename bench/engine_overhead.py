@@ -18,15 +18,15 @@ import tempfile
 import time
 from pathlib import Path
 
-import engine as _engine  # noqa: F401  (OpenBLAS before mlx)
+import kvtier  # noqa: F401  (loads OpenBLAS before mlx, when installed)
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
 
-from engine.blas import blas_in_use
-from engine.engine import Engine, EngineConfig
-from engine.model import load_model
-from engine.request import SamplingParams
-from tiers.hierarchy import StoreConfig
+from kvtier.engine.blas import blas_in_use
+from kvtier.engine.engine import Engine, EngineConfig
+from kvtier.engine.model import load_model
+from kvtier.engine.request import SamplingParams
+from kvtier.tiers.hierarchy import StoreConfig
 
 
 def unique_prompts(count: int, tokens: int, seed: int) -> list[list[int]]:

@@ -34,14 +34,14 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import engine  # noqa: F401  (OpenBLAS before mlx)
+import kvtier  # noqa: F401  (loads OpenBLAS before mlx, when installed)
 import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache, load_prompt_cache, save_prompt_cache
 
-from engine.blas import blas_in_use
-from tiers.hierarchy import StoreConfig, TieredStore
-from tiers.page import Namespace, PageGeometry, Source, page_keys
+from kvtier.engine.blas import blas_in_use
+from kvtier.tiers.hierarchy import StoreConfig, TieredStore
+from kvtier.tiers.page import Namespace, PageGeometry, Source, page_keys
 
 GEOMETRY = PageGeometry(24, 2, 64, 128, "float32")
 NS = Namespace("bench", "float32", 128)

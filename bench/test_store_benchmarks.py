@@ -6,13 +6,13 @@ Pages have the default model's geometry (24 layers, 2 KV heads, head_dim 64,
 128 tokens, float32: 3 MiB). Compare runs with ``--benchmark-compare``.
 """
 
-import engine  # noqa: F401  (OpenBLAS before mlx)
+import kvtier  # noqa: F401  (loads OpenBLAS before mlx, when installed)
 import mlx.core as mx
 import numpy as np
 import pytest
 
-from tiers.hierarchy import StoreConfig, TieredStore
-from tiers.page import Namespace, PageGeometry, page_keys
+from kvtier.tiers.hierarchy import StoreConfig, TieredStore
+from kvtier.tiers.page import Namespace, PageGeometry, page_keys
 
 GEOMETRY = PageGeometry(24, 2, 64, 128, "float32")
 NS = Namespace("bench", "float32", 128)

@@ -18,7 +18,7 @@ import numpy as np
 import zstandard
 from mlx_lm.models.cache import KVCache, load_prompt_cache, save_prompt_cache
 
-from tiers.page import PageGeometry, Source
+from kvtier.tiers.page import PageGeometry, Source
 
 from .calibrate import drop_l2, link_samples, prefill_samples, scratch_store
 from .plan import Profile, plan_restore

@@ -20,8 +20,8 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
-from tiers.hierarchy import StoreConfig, TieredStore
-from tiers.page import Namespace, PageGeometry, page_keys
+from kvtier.tiers.hierarchy import StoreConfig, TieredStore
+from kvtier.tiers.page import Namespace, PageGeometry, page_keys
 
 from .plan import Profile
 

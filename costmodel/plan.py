@@ -7,7 +7,7 @@ from itertools import accumulate
 from dataclasses import dataclass
 from typing import Sequence
 
-from tiers.page import Source
+from kvtier.tiers.page import Source
 
 from .models import ComputeModel, LinkModel
 

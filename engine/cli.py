@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from tiers.hierarchy import StoreConfig
+from kvtier.tiers.hierarchy import StoreConfig
 
 from .blas import blas_in_use
 from .paths import default_store_dir
@@ -236,8 +236,8 @@ def format_tier_table(stats: dict) -> str:
 def cmd_calibrate(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from costmodel.calibrate import calibrate, steps
-    from tiers.disk import DiskTier, StoreError
+    from kvtier.costmodel.calibrate import calibrate, steps
+    from kvtier.tiers.disk import DiskTier, StoreError
 
     loaded = _load_model(args.model)
     geometry = loaded.geometry(args.page_size)
@@ -265,7 +265,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from costmodel import bandwidth
+    from kvtier.costmodel import bandwidth
 
     if args.plot is not None:
         try:
@@ -317,7 +317,7 @@ def _plot(report: dict, path: Path) -> None:
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
-    from tiers.disk import DiskTier, StoreError
+    from kvtier.tiers.disk import DiskTier, StoreError
 
     path = args.store or default_store_dir()
     if not (path / "data.mdb").exists():

@@ -23,10 +23,10 @@ from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_sampler
 
-from costmodel.plan import READ_LINKS, Profile, plan_restore
-from tiers.counters import add_into
-from tiers.hierarchy import RestoredPrefix, StoreConfig, TieredStore
-from tiers.page import Source, page_keys, reusable_pages
+from kvtier.costmodel.plan import READ_LINKS, Profile, plan_restore
+from kvtier.tiers.counters import add_into
+from kvtier.tiers.hierarchy import RestoredPrefix, StoreConfig, TieredStore
+from kvtier.tiers.page import Source, page_keys, reusable_pages
 
 from .flights import FlightCoordinator
 from .metrics import RateWindow

@@ -23,9 +23,9 @@ from mlx_lm import load as mlx_load
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 from mlx_lm.utils import _download
 
-from tiers.page import Namespace, PageGeometry
+from kvtier.tiers.page import Namespace, PageGeometry
 
-from costmodel.plan import profile_key
+from kvtier.costmodel.plan import profile_key
 
 from .default_model import DEFAULT_MODEL, ensure_default_model
 from .paths import kvtier_home

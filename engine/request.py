@@ -7,9 +7,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Iterator
 
-from costmodel.plan import RestorePlan
-from tiers.hierarchy import RestoredPrefix
-from tiers.page import PageKey, Source
+from kvtier.costmodel.plan import RestorePlan
+from kvtier.tiers.hierarchy import RestoredPrefix
+from kvtier.tiers.page import PageKey, Source
 
 
 @dataclass

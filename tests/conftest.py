@@ -1,7 +1,7 @@
 import os
 import tempfile
 
-import engine  # noqa: F401  (loads OpenBLAS before mlx, when installed)
+import kvtier  # noqa: F401  (loads OpenBLAS before mlx, when installed)
 
 
 def pytest_configure(config):

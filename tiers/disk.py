@@ -29,7 +29,7 @@ import numpy as np
 import zstandard
 from xxhash import xxh3_64_intdigest
 
-from tiers.counters import TierCounters, add_into
+from kvtier.tiers.counters import TierCounters, add_into
 
 log = logging.getLogger(__name__)
 

@@ -4,12 +4,12 @@ import json
 import subprocess
 import sys
 
-from costmodel.models import ComputeModel, LinkModel
-from costmodel.plan import Profile
-from engine.engine import Engine, EngineConfig
-from engine.request import SamplingParams
-from tiers.hierarchy import StoreConfig
-from tiers.page import reusable_pages
+from kvtier.costmodel.models import ComputeModel, LinkModel
+from kvtier.costmodel.plan import Profile
+from kvtier.engine.engine import Engine, EngineConfig
+from kvtier.engine.request import SamplingParams
+from kvtier.tiers.hierarchy import StoreConfig
+from kvtier.tiers.page import reusable_pages
 
 from ..engine.conftest import loaded, mlx_lm_greedy, text_prompt  # noqa: F401  (fixture)
 
@@ -93,7 +93,7 @@ def test_restores_refine_the_link_model_and_record_errors(loaded):
 
 def test_calibrate_saves_a_profile_that_runs_use(tmp_path):
     def kvtier(*args):
-        done = subprocess.run([sys.executable, "-m", "engine.cli", *args], capture_output=True, text=True)
+        done = subprocess.run([sys.executable, "-m", "kvtier.engine.cli", *args], capture_output=True, text=True)
         assert done.returncode == 0, done.stderr
         return done.stdout
 

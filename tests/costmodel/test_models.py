@@ -1,9 +1,9 @@
 import numpy as np
 import pytest
 
-from costmodel.models import ComputeModel, LinkModel
-from costmodel.plan import Profile, plan_restore, restore_seconds
-from tiers.page import Source
+from kvtier.costmodel.models import ComputeModel, LinkModel
+from kvtier.costmodel.plan import Profile, plan_restore, restore_seconds
+from kvtier.tiers.page import Source
 
 MIB = 1 << 20
 

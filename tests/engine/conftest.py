@@ -1,7 +1,7 @@
 import pytest
 from mlx_lm.generate import stream_generate
 
-from engine.model import load_model
+from kvtier.engine.model import load_model
 
 
 @pytest.fixture(scope="session")

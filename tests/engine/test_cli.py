@@ -11,7 +11,7 @@ PAGE = 128
 
 
 def kvtier(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    done = subprocess.run([sys.executable, "-m", "engine.cli", *args], capture_output=True, text=True, timeout=300)
+    done = subprocess.run([sys.executable, "-m", "kvtier.engine.cli", *args], capture_output=True, text=True, timeout=300)
     if check:
         assert done.returncode == 0, done.stderr
     return done

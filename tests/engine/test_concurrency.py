@@ -4,9 +4,9 @@ import threading
 
 import pytest
 
-from engine.engine import Engine, EngineConfig
-from engine.request import SamplingParams
-from tiers.hierarchy import StoreConfig
+from kvtier.engine.engine import Engine, EngineConfig
+from kvtier.engine.request import SamplingParams
+from kvtier.tiers.hierarchy import StoreConfig
 
 from .conftest import mlx_lm_greedy, text_prompt
 

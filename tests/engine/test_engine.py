@@ -4,10 +4,10 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from engine.engine import Engine, EngineConfig, InputError
-from engine.request import SamplingParams
-from tiers.hierarchy import StoreConfig
-from tiers.page import page_keys, reusable_pages
+from kvtier.engine.engine import Engine, EngineConfig, InputError
+from kvtier.engine.request import SamplingParams
+from kvtier.tiers.hierarchy import StoreConfig
+from kvtier.tiers.page import page_keys, reusable_pages
 
 from .conftest import mlx_lm_greedy, text_prompt
 

@@ -21,13 +21,13 @@ import msgpack
 import numpy as np
 import pytest
 
-from costmodel.models import ComputeModel
-from costmodel.plan import Profile
-from engine.engine import Engine, EngineConfig
-from engine.request import SamplingParams
-from tiers.disk import FORMAT_VERSION, DiskTier, RecordHeader, decode_record
-from tiers.hierarchy import StoreConfig
-from tiers.page import page_keys, reusable_pages
+from kvtier.costmodel.models import ComputeModel
+from kvtier.costmodel.plan import Profile
+from kvtier.engine.engine import Engine, EngineConfig
+from kvtier.engine.request import SamplingParams
+from kvtier.tiers.disk import FORMAT_VERSION, DiskTier, RecordHeader, decode_record
+from kvtier.tiers.hierarchy import StoreConfig
+from kvtier.tiers.page import page_keys, reusable_pages
 
 from ..tiers.test_disk import _raw_env
 from ..tiers.test_reliability import assert_consistent, damage_record
@@ -56,7 +56,7 @@ REUSABLE = [reusable_pages(len(p), PAGE) for p in PROMPTS]
 
 
 def kvtier(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "engine.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "kvtier.engine.cli", *args], capture_output=True, text=True,
                           timeout=timeout, cwd=REPO)
 
 
@@ -171,7 +171,7 @@ def cli_crash_trial(store: Path, rng: random.Random, prompts: list[str], *, grow
     data = store / "data.mdb"
     size0 = data.stat().st_size if data.exists() else 0
     args = run_args(store, "--l1-bytes", str(2 * PAGE_BYTES), "--l2-bytes", str(2 * PAGE_BYTES), prompts=prompts)
-    child = subprocess.Popen([sys.executable, "-m", "engine.cli", *args], cwd=REPO,
+    child = subprocess.Popen([sys.executable, "-m", "kvtier.engine.cli", *args], cwd=REPO,
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 120
     delay, opened_at = rng.uniform(0.0, max_delay), None
@@ -409,7 +409,7 @@ def test_engine_caps_hold_under_a_long_mixed_workload(tmp_path, loaded):
 @pytest.mark.parametrize("processes", [2, 4])
 def test_concurrent_runs_share_one_store(tmp_path, baseline, processes):
     store = tmp_path / "store"
-    children = [subprocess.Popen([sys.executable, "-m", "engine.cli", *run_args(store)], cwd=REPO,
+    children = [subprocess.Popen([sys.executable, "-m", "kvtier.engine.cli", *run_args(store)], cwd=REPO,
                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                 for _ in range(processes)]
     done = []

@@ -1,6 +1,6 @@
 import pytest
 
-from engine.flights import FlightCoordinator
+from kvtier.engine.flights import FlightCoordinator
 
 
 def test_identical_inputs_wait_behind_one_leader():

@@ -23,7 +23,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tiers.disk import FORMAT_VERSION, DiskTier, StoreError
+from kvtier.tiers.disk import FORMAT_VERSION, DiskTier, StoreError
 
 REPO = Path(__file__).resolve().parents[2]
 NS = b"N" * 16
@@ -388,7 +388,7 @@ import sys
 sys.path.insert(0, sys.argv[1])
 from pathlib import Path
 from tests.tiers.test_disk import NS, TOKENS, key, payload
-from tiers.disk import DiskTier
+from kvtier.tiers.disk import DiskTier
 tier = DiskTier(Path(sys.argv[2]), 1 << 24, codec=sys.argv[4])
 for i in range(int(sys.argv[3])):
     assert tier.put(key(i), NS, TOKENS, payload(i))
@@ -441,7 +441,7 @@ def test_writer_killed_mid_write_leaves_no_partial_page(store: Path) -> None:
 
 
 def test_read_through_touches_every_stored_byte(tmp_path):
-    from tiers.disk import DiskTier
+    from kvtier.tiers.disk import DiskTier
 
     disk = DiskTier(tmp_path, 1 << 20)
     disk.put(b"k" * 16, b"n" * 16, [1, 2], b"x" * 1000)

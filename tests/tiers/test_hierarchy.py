@@ -11,10 +11,10 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-import tiers.join as join
-from tiers.hierarchy import StoreConfig, TieredStore
-from tiers.page import Namespace, PageGeometry, Source, page_keys
-from tiers.tier import kv_to_host
+import kvtier.tiers.join as join
+from kvtier.tiers.hierarchy import StoreConfig, TieredStore
+from kvtier.tiers.page import Namespace, PageGeometry, Source, page_keys
+from kvtier.tiers.tier import kv_to_host
 
 GEOMETRY = PageGeometry(num_layers=2, num_kv_heads=1, head_dim=8, page_size=4, dtype="bfloat16")
 NS = Namespace("test-model", "bfloat16", 4)

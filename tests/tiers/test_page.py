@@ -4,7 +4,7 @@ from dataclasses import replace
 
 import pytest
 
-from tiers.page import Namespace, PageGeometry, page_keys, reusable_pages
+from kvtier.tiers.page import Namespace, PageGeometry, page_keys, reusable_pages
 
 NS = Namespace("fingerprint", "bfloat16", 4)
 
@@ -36,7 +36,7 @@ def test_every_namespace_field_changes_keys(field, value):
 
 
 def test_keys_are_stable_across_processes():
-    code = ("import engine; from tiers.page import Namespace, page_keys;"
+    code = ("import kvtier; from kvtier.tiers.page import Namespace, page_keys;"
             "print(page_keys(Namespace('fingerprint','bfloat16',4), list(range(8)))[1].hex())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == page_keys(NS, list(range(8)))[1].hex()

@@ -31,10 +31,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from xxhash import xxh3_64_intdigest
 
-from tiers.disk import CODECS, FORMAT_VERSION, DiskTier, RecordHeader, _Corrupt, decode_record
-from tiers.hierarchy import StoreConfig, TieredStore
-from tiers.page import Namespace, PageGeometry, page_keys
-from tiers.tier import kv_to_host
+from kvtier.tiers.disk import CODECS, FORMAT_VERSION, DiskTier, RecordHeader, _Corrupt, decode_record
+from kvtier.tiers.hierarchy import StoreConfig, TieredStore
+from kvtier.tiers.page import Namespace, PageGeometry, page_keys
+from kvtier.tiers.tier import kv_to_host
 
 from .test_disk import NS, RECORD_VALUES, TOKENS, _raw_env, key, payload
 
@@ -60,7 +60,7 @@ def crash_keys(mode: str, start: int, count: int) -> list[tuple[bytes, bytes, li
         ns = b"crash-namespace!"
         return [(hashlib.blake2b(b"crash-%d" % i, digest_size=16).digest(), ns, [i, i + 1, i + 2, i + 3])
                 for i in range(start, start + count)]
-    from tiers.page import Namespace, page_keys
+    from kvtier.tiers.page import Namespace, page_keys
 
     namespace = Namespace("crash-model", "float32", 4)
     tokens = [(4 * start + t) % (1 << 31) for t in range(4 * count)]
@@ -89,7 +89,7 @@ codec = sys.argv[9]
 rng = random.Random(seed)
 pages = crash_keys(mode, start, count)
 if mode == "disk":
-    from tiers.disk import DiskTier
+    from kvtier.tiers.disk import DiskTier
 
     tier = DiskTier(store, capacity, codec=codec, queue_pages=queue)
     print("ready", flush=True)
@@ -107,8 +107,8 @@ if mode == "disk":
 else:
     import mlx.core as mx
     import numpy as np
-    from tiers.hierarchy import StoreConfig, TieredStore
-    from tiers.page import Namespace, PageGeometry
+    from kvtier.tiers.hierarchy import StoreConfig, TieredStore
+    from kvtier.tiers.page import Namespace, PageGeometry
 
     geometry = PageGeometry(2, 1, 8, 4, "float32")
     namespace = Namespace("crash-model", "float32", 4)
@@ -411,7 +411,7 @@ _OPEN_AND_READ = """
 import hashlib, sys
 from pathlib import Path
 sys.path.insert(0, sys.argv[1])
-from tiers.disk import DiskTier, StoreError
+from kvtier.tiers.disk import DiskTier, StoreError
 n = int(sys.argv[2])
 keys = [hashlib.blake2b(str(i).encode(), digest_size=16).digest() for i in range(n)]  # test_disk.key
 for store in sys.argv[3:]:
@@ -576,7 +576,7 @@ import sys
 sys.path.insert(0, sys.argv[1])
 from pathlib import Path
 from tests.tiers.test_disk import NS, TOKENS, key, payload
-from tiers.disk import DiskTier
+from kvtier.tiers.disk import DiskTier
 tier = DiskTier(Path(sys.argv[2]), 1 << 24, codec=sys.argv[3])
 order = list(range(int(sys.argv[4])))
 if sys.argv[5] == "reverse":

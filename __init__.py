@@ -1,0 +1,25 @@
+"""kvtier: a tiered KV-cache offload store with a transfer cost model, and the MLX
+engine that uses it.
+
+The repository's top-level folders are this package's subpackages
+(``kvtier.tiers``, ``kvtier.costmodel``, ``kvtier.engine``); layering points one way:
+engine -> costmodel -> tiers.
+"""
+
+from .engine.blas import preload_openblas
+
+preload_openblas()  # before anything imports mlx.core
+
+__version__ = "0.2.0"
+
+
+def __getattr__(name: str):
+    """``from kvtier import Engine`` without importing mlx for ``import kvtier`` alone."""
+    if name in ("Engine", "EngineConfig", "SamplingParams", "load_model", "StoreConfig", "TieredStore"):
+        from .engine.engine import Engine, EngineConfig
+        from .engine.model import load_model
+        from .engine.request import SamplingParams
+        from .tiers.hierarchy import StoreConfig, TieredStore
+
+        return locals()[name]
+    raise AttributeError(f"module 'kvtier' has no attribute {name!r}")
