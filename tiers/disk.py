@@ -258,7 +258,8 @@ class DiskTier:
       did not commit, never a record failing its header or checksum check (that one
       is deleted and counted in checksum_failures). Bad data never raises.
     - write-once: a key already stored is never written again.
-    - stored record bytes (sum of value lengths, store-wide) never exceed capacity;
+    - stored record bytes (sum of value lengths, store-wide; or ``record_bytes`` per
+      record, for a trace replay's tiny payloads) never exceed capacity;
       meta bytes_used/pages, lru and order change in the same transaction as the records.
     - eviction takes the least-recently-used record first; a get counts as a use.
     - put never waits for the disk: a full queue drops the write and counts it.
@@ -273,13 +274,15 @@ class DiskTier:
     """
 
     def __init__(self, path: Path, capacity_bytes: int, *, codec: str = "raw", zstd_level: int = 3,
-                 queue_pages: int = 64, map_size: int | None = None) -> None:
+                 queue_pages: int = 64, map_size: int | None = None,
+                 record_bytes: int | None = None) -> None:
         if codec not in CODECS:
             raise ValueError(f"unknown L3 codec {codec!r}; expected one of {', '.join(CODECS)}")
         self.path = Path(path)
         self.counters = TierCounters(capacity=capacity_bytes)
         self._capacity, self._codec, self._level = capacity_bytes, codec, zstd_level
         self._queue_pages = max(1, queue_pages)
+        self._record_bytes = record_bytes  # what a record counts against the cap; None: its size
         self._env = self._open_env(map_size)
         self._lock = threading.Lock()  # guards counters and the pending work below
         self._wake = threading.Condition(self._lock)
@@ -616,7 +619,7 @@ class DiskTier:
             for key, fingerprint in batch.deletes.items():
                 value = txn.get(key, db=self._pages)
                 if value is not None and xxh3_64_intdigest(value) == fingerprint:
-                    self._remove(txn, state, key, len(value))  # unless rewritten meanwhile
+                    self._remove(txn, state, key, self._size(value))  # unless rewritten meanwhile
             for key in batch.touches:
                 if (seq := txn.get(key, db=self._lru)) is not None:
                     txn.delete(bytes(seq) + key, db=self._order)
@@ -630,13 +633,13 @@ class DiskTier:
                 outcome: _Outcome) -> None:
         if txn.get(key, db=self._pages) is not None:
             return  # write-once (another process may have written it since put)
-        if len(value) > self._capacity:  # larger than the whole tier: evict nothing for it
+        if self._size(value) > self._capacity:  # larger than the whole tier: evict nothing for it
             outcome.writes_dropped += 1
             return
-        outcome.evictions += self._evict(txn, state, self._capacity - len(value))
+        outcome.evictions += self._evict(txn, state, self._capacity - self._size(value))
         txn.put(key, value, db=self._pages)
         self._stamp(txn, state, key)
-        state.bytes_used += len(value)
+        state.bytes_used += self._size(value)
         state.pages += 1
         outcome.inserts += 1
 
@@ -650,7 +653,7 @@ class DiskTier:
                 key = bytes(cursor.key())[_SEQ.size:]
                 cursor.delete()  # always progress, even past an entry lru no longer names
             value = txn.get(key, db=self._pages)
-            self._remove(txn, state, key, None if value is None else len(value))
+            self._remove(txn, state, key, None if value is None else self._size(value))
             evicted += value is not None
         return evicted
 
@@ -663,6 +666,10 @@ class DiskTier:
         if (seq := txn.get(key, db=self._lru)) is not None:
             txn.delete(bytes(seq) + key, db=self._order)
             txn.delete(key, db=self._lru)
+
+    def _size(self, value: memoryview | bytes) -> int:
+        """Bytes a record counts against the cap (and in bytes_used)."""
+        return self._record_bytes or len(value)
 
     def _stamp(self, txn: lmdb.Transaction, state: _StoreState, key: bytes) -> None:
         state.access_seq += 1
