@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Sequence
 
 from kvtier.tiers.hierarchy import StoreConfig
+from kvtier.tiers.policy import ADMISSIONS, DEFAULT_POLICY, POLICIES
 
 from .blas import blas_in_use
 from .paths import default_store_dir
@@ -54,6 +55,26 @@ def parse_throttle(text: str) -> tuple[str, float]:
     return tier, float(bytes_per_s)
 
 
+def _choices(allowed: Sequence[str]):
+    """An argparse type: a comma-separated list of names from ``allowed``."""
+    def parse(text: str) -> list[str]:
+        names = [n.strip() for n in text.split(",") if n.strip()]
+        bad = [n for n in names if n not in allowed]
+        if bad or not names:
+            raise argparse.ArgumentTypeError(f"bad choice {bad[0] if bad else text!r} "
+                                             f"(choose from {', '.join(allowed)})")
+        return names
+    return parse
+
+
+def _sweep(text: str) -> list[int]:
+    """``l2-bytes=1GiB,4GiB`` -> L2 sizes in bytes."""
+    name, _, sizes = text.partition("=")
+    if name != "l2-bytes" or not sizes:
+        raise argparse.ArgumentTypeError(f"bad sweep {text!r} (use e.g. l2-bytes=1GiB,4GiB,16GiB)")
+    return [parse_size(size) for size in sizes.split(",")]
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="kvtier", description="Tiered KV-cache offload for MLX inference.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log what the engine does")
@@ -82,6 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--refresh-window", type=int, default=128, metavar="N",
                      help="touch the L1 pages of the first N waiting requests before each admission")
     run.add_argument("--no-offload", action="store_true", help="no store: recompute every prompt")
+    run.add_argument("--policy", choices=POLICIES, default=DEFAULT_POLICY, help="L1/L2 eviction policy")
     run.add_argument("--sequential", action="store_true", help="submit each prompt after the previous finishes")
     run.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
     run.add_argument("--json", action="store_true", help="one JSON object per request, then counters")
@@ -100,6 +122,29 @@ def build_parser() -> argparse.ArgumentParser:
     restore.add_argument("--json", action="store_true")
     restore.add_argument("--plot", type=Path, metavar="FILE.png", help="draw bandwidth against size (needs matplotlib)")
 
+    replay = sub.add_parser("replay", help="replay a Mooncake trace against the store: size the tiers, "
+                                           "choose the policy")
+    replay.add_argument("trace", type=Path, metavar="TRACE.jsonl")
+    replay.add_argument("--page-size", type=positive_int, default=512, help="divides 512")
+    geometry = replay.add_mutually_exclusive_group()
+    geometry.add_argument("--kv-bytes-per-token", type=positive_int, metavar="N",
+                          help="full-size KV bytes of one token (default: the model's)")
+    geometry.add_argument("--model", help="take the KV size (and the calibrated profile) from this model")
+    replay.add_argument("--store", type=Path, default=None, help="where the model's calibrated profile is")
+    replay.add_argument("--profile", type=Path, metavar="FILE.json", help="a saved cost profile to use")
+    replay.add_argument("--l1-bytes", type=parse_size, default=parse_size("1GiB"))
+    replay.add_argument("--l2-bytes", type=parse_size, default=parse_size("4GiB"))
+    replay.add_argument("--l3-bytes", type=parse_size, default=parse_size("32GiB"))
+    replay.add_argument("--policy", type=_choices(POLICIES), default=list(POLICIES),
+                        help=f"comma-separated, each replayed: {','.join(POLICIES)}")
+    replay.add_argument("--l3-admit", type=_choices(ADMISSIONS), default=["always"],
+                        help=f"comma-separated L3 admission filters: {','.join(ADMISSIONS)}")
+    replay.add_argument("--sweep", type=_sweep, metavar="l2-bytes=S,S,...", help="replay at each L2 size")
+    replay.add_argument("--speed", type=float, default=1.0, help="arrival timestamps divided by this")
+    replay.add_argument("--json", action="store_true", help="one JSON object")
+    replay.add_argument("--plot", type=Path, metavar="FILE.png",
+                        help="reused ratio and TTFT against L2 size per policy (needs matplotlib)")
+
     stats = sub.add_parser("stats", help="counters persisted in a store")
     stats.add_argument("--store", type=Path, default=None)
     fmt = stats.add_mutually_exclusive_group()
@@ -115,7 +160,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
         logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                             format="kvtier: %(levelname)s: %(message)s")
-        commands = {"run": cmd_run, "stats": cmd_stats, "calibrate": cmd_calibrate, "bench": cmd_bench}
+        commands = {"run": cmd_run, "stats": cmd_stats, "calibrate": cmd_calibrate, "bench": cmd_bench,
+                    "replay": cmd_replay}
         return commands[args.command](args)
     except UsageError as err:
         print(f"kvtier: error: {err}", file=sys.stderr)
@@ -179,7 +225,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     loaded = _load_model(args.model)
     prompts = _read_prompts(args, loaded.tokenizer)
     store = StoreConfig(args.l1_bytes, args.l2_bytes, args.l3_bytes,
-                        args.store or default_store_dir(), args.codec, throttle=dict(args.throttle))
+                        args.store or default_store_dir(), args.codec, throttle=dict(args.throttle),
+                        policy=args.policy)
     config = EngineConfig(page_size=args.page_size, offload=not args.no_offload, store=store,
                           cache_salt=args.cache_salt, single_flight=args.single_flight,
                           refresh_window=max(args.refresh_window, 0))
@@ -314,6 +361,56 @@ def _plot(report: dict, path: Path) -> None:
     ax.legend()
     fig.tight_layout()
     fig.savefig(path)
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from kvtier.costmodel import replay as rp
+    from kvtier.costmodel.plan import Profile
+    from kvtier.tiers.disk import DiskTier, StoreError
+
+    if rp.BLOCK_TOKENS % args.page_size:
+        raise UsageError(f"--page-size {args.page_size} does not divide {rp.BLOCK_TOKENS}")
+    if not args.speed > 0:
+        raise UsageError("--speed must be positive")
+    if args.plot is not None and not args.sweep:
+        raise UsageError("--plot draws against L2 size: give --sweep l2-bytes=...")
+    if args.plot is not None:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise UsageError("--plot needs matplotlib (pip install matplotlib)") from None
+    try:
+        trace = rp.read_trace(args.trace)
+        profile = Profile.from_dict(json.loads(args.profile.read_text())) if args.profile else None
+    except rp.TraceError as err:
+        raise UsageError(str(err)) from None
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise UsageError(f"cannot read profile {args.profile}: {err}") from None
+    bytes_per_token = args.kv_bytes_per_token
+    if bytes_per_token is None:
+        loaded = _load_model(args.model)
+        geometry = loaded.geometry(args.page_size)
+        bytes_per_token = geometry.bytes_per_token
+        store_dir = args.store or default_store_dir()
+        if profile is None and (store_dir / "data.mdb").exists():
+            try:
+                disk = DiskTier(store_dir, capacity_bytes=0)
+            except StoreError as err:
+                raise UsageError(str(err)) from None
+            saved = disk.get_meta(loaded.profile_key(geometry))
+            disk.close()
+            profile = Profile.from_dict(saved) if saved else None
+    base = rp.ReplayConfig(bytes_per_token, args.page_size, args.l1_bytes, args.l2_bytes, args.l3_bytes,
+                           speed=args.speed)
+    configs = rp.configs_for(base, args.policy, args.l3_admit, args.sweep or ())
+    with tqdm(total=len(trace) * len(configs), desc="replaying", unit="req", file=sys.stderr) as bar:
+        report = rp.replay(trace, configs, profile or Profile.defaults(), lambda: bar.update())
+    if args.plot is not None:
+        rp.plot_report(report, args.plot)
+    print(json.dumps(report) if args.json else rp.format_report(report))
+    return 0
 
 
 def cmd_stats(args: argparse.Namespace) -> int:

@@ -8,8 +8,9 @@ bytes}``; dtype and shape are implied by the namespace and the raw length. The
 payload is the raw bytes or a zstd frame (of the 2-byte planes for zstd-shuffle).
 
 Side databases: ``meta`` (format version, store-wide bytes_used and pages, access_seq,
-``put_meta`` entries under ``user/``), ``lru`` (page key -> 8-byte big-endian last
-access seq), ``order`` (seq || page key -> b"", oldest first), ``counters``.
+``put_meta`` entries under ``user/``), ``lru`` (page key -> 8-byte big-endian rank
+(the last access seq under LRU) and a u32 use count), ``order`` (rank || page key ->
+b"", next victim first), ``counters``.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import zstandard
 from xxhash import xxh3_64_intdigest
 
 from kvtier.tiers.counters import TierCounters, add_into
+from kvtier.tiers.policy import POLICIES
 
 log = logging.getLogger(__name__)
 
@@ -183,6 +185,7 @@ class _StoreState:
     bytes_used: int = 0
     pages: int = 0
     access_seq: int = 0
+    clock: int = 0  # the ``cost`` policy's aging clock: the priority of the last victim
 
 
 @dataclass
@@ -196,6 +199,11 @@ class _Outcome:
 
 def _token_bytes(tokens: Sequence[int]) -> bytes:
     return struct.pack(f"<{len(tokens)}I", *tokens)  # 10x faster than numpy for a page
+
+
+def _uses(stamp: memoryview | bytes) -> int:
+    """Use count of an ``lru`` entry (entries written before counts were kept: 1)."""
+    return _LEN.unpack_from(stamp, _SEQ.size)[0] if len(stamp) >= _SEQ.size + _LEN.size else 1
 
 
 def _one_line(exc: BaseException) -> str:
@@ -261,7 +269,8 @@ class DiskTier:
     - stored record bytes (sum of value lengths, store-wide; or ``record_bytes`` per
       record, for a trace replay's tiny payloads) never exceed capacity;
       meta bytes_used/pages, lru and order change in the same transaction as the records.
-    - eviction takes the least-recently-used record first; a get counts as a use.
+    - eviction takes the least-recently-used record first (or, with ``policy="cost"``,
+      the lowest frequency-with-aging rank); a get counts as a use.
     - put never waits for the disk: a full queue drops the write and counts it.
     - LMDB errors (MapFullError included) never reach a caller after open.
     - another format version, an unwritable directory or a damaged environment raise
@@ -275,14 +284,17 @@ class DiskTier:
 
     def __init__(self, path: Path, capacity_bytes: int, *, codec: str = "raw", zstd_level: int = 3,
                  queue_pages: int = 64, map_size: int | None = None,
-                 record_bytes: int | None = None) -> None:
+                 record_bytes: int | None = None, policy: str = "lru") -> None:
         if codec not in CODECS:
             raise ValueError(f"unknown L3 codec {codec!r}; expected one of {', '.join(CODECS)}")
+        if policy not in POLICIES:
+            raise ValueError(f"unknown eviction policy {policy!r}; expected one of {', '.join(POLICIES)}")
         self.path = Path(path)
         self.counters = TierCounters(capacity=capacity_bytes)
         self._capacity, self._codec, self._level = capacity_bytes, codec, zstd_level
         self._queue_pages = max(1, queue_pages)
         self._record_bytes = record_bytes  # what a record counts against the cap; None: its size
+        self._policy = policy  # eviction order: "lru", or "cost" (see _stamp)
         self._env = self._open_env(map_size)
         self._lock = threading.Lock()  # guards counters and the pending work below
         self._wake = threading.Condition(self._lock)
@@ -621,9 +633,9 @@ class DiskTier:
                 if value is not None and xxh3_64_intdigest(value) == fingerprint:
                     self._remove(txn, state, key, self._size(value))  # unless rewritten meanwhile
             for key in batch.touches:
-                if (seq := txn.get(key, db=self._lru)) is not None:
-                    txn.delete(bytes(seq) + key, db=self._order)
-                    self._stamp(txn, state, key)
+                if (stamp := txn.get(key, db=self._lru)) is not None:
+                    txn.delete(bytes(stamp)[: _SEQ.size] + key, db=self._order)
+                    self._stamp(txn, state, key, _uses(stamp) + 1)
             for key, value in records:
                 self._insert(txn, state, key, value, outcome)
             self._save_state(txn, state)
@@ -651,6 +663,8 @@ class DiskTier:
                 if not cursor.first():
                     break
                 key = bytes(cursor.key())[_SEQ.size:]
+                if self._policy == "cost":
+                    state.clock = _SEQ.unpack_from(cursor.key())[0] >> 32
                 cursor.delete()  # always progress, even past an entry lru no longer names
             value = txn.get(key, db=self._pages)
             self._remove(txn, state, key, None if value is None else self._size(value))
@@ -663,18 +677,25 @@ class DiskTier:
             txn.delete(key, db=self._pages)
             state.bytes_used -= size
             state.pages -= 1
-        if (seq := txn.get(key, db=self._lru)) is not None:
-            txn.delete(bytes(seq) + key, db=self._order)
+        if (stamp := txn.get(key, db=self._lru)) is not None:
+            txn.delete(bytes(stamp)[: _SEQ.size] + key, db=self._order)
             txn.delete(key, db=self._lru)
 
     def _size(self, value: memoryview | bytes) -> int:
         """Bytes a record counts against the cap (and in bytes_used)."""
         return self._record_bytes or len(value)
 
-    def _stamp(self, txn: lmdb.Transaction, state: _StoreState, key: bytes) -> None:
+    def _stamp(self, txn: lmdb.Transaction, state: _StoreState, key: bytes, uses: int = 1) -> None:
+        """Place a page in the eviction order (``order`` is read first to last): by
+        access sequence (``lru``), or (``cost``) by GreedyDual-Frequency rank
+        ``clock + uses`` in the high 32 bits, the access sequence below it, so equal
+        ranks leave oldest first. Every L3 page costs the same to recompute, so this
+        is frequency with aging. ``lru`` holds the rank and the use count."""
         state.access_seq += 1
-        seq = _SEQ.pack(state.access_seq)
-        txn.put(key, seq, db=self._lru)
+        rank = state.access_seq if self._policy == "lru" else \
+            (state.clock + uses) << 32 | (state.access_seq & 0xFFFFFFFF)
+        seq = _SEQ.pack(rank)
+        txn.put(key, seq + _LEN.pack(uses), db=self._lru)
         txn.put(seq + key, b"", db=self._order)
 
     def _load_state(self, txn: lmdb.Transaction) -> _StoreState:

@@ -116,7 +116,7 @@ class StoreConfig:
     # "L3" slows the reads of L3 pages (L3->L1, L3->L2); "L2" slows the L2->L1 join of
     # every page that crosses it (so also of compressed L3 pages decoded into L2).
     throttle: dict[str, float] = field(default_factory=dict)
-    policy: str = DEFAULT_POLICY  # L1 and L2 eviction order (tiers.policy); L3 stays LRU
+    policy: str = DEFAULT_POLICY  # eviction order of every tier (tiers.policy)
     l3_admit: str = "always"  # or "second-use": write a page to L3 once it is seen twice
     # What one page counts against every cap (None: its payload size). A trace replay
     # stores payloads of a few bytes and counts them as full-size pages.
@@ -505,7 +505,8 @@ def _open_disk(config: StoreConfig) -> DiskTier | None:
         return None
     try:
         return DiskTier(Path(config.store_dir), config.l3_bytes, codec=config.codec,
-                        queue_pages=config.l3_queue_pages, record_bytes=config.page_bytes)
+                        queue_pages=config.l3_queue_pages, record_bytes=config.page_bytes,
+                        policy=config.policy)
     except StoreError as err:
         log.warning("running without L3: %s", err)
         return None
