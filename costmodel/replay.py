@@ -167,6 +167,7 @@ class ReplayResult:
     sources: dict[str, int] = field(default_factory=lambda: dict.fromkeys(SOURCES, 0))
     prefill_seconds_saved: float = 0.0
     ttft_s: list[float] = field(default_factory=list)
+    reused: list[int] = field(default_factory=list)  # restored tokens per request
     links: dict[str, int] = field(default_factory=dict)  # link -> bytes (pages x page bytes)
     evictions: dict[str, int] = field(default_factory=dict)
     peak_bytes: dict[str, int] = field(default_factory=dict)  # most each tier held after a request
@@ -237,6 +238,7 @@ class Replay:
         for key, source in restored:
             result.sources[source.value] += size
         result.sources[Source.RECOMPUTED.value] += request.input_length - len(restored) * size
+        result.reused.append(len(restored) * size)
         result.prompt_tokens += request.input_length
         for i in range(plan.restore_pages, len(keys)):
             store.publish(keys[i], tokens[i * size : (i + 1) * size], self.kv,
