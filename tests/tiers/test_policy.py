@@ -135,3 +135,26 @@ def test_l3_evicts_by_policy_and_counts_record_bytes(tmp_path, policy, evicted):
     assert not tier.contains(evicted) and tier.contains(b"c")
     assert (tier.counters.bytes_used, tier.counters.pages) == (2000, 2)
     tier.close()
+
+
+def test_l3_cost_order_ages_a_hot_page_out(tmp_path):
+    """hot is used 3 times; one-off pages pass through the other slot, each leaving
+    raises the clock, until a newcomer ties hot and hot, the older, leaves."""
+    tier = DiskTier(tmp_path, 2000, record_bytes=1000, policy="cost")
+    put(tier, b"hot")
+    use(tier, b"hot")
+    use(tier, b"hot")
+    for key in (b"x", b"y", b"z"):
+        put(tier, key)
+    assert tier.contains(b"hot")
+    put(tier, b"w")
+    assert not tier.contains(b"hot") and tier.contains(b"z") and tier.contains(b"w")
+    tier.close()
+
+
+def test_published_cost_orders_l1():
+    s = store("cost", l1_bytes=2000, l2_bytes=0)
+    s.publish(KEYS[0], TOKENS[:4], KV, cost=5.0)  # deeper in a prompt: dearer to recompute
+    s.publish(KEYS[1], TOKENS[4:8], KV, cost=1.0)
+    s.publish(KEYS[2], TOKENS[8:12], KV, cost=1.0)
+    assert sorted(KEYS.index(k) for k in s.l1) == [0, 2]
