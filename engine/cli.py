@@ -225,11 +225,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     loaded = _load_model(args.model)
     prompts = _read_prompts(args, loaded.tokenizer)
     store = StoreConfig(args.l1_bytes, args.l2_bytes, args.l3_bytes,
-                        args.store or default_store_dir(), args.codec, throttle=dict(args.throttle),
-                        policy=args.policy)
+                        args.store or default_store_dir(), args.codec, throttle=dict(args.throttle))
     config = EngineConfig(page_size=args.page_size, offload=not args.no_offload, store=store,
                           cache_salt=args.cache_salt, single_flight=args.single_flight,
-                          refresh_window=max(args.refresh_window, 0))
+                          refresh_window=max(args.refresh_window, 0), policy=args.policy)
     params = SamplingParams(args.max_tokens, args.temperature, args.top_p)
     engine = Engine(loaded, config)
     try:

@@ -14,7 +14,7 @@ import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Sequence
 
 import mlx.core as mx
@@ -26,6 +26,7 @@ from mlx_lm.sample_utils import make_sampler
 from kvtier.costmodel.plan import READ_LINKS, Profile, plan_restore
 from kvtier.tiers.counters import add_into
 from kvtier.tiers.hierarchy import RestoredPrefix, StoreConfig, TieredStore
+from kvtier.tiers.policy import DEFAULT_POLICY
 from kvtier.tiers.page import Source, page_keys, reusable_pages
 
 from .flights import FlightCoordinator
@@ -53,6 +54,7 @@ class EngineConfig:
     max_running: int = 32  # requests in the BatchGenerator at once; the rest wait
     refresh_window: int = 128  # waiting requests whose L1 pages are touched before admission
     window_s: float = 30.0  # cached tokens per second are measured over this window
+    policy: str = DEFAULT_POLICY  # eviction policy of the store's tiers (tiers.policy)
 
 
 class Engine:
@@ -64,7 +66,7 @@ class Engine:
         self.geometry = loaded.geometry(self.config.page_size)
         self.namespace = loaded.namespace(self.geometry, self.config.cache_salt)
         self.store = (
-            TieredStore(self.geometry, self.namespace, self.config.store)
+            TieredStore(self.geometry, self.namespace, replace(self.config.store, policy=self.config.policy))
             if self.config.offload else None
         )
         self.generator = BatchGenerator(
