@@ -25,6 +25,7 @@ tokens (what unbounded tiers would reuse).
 
 from __future__ import annotations
 
+import heapq
 import json
 import os
 import tempfile
@@ -42,6 +43,7 @@ from .models import ComputeModel
 from .plan import Profile, plan_restore
 
 BLOCK_TOKENS = 512
+BELADY = "belady"  # not a store policy: the offline bound for the same total capacity
 SOURCES = tuple(s.value for s in Source)
 
 
@@ -128,6 +130,34 @@ def infinite_cache(trace: Sequence[TraceRequest], page_size: int) -> list[int]:
         hits = next((i for i, page in enumerate(pages) if page not in published), len(pages))
         reused.append(hits * page_size)
         published.update(pages)
+    return reused
+
+
+def belady(trace: Sequence[TraceRequest], page_size: int, capacity_pages: int) -> list[int]:
+    """Reused tokens per request for one cache of ``capacity_pages`` that always
+    evicts the page used again farthest in the future (Belady's offline choice, from
+    the trace's future; a page never used again is not kept). A prefix's pages are
+    used together, so a page's next use is never later than the next use of the
+    pages after it: the farthest is a chain's tail, and the reused prefix stays whole."""
+    names = [page_names(r, page_size) for r in trace]
+    never = len(trace)
+    next_use: list[list[int]] = [[] for _ in trace]
+    upcoming: dict[tuple[int, int], int] = {}
+    for index in range(len(trace) - 1, -1, -1):
+        next_use[index] = [upcoming.get(name, never) for name in names[index]]
+        upcoming.update((name, index) for name in names[index])
+    cached: dict[tuple[int, int], int] = {}  # page -> its next use
+    farthest: list[tuple[int, tuple[int, int]]] = []  # max-heap of (-next use, page); stale entries skipped
+    reused = []
+    for index, pages in enumerate(names):
+        reused.append(next((i for i, page in enumerate(pages) if page not in cached), len(pages)) * page_size)
+        for page, use in zip(pages, next_use[index]):
+            cached[page] = use
+            heapq.heappush(farthest, (-use, page))
+        while len(cached) > capacity_pages or (farthest and -farthest[0][0] == never):
+            use, page = heapq.heappop(farthest)
+            if cached.get(page) == -use:
+                del cached[page]
     return reused
 
 
@@ -291,23 +321,43 @@ def replay(trace: Sequence[TraceRequest], configs: Sequence[ReplayConfig], profi
     bound = infinite_cache(trace, page_size)
     prompt_tokens = sum(r.input_length for r in trace)
     distinct = len({name for r in trace for name in page_names(r, page_size)})
-    saved = sum(profile.compute.predict(r.input_length, 0) - profile.compute.predict(r.input_length - k, k)
-                for r, k in zip(trace, bound))
+    saved = compute_saved(trace, bound, profile)
+    rows = [_belady_row(trace, c, profile, prompt_tokens) if c.policy == BELADY else
+            Replay(trace, c, profile).run(on_request).report(distinct) for c in configs]
     return {
         "requests": len(trace), "prompt_tokens": prompt_tokens, "page_size": page_size,
         "page_bytes": configs[0].page_bytes, "distinct_pages": distinct,
         "profile": "calibrated" if profile.calibrated else "defaults",
         "infinite_cache": {"reused_ratio": sum(bound) / max(prompt_tokens, 1), "reused_tokens": sum(bound),
                            "prefill_seconds_saved": saved},
-        "policies": [Replay(trace, c, profile).run(on_request).report(distinct) for c in configs],
+        "policies": rows,
     }
+
+
+def compute_saved(trace: Sequence[TraceRequest], reused: Sequence[int], profile: Profile) -> float:
+    """Prefill seconds saved by reusing ``reused`` tokens of each request, restores free
+    (what a bound can claim)."""
+    compute = profile.compute.predict
+    return sum(compute(r.input_length, 0) - compute(r.input_length - k, k) for r, k in zip(trace, reused))
+
+
+def _belady_row(trace: Sequence[TraceRequest], config: ReplayConfig, profile: Profile, prompt_tokens: int) -> dict:
+    """Belady's reuse for the config's L1 + L2 + L3 as one cache (no store, no timing)."""
+    capacity = (config.l1_bytes + config.l2_bytes + config.l3_bytes) // config.page_bytes
+    reused = belady(trace, config.page_size, capacity)
+    return {"policy": BELADY, "eviction": BELADY, "l3_admit": None, "l1_bytes": config.l1_bytes,
+            "l2_bytes": config.l2_bytes, "l3_bytes": config.l3_bytes,
+            "reused_ratio": sum(reused) / max(prompt_tokens, 1), "reused_tokens": sum(reused),
+            "prefill_seconds_saved": compute_saved(trace, reused, profile)}
 
 
 def configs_for(base: ReplayConfig, policies: Sequence[str], admits: Sequence[str],
                 l2_sweep: Sequence[int] = ()) -> list[ReplayConfig]:
-    """One config per L2 size (or the base one), policy and admission, in that order."""
+    """One config per L2 size (or the base one), policy and admission, in that order
+    (belady, which has no admission, once per L2 size)."""
     return [replace(base, l2_bytes=l2, policy=p, l3_admit=a)
-            for l2 in (l2_sweep or [base.l2_bytes]) for p in policies for a in admits]
+            for l2 in (l2_sweep or [base.l2_bytes]) for p in policies for a in admits
+            if p != BELADY or a == admits[0]]
 
 
 def format_report(report: dict) -> str:
@@ -322,6 +372,12 @@ def format_report(report: dict) -> str:
              f"{'L3 tok':>10} {'saved s':>9} {'ttft p50':>9} {'p90':>9} {'p99':>9} {'L3 GiB w':>9} "
              f"{'L3 amp':>6} {'ev L1':>7} {'ev L2':>7} {'ev L3':>7}"]
     for p in report["policies"]:
+        if p["policy"] == BELADY:
+            note = "(offline, one cache)"
+            lines.append(f"{p['policy']:<18} {p['l1_bytes'] / gib:>5.0f}G {p['l2_bytes'] / gib:>5.0f}G "
+                         f"{p['l3_bytes'] / gib:>5.0f}G {p['reused_ratio']:>7.1%} {note:>32} "
+                         f"{p['prefill_seconds_saved']:>9.0f}")
+            continue
         src, ev = p["sources"], p["evictions"]
         lines.append(
             f"{p['policy']:<18} {p['l1_bytes'] / gib:>5.0f}G {p['l2_bytes'] / gib:>5.0f}G {p['l3_bytes'] / gib:>5.0f}G "
@@ -343,8 +399,10 @@ def plot_report(report: dict, path: Path) -> None:
     for label in dict.fromkeys(p["policy"] for p in report["policies"]):
         rows = sorted((p for p in report["policies"] if p["policy"] == label), key=lambda p: p["l2_bytes"])
         sizes = [p["l2_bytes"] / (1 << 30) for p in rows]
-        reuse.plot(sizes, [p["reused_ratio"] for p in rows], marker="o", label=label)
-        ttft.plot(sizes, [p["ttft_p50_s"] for p in rows], marker="o", label=label)
+        reuse.plot(sizes, [p["reused_ratio"] for p in rows], marker="o", label=label,
+                   linestyle="--" if label == BELADY else "-")
+        if label != BELADY:
+            ttft.plot(sizes, [p["ttft_p50_s"] for p in rows], marker="o", label=label)
     reuse.axhline(report["infinite_cache"]["reused_ratio"], color="k", linestyle=":", label="infinite cache")
     reuse.set(xscale="log", xlabel="L2 GiB", ylabel="reused token ratio", title="reuse")
     ttft.set(xscale="log", xlabel="L2 GiB", ylabel="predicted TTFT p50 (s)", title="time to first token")

@@ -135,8 +135,9 @@ def build_parser() -> argparse.ArgumentParser:
     replay.add_argument("--l1-bytes", type=parse_size, default=parse_size("1GiB"))
     replay.add_argument("--l2-bytes", type=parse_size, default=parse_size("4GiB"))
     replay.add_argument("--l3-bytes", type=parse_size, default=parse_size("32GiB"))
-    replay.add_argument("--policy", type=_choices(POLICIES), default=list(POLICIES),
-                        help=f"comma-separated, each replayed: {','.join(POLICIES)}")
+    replay.add_argument("--policy", type=_choices([*POLICIES, "belady"]), default=list(POLICIES),
+                        help=f"comma-separated, each replayed: {','.join(POLICIES)}, or belady (the "
+                             "offline bound for the same total capacity)")
     replay.add_argument("--l3-admit", type=_choices(ADMISSIONS), default=["always"],
                         help=f"comma-separated L3 admission filters: {','.join(ADMISSIONS)}")
     replay.add_argument("--sweep", type=_sweep, metavar="l2-bytes=S,S,...", help="replay at each L2 size")
@@ -404,7 +405,8 @@ def cmd_replay(args: argparse.Namespace) -> int:
     base = rp.ReplayConfig(bytes_per_token, args.page_size, args.l1_bytes, args.l2_bytes, args.l3_bytes,
                            speed=args.speed)
     configs = rp.configs_for(base, args.policy, args.l3_admit, args.sweep or ())
-    with tqdm(total=len(trace) * len(configs), desc="replaying", unit="req", file=sys.stderr) as bar:
+    replays = sum(c.policy != rp.BELADY for c in configs)
+    with tqdm(total=len(trace) * replays, desc="replaying", unit="req", file=sys.stderr) as bar:
         report = rp.replay(trace, configs, profile or Profile.defaults(), lambda: bar.update())
     if args.plot is not None:
         rp.plot_report(report, args.plot)
