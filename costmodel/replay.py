@@ -270,9 +270,8 @@ class Replay:
         result.sources[Source.RECOMPUTED.value] += request.input_length - len(restored) * size
         result.reused.append(len(restored) * size)
         result.prompt_tokens += request.input_length
-        for i in range(plan.restore_pages, len(keys)):
-            store.publish(keys[i], tokens[i * size : (i + 1) * size], self.kv,
-                          cost=compute.predict(size, i * size))
+        for i in range(plan.restore_pages, len(keys)):  # as the engine publishes: no cost hint
+            store.publish(keys[i], tokens[i * size : (i + 1) * size], self.kv)
         store.release([key for key, _ in restored])
         store.settle()
         arrival = request.arrival_s / self.config.speed
