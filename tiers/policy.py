@@ -5,14 +5,15 @@ asks it for a victim when it needs room. Policies only order pages; the tier kee
 the caps and the pins (a victim is always an unpinned page the tier holds).
 
 - ``lru``: least recently used first.
-- ``cost``: GreedyDual-Size-Frequency. A page's priority is
-  ``clock + uses * cost / size``: the recompute seconds per byte its loss would
-  cost, weighted by how often it was used, on top of the tier's clock, which rises
-  to the priority of each victim. Pages that are used again climb; pages left
-  alone fall behind the clock and leave in turn, however hot they once were
-  (the aging). Equal priorities leave oldest first. The cost of a page is given
-  when it is published (the engine passes its recompute time at its depth);
-  without one every page costs the same and the policy orders by uses and age.
+- ``cost``: GreedyDual-Size-Frequency. A page's priority is ``clock + uses * cost``:
+  the recompute seconds its loss would cost (per byte: every page of a tier has
+  one size, so seconds order them alike), weighted by how often it was used, on
+  top of the tier's clock, which rises to the priority of each victim. Pages that
+  are used again climb; pages left alone fall behind the clock and leave in turn,
+  however hot they once were (the aging). Equal priorities leave oldest first. A
+  publisher may pass a page's cost (``TieredStore.publish``); without one every
+  page costs the same and the policy orders by uses and age. L3 keeps the same
+  order in its LMDB tables (``tiers.disk``), with every page costing the same.
 
 ``L3Admission`` decides which pages are worth writing to L3 at all: ``always``, or
 ``second-use``, which writes a page only once it has been seen a second time
@@ -133,7 +134,7 @@ class L3Admission:
     forgotten first) and admits a key seen again. ``rejected`` counts refused writes.
     """
 
-    def __init__(self, mode: str = "always", memory: int = 1 << 20) -> None:
+    def __init__(self, mode: str = "always", memory: int = 1 << 18) -> None:
         if mode not in ADMISSIONS:
             raise ValueError(f"unknown L3 admission {mode!r}; expected one of {', '.join(ADMISSIONS)}")
         self.mode, self.memory = mode, memory
