@@ -399,7 +399,7 @@ class TieredStore:
             self._place_below_l1(key, page_tokens, kv, cost)
 
     def _make_room(self, tier: Tier) -> bool:
-        """Evict unpinned LRU pages of ``tier`` until one page fits."""
+        """Evict the policy's unpinned victims from ``tier`` until one page fits."""
         while not tier.has_room():
             victim = tier.victim(self.pinned)
             if victim is None:
