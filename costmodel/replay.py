@@ -38,6 +38,7 @@ import numpy as np
 
 from kvtier.tiers.hierarchy import StoreConfig, TieredStore
 from kvtier.tiers.page import Namespace, PageGeometry, PageKey, Source, page_keys, reusable_pages
+from kvtier.tiers.policy import DEFAULT_POLICY
 
 from .models import ComputeModel
 from .plan import Profile, plan_restore
@@ -175,7 +176,7 @@ class ReplayConfig:
     l1_bytes: int = 1 << 30
     l2_bytes: int = 4 << 30
     l3_bytes: int = 32 << 30
-    policy: str = "lru"
+    policy: str = DEFAULT_POLICY
     l3_admit: str = "always"
     speed: float = 1.0
 
@@ -263,7 +264,7 @@ class Replay:
         keys, tokens = prompts.pages(request)
         plan = plan_restore(store.locate(keys, tokens), request.input_length, size,
                             self.config.page_bytes, self.profile)
-        restored = [*self._restore(store, keys, tokens, 0, plan.l1_pages),
+        restored = [*self._restore(store, keys[: plan.l1_pages], tokens, 0),  # as the engine does
                     *self._restore(store, keys[: plan.restore_pages], tokens, plan.first_loaded)]
         for key, source in restored:
             result.sources[source.value] += size
@@ -281,10 +282,9 @@ class Replay:
         return start + plan.predicted_s + decode_seconds(compute, request.input_length, request.output_length)
 
     @staticmethod
-    def _restore(store: TieredStore, keys: list[PageKey], tokens: list[int], first: int,
-                 stop: int | None = None) -> Iterator[tuple[PageKey, Source]]:
-        """Pin and load pages ``first .. stop`` (all of ``keys`` when stop is None)."""
-        keys = keys if stop is None else keys[:stop]
+    def _restore(store: TieredStore, keys: list[PageKey], tokens: list[int],
+                 first: int) -> Iterator[tuple[PageKey, Source]]:
+        """Pin and load pages ``first ..`` of ``keys``: (key, tier) of each."""
         if first >= len(keys):
             return iter(())
         prefix = store.restore(keys, tokens, first)
