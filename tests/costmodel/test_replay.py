@@ -165,8 +165,20 @@ def test_cli_replay_json_reports_bound_and_each_policy(tmp_path):
     (["--policy", "mru"], "bad choice 'mru'"),
     (["--sweep", "l1-bytes=1GiB"], "bad sweep"),
     (["--plot", "x.png"], "give --sweep"),
+    (["--profile", "missing.json"], "cannot read profile"),
 ])
 def test_cli_replay_bad_input_is_one_line_and_exit_2(tmp_path, args, message):
     done = kvtier("replay", str(trace_file(tmp_path, HAND)), "--kv-bytes-per-token", "8", *args)
     assert done.returncode == 2
     assert message in done.stderr and len(done.stderr.strip().splitlines()) == 1
+
+
+def test_cli_replay_plots_a_sweep(tmp_path):
+    pytest.importorskip("matplotlib")
+    plot = tmp_path / "sizing.png"
+    done = kvtier("replay", str(trace_file(tmp_path, HAND)), "--kv-bytes-per-token", str(KV_PER_TOKEN),
+                  "--policy", "lru,belady", "--sweep", "l2-bytes=6MiB,1GiB", "--l1-bytes", "0", "--plot", str(plot))
+    assert done.returncode == 0, done.stderr
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    rows = [line.split()[0] for line in done.stdout.splitlines()[4:]]  # after the header
+    assert rows == ["lru", "belady", "lru", "belady"]
