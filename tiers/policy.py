@@ -130,37 +130,33 @@ def make_policy(name: str) -> EvictionPolicy:
 class L3Admission:
     """Which pages may be written to L3.
 
-    ``second-use`` remembers the keys seen once (at most ``memory`` of them, oldest
-    forgotten first) and admits a key seen again. ``rejected`` counts refused writes.
+    ``second-use`` remembers how often recent keys were seen (at most ``memory`` keys,
+    the least recently seen forgotten first) and admits a key seen twice.
+    ``rejected`` counts refused writes.
     """
 
     def __init__(self, mode: str = "always", memory: int = 1 << 18) -> None:
         if mode not in ADMISSIONS:
             raise ValueError(f"unknown L3 admission {mode!r}; expected one of {', '.join(ADMISSIONS)}")
         self.mode, self.memory = mode, memory
-        self.seen_once: OrderedDict[PageKey, None] = OrderedDict()
-        self.seen_twice: set[PageKey] = set()
+        self.sightings: OrderedDict[PageKey, int] = OrderedDict()
         self.rejected = 0
 
     def seen(self, key: PageKey) -> None:
         """A page was published or restored."""
-        if self.mode == "always" or key in self.seen_twice:
+        if self.mode == "always":
             return
-        if key in self.seen_once:
-            del self.seen_once[key]
-            self.seen_twice.add(key)
-            return
-        self.seen_once[key] = None
-        if len(self.seen_once) > self.memory:
-            self.seen_once.popitem(last=False)
+        self.sightings[key] = min(self.sightings.pop(key, 0) + 1, 2)
+        if len(self.sightings) > self.memory:
+            self.sightings.popitem(last=False)
 
     def admits(self, key: PageKey) -> bool:
         """Whether a write of ``key`` may go to L3 now (a key admitted is forgotten:
         L3 has it, and once it is evicted it must earn its place again)."""
         if self.mode == "always":
             return True
-        if key in self.seen_twice:
-            self.seen_twice.discard(key)
+        if self.sightings.get(key, 0) >= 2:
+            del self.sightings[key]
             return True
         self.rejected += 1
         return False

@@ -158,3 +158,10 @@ def test_published_cost_orders_l1():
     s.publish(KEYS[1], TOKENS[4:8], KV, cost=1.0)
     s.publish(KEYS[2], TOKENS[8:12], KV, cost=1.0)
     assert sorted(KEYS.index(k) for k in s.l1) == [0, 2]
+
+
+def test_second_use_forgets_the_least_recently_seen_beyond_its_memory():
+    admit = L3Admission("second-use", memory=2)
+    for key in (b"a", b"a", b"b", b"c", b"b"):  # a, seen twice, is forgotten when c arrives
+        admit.seen(key)
+    assert not admit.admits(b"a") and admit.admits(b"b")
