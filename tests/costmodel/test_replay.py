@@ -182,3 +182,13 @@ def test_cli_replay_plots_a_sweep(tmp_path):
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     rows = [line.split()[0] for line in done.stdout.splitlines()[4:]]  # after the header
     assert rows == ["lru", "belady", "lru", "belady"]
+
+
+def test_belady_keeps_the_page_used_soonest(tmp_path):
+    """Two pages of room: r1's page 5 is used again later than pages 1, 2, so it goes;
+    r2 reuses 1, 2 (then never used again, they go); r3 misses 5. Three pages: all reuse."""
+    trace = rp.read_trace(trace_file(tmp_path, [(1100, 1, [1, 2, 3]), (600, 1, [5, 6])] * 2))
+    assert rp.belady(trace, 512, 2) == [0, 0, 1024, 0]
+    assert rp.belady(trace, 512, 3) == [0, 0, 1024, 512] == rp.infinite_cache(trace, 512)
+    lru = run(trace, l1_bytes=2 * PAGE_BYTES, l2_bytes=0, l3_bytes=0, policy="lru")
+    assert lru.reused == [0, 0, 0, 0]  # page 5 evicted page 1

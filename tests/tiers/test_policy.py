@@ -165,3 +165,13 @@ def test_second_use_forgets_the_least_recently_seen_beyond_its_memory():
     for key in (b"a", b"a", b"b", b"c", b"b"):  # a, seen twice, is forgotten when c arrives
         admit.seen(key)
     assert not admit.admits(b"a") and admit.admits(b"b")
+
+
+def test_a_restore_counts_as_a_sighting(tmp_path):
+    s = TieredStore(GEOMETRY, NS, StoreConfig(l1_bytes=16, l2_bytes=0, store_dir=tmp_path, l3_admit="second-use"))
+    s.publish(KEYS[0], TOKENS[:4], KV)
+    s.release(s.restore(KEYS[:1], TOKENS).keys)  # seen a second time
+    s.publish(KEYS[1], TOKENS[4:8], KV)  # page 0 leaves L1: written
+    s.settle()
+    assert s.stats()["tiers"]["L3"]["inserts"] == 1
+    s.close()
