@@ -103,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--refresh-window", type=int, default=128, metavar="N",
                      help="touch the L1 pages of the first N waiting requests before each admission")
     run.add_argument("--no-offload", action="store_true", help="no store: recompute every prompt")
-    run.add_argument("--policy", choices=POLICIES, default=DEFAULT_POLICY, help="L1/L2 eviction policy")
+    run.add_argument("--policy", choices=POLICIES, default=DEFAULT_POLICY, help="eviction policy of every tier")
     run.add_argument("--sequential", action="store_true", help="submit each prompt after the previous finishes")
     run.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
     run.add_argument("--json", action="store_true", help="one JSON object per request, then counters")
@@ -141,7 +141,8 @@ def build_parser() -> argparse.ArgumentParser:
     replay.add_argument("--l3-admit", type=_choices(ADMISSIONS), default=["always"],
                         help=f"comma-separated L3 admission filters: {','.join(ADMISSIONS)}")
     replay.add_argument("--sweep", type=_sweep, metavar="l2-bytes=S,S,...", help="replay at each L2 size")
-    replay.add_argument("--speed", type=float, default=1.0, help="arrival timestamps divided by this")
+    replay.add_argument("--speed", type=float, default=1.0,
+                        help="arrival timestamps divided by this (0.02 stretches them 50 times)")
     replay.add_argument("--json", action="store_true", help="one JSON object")
     replay.add_argument("--plot", type=Path, metavar="FILE.png",
                         help="reused ratio and TTFT against L2 size per policy (needs matplotlib)")
