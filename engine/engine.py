@@ -74,6 +74,7 @@ class Engine:
         )
         self.profile = self._load_profile()
         self.vocab_size = loaded.model.args.vocab_size if hasattr(loaded.model, "args") else None
+        self.context_length = getattr(getattr(loaded.model, "args", None), "max_position_embeddings", None)
         flights = FlightCoordinator(self.config.single_flight if self.store is not None else "off")
         self.scheduler = Scheduler(flights, self.config.max_running, self.config.refresh_window)
         self.cached_tokens = RateWindow(self.config.window_s)
@@ -100,9 +101,10 @@ class Engine:
     def submit(self, prompt: Sequence[int] | str, params: SamplingParams | None = None) -> Request:
         """Queue a prompt (text is tokenized as ``tokenizer.encode`` does); thread-safe."""
         tokens = self.loaded.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        self._check_prompt(tokens)
+        params = params or SamplingParams()
+        self._check_prompt(tokens, params)
         keys = page_keys(self.namespace, tokens)[: reusable_pages(len(tokens), self.config.page_size)]
-        request = Request(next(self._rids), tokens, params or SamplingParams(), self.config.page_size, keys)
+        request = Request(next(self._rids), tokens, params, self.config.page_size, keys)
         request.l1_tokens_at_enqueue = self._l1_tokens(self.store.locate(keys, tokens)) if self.store else 0
         flight_key = hashlib.blake2b(np.asarray(tokens, "<u4").tobytes(), digest_size=16,
                                      key=self.namespace.digest()).digest()
@@ -112,9 +114,12 @@ class Engine:
     def _l1_tokens(self, matched: Sequence[Source]) -> int:
         return sum(self.config.page_size for s in matched if s is Source.L1)
 
-    def _check_prompt(self, tokens: list[int]) -> None:
+    def _check_prompt(self, tokens: list[int], params: SamplingParams) -> None:
         if not tokens:
             raise InputError("empty prompt")
+        if self.context_length and len(tokens) + params.max_tokens > self.context_length:
+            raise InputError(f"prompt of {len(tokens)} tokens plus max_tokens {params.max_tokens} exceeds "
+                             f"the model's context of {self.context_length} tokens")
         bad = [t for t in tokens if t < 0 or (self.vocab_size and t >= self.vocab_size)]
         if bad:
             raise InputError(f"token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})")

@@ -107,7 +107,7 @@ class PendingRestore:
 class StoreConfig:
     l1_bytes: int = 1 << 30
     l2_bytes: int = 4 << 30
-    l3_bytes: int = 32 << 30
+    l3_bytes: int | None = None  # None: the store's own cap (a new store: 32 GiB)
     store_dir: Path | None = None
     codec: str = "raw"
     # Tier ("L2" or "L3") -> bytes per second: reads from that tier take at least
@@ -115,6 +115,7 @@ class StoreConfig:
     # "L3" slows the reads of L3 pages (L3->L1, L3->L2); "L2" slows the L2->L1 join of
     # every page that crosses it (so also of compressed L3 pages decoded into L2).
     throttle: dict[str, float] = field(default_factory=dict)
+    label: str = ""  # what `kvtier store ls` calls these pages' model (its name)
 
 
 class TieredStore:
@@ -133,6 +134,10 @@ class TieredStore:
         self.l1: Tier[DevicePage] = Tier("L1", config.l1_bytes, geometry.nbytes)
         self.l2 = HostTier(config.l2_bytes, geometry)
         self.disk = _open_disk(config)
+        if self.disk is not None:
+            self.disk.describe_namespace(self.ns_digest, {
+                "model": config.label or namespace.model_fingerprint[:12], "page_size": geometry.page_size,
+                "dtype": geometry.dtype, "salted": bool(namespace.cache_salt)})
         self.throttle = _checked_throttle(config.throttle)
         self.links = {name: LinkCounters() for name in LINKS}
         self._pins: Counter[PageKey] = Counter()
