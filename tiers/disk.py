@@ -449,11 +449,12 @@ class DiskTier:
             raise StoreError(f"cannot open store at {self.path}: {_one_line(error)}")
         try:
             self._check_file_size(env)
-            with env.begin() as txn:
-                self._meta = env.open_db(b"meta", txn=txn, create=False)
-                _check_version(self.path, txn.get(b"format_version", db=self._meta))
-                self._pages, self._lru, self._order, self._counters_db, self._namespaces = (
-                    env.open_db(name, txn=txn, create=False) for name in _DBS)
+            # Without a txn: py-lmdb keeps the handles of a read-only env only when it opens them itself
+            self._meta = env.open_db(b"meta", create=False)
+            with env.begin(db=self._meta) as txn:
+                _check_version(self.path, txn.get(b"format_version"))
+            self._pages, self._lru, self._order, self._counters_db, self._namespaces = (
+                env.open_db(name, create=False) for name in _DBS)
         except lmdb.Error as exc:  # NotFoundError: a database missing
             env.close()
             raise StoreError(f"cannot read store at {self.path}: {_one_line(exc)}") from None
