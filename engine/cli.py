@@ -244,6 +244,8 @@ def _pages_kept(args: argparse.Namespace | None) -> str:
 
 
 def _read_prompts(args: argparse.Namespace, tokenizer) -> list[list[int]]:
+    # kvtier checks prompt lengths itself (one line); the tokenizer's own warning would be a second
+    logging.getLogger("transformers.tokenization_utils_base").setLevel(logging.ERROR)
     if args.prompt is not None:
         texts: list = [sys.stdin.read() if text == "-" else text for text in args.prompt]
     elif args.prompt_file is not None:
@@ -341,7 +343,7 @@ def _geometry(loaded, page_size: int):
 
 def cmd_run(args: argparse.Namespace) -> int:
     # Imported here so that `kvtier --help` and bad arguments answer at once.
-    from .engine import Engine, EngineConfig, InputError
+    from .engine import Engine, EngineConfig, InputError, check_prompt
     from .model import ModelError
     from .request import SamplingParams
 
@@ -349,6 +351,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     _check_sizes(args, store_dir)
     loaded = _load_model(args.model)
     prompts = _read_prompts(args, loaded.tokenizer)
+    params = SamplingParams(args.max_tokens, args.temperature, args.top_p)
+    try:
+        for prompt in prompts:  # before any work: nothing computed, the store untouched
+            check_prompt(loaded, prompt, params)
+    except InputError as err:
+        raise UsageError(str(err)) from None
     geometry = _geometry(loaded, args.page_size)
     if store_dir is not None and not (args.no_auto_calibrate or os.environ.get("KVTIER_NO_AUTO_CALIBRATE")):
         _calibrate_on_first_use(loaded, geometry, store_dir)
@@ -357,7 +365,6 @@ def cmd_run(args: argparse.Namespace) -> int:
     config = EngineConfig(page_size=args.page_size, offload=store_dir is not None, store=store,
                           cache_salt=args.cache_salt, single_flight=args.single_flight,
                           refresh_window=args.refresh_window)
-    params = SamplingParams(args.max_tokens, args.temperature, args.top_p)
     try:
         engine = Engine(loaded, config)
     except (ModelError, ValueError) as err:
@@ -632,8 +639,9 @@ def _store_ls(args: argparse.Namespace) -> int:
 
 
 def _store_clear(args: argparse.Namespace) -> int:
-    with _open_store(args.store) as disk:
+    with _open_store(args.store, readonly=True) as disk:  # a bad --namespace writes nothing
         chosen = None if args.namespace is None else {_namespace(disk, prefix) for prefix in args.namespace}
+    with _open_store(args.store) as disk:
         pages, nbytes = disk.clear(chosen)
         print(f"removed {pages} pages ({format_bytes(nbytes)}) from {disk.path}")
     return 0

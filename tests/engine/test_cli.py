@@ -89,6 +89,8 @@ def test_bench_restore_reports_links_limits_peer_and_break_even(tmp_path):
     assert links == {"L2->L1", "L3->L1", "L3->L2"}
     for row in report["links"]:
         assert row["bytes"] > 0 and row["gib_s"] > 0 and row["ratio_to_memcpy"] > 0
+    for link in links:  # pages restored, not bytes over the raw page size (compressed pages are smaller)
+        assert [row["pages"] for row in report["links"] if row["link"] == link] == [1, 4, 16, 64]
     assert {"load_prompt_cache_gib_s", "ours_l3_gib_s", "ratio"} <= set(report["peer"])
     assert set(report["break_even_tokens"]) == {"L2", "L3"}
     assert report["limits"]["lmdb_zero_copy_read_gib_s"] > 0

@@ -282,3 +282,9 @@ def test_first_use_of_a_store_calibrates_once(tmp_path):
                      "--no-auto-calibrate", "--prompt", "hi", env=env)
     assert "calibration" not in skipped.stderr
     assert not json.loads(skipped.stdout.splitlines()[-1])["counters"]["costmodel"]["calibrated"]
+
+
+def test_l3_cap_0_drops_writes_and_no_bytes_cross_to_l3(tmp_path):
+    (result, counters) = run_json(tmp_path, "--l3-bytes", "0", "--prompt", PROMPT)
+    assert counters["tiers"]["L3"]["writes_dropped"] == 7 and counters["tiers"]["L3"]["inserts"] == 0
+    assert counters["links"]["L1->L3"]["bytes"] == counters["links"]["L2->L3"]["bytes"] == 0
