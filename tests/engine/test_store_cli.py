@@ -204,18 +204,18 @@ def test_store_ls_clear_resize_compact(tmp_path):
     (result, _) = run_json(tmp_path, "--prompt", PROMPT)
     assert result["sources"]["L3"] == 112  # the other namespace is untouched
 
+    before = (tmp_path / "data.mdb").stat().st_size
+    kvtier("store", "compact", "--store", str(tmp_path))
+    after = (tmp_path / "data.mdb").stat().st_size
+    assert after < before - 6 * 16 * 24576  # the cleared namespace's 7 pages no longer take room
+    (result, _) = run_json(tmp_path, "--prompt", PROMPT)
+    assert result["sources"]["L3"] == 112  # the compacted store still serves its pages
+
     page = listing["namespaces"][0]["bytes"] // 7
     done = kvtier("store", "resize", "--l3-bytes", str(3 * page), "--store", str(tmp_path))
     assert "4 pages evicted" in done.stdout
     stats = json.loads(kvtier("stats", "--json", "--store", str(tmp_path)).stdout)["tiers"]["L3"]
     assert stats["capacity"] == 3 * page and stats["pages"] == 3
-
-    before = (tmp_path / "data.mdb").stat().st_size
-    kvtier("store", "compact", "--store", str(tmp_path))
-    after = (tmp_path / "data.mdb").stat().st_size
-    assert after < before / 2
-    (result, _) = run_json(tmp_path, "--prompt", PROMPT)
-    assert result["sources"]["L3"] == 3 * 16  # the compacted store still serves its pages
 
     assert "removed 3 pages" in kvtier("store", "clear", "--store", str(tmp_path)).stdout
     assert json.loads(kvtier("store", "ls", "--json", "--store", str(tmp_path)).stdout)["pages"] == 0
@@ -285,6 +285,6 @@ def test_first_use_of_a_store_calibrates_once(tmp_path):
 
 
 def test_l3_cap_0_drops_writes_and_no_bytes_cross_to_l3(tmp_path):
-    (result, counters) = run_json(tmp_path, "--l3-bytes", "0", "--prompt", PROMPT)
+    counters = run_json(tmp_path, "--l3-bytes", "0", "--prompt", PROMPT)[-1]["counters"]
     assert counters["tiers"]["L3"]["writes_dropped"] == 7 and counters["tiers"]["L3"]["inserts"] == 0
     assert counters["links"]["L1->L3"]["bytes"] == counters["links"]["L2->L3"]["bytes"] == 0
