@@ -29,7 +29,7 @@ PAGE_COUNTS = (1, 2, 4, 8, 16)
 REPEATS = 3  # timings per sample, the median kept: one stall of a noisy machine moves nothing
 PREFILL_TOKENS = (32, 128, 384)
 CONTEXTS = (0, 512, 1024)
-QUICK = {"page_counts": (1, 4), "prefill_tokens": (32, 128), "contexts": (0, 256)}  # first use: seconds
+QUICK = {"page_counts": (1, 4), "prefill_tokens": (32, 64), "contexts": (0, 128)}  # first use: seconds
 
 Tick = Callable[[], None]
 
