@@ -288,3 +288,28 @@ def test_l3_cap_0_drops_writes_and_no_bytes_cross_to_l3(tmp_path):
     counters = run_json(tmp_path, "--l3-bytes", "0", "--prompt", PROMPT)[-1]["counters"]
     assert counters["tiers"]["L3"]["writes_dropped"] == 7 and counters["tiers"]["L3"]["inserts"] == 0
     assert counters["links"]["L1->L3"]["bytes"] == counters["links"]["L2->L3"]["bytes"] == 0
+
+
+def _commands(parser, prefix=()) -> list[tuple[str, ...]]:
+    """Every command path of the parser: (), ("run",), ("store", "ls"), ..."""
+    import argparse
+
+    found = [prefix]
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                found += _commands(sub, (*prefix, name))
+    return found
+
+
+def test_every_flag_in_help_is_in_the_readme_flag_list():
+    import re
+
+    from kvtier.engine.cli import build_parser
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    flags = readme[readme.index("## Flags"):readme.index("## Using a real model")]
+    for command in _commands(build_parser()):
+        text = kvtier(*command, "--help").stdout
+        for flag in set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]+", text)) - {"--help"}:
+            assert flag in flags, f"kvtier {' '.join(command)}: {flag} is not in the README's flag list"
