@@ -453,8 +453,12 @@ class DiskTier:
             self._meta = env.open_db(b"meta", create=False)
             with env.begin(db=self._meta) as txn:
                 _check_version(self.path, txn.get(b"format_version"))
-            self._pages, self._lru, self._order, self._counters_db, self._namespaces = (
-                env.open_db(name, create=False) for name in _DBS)
+            self._pages, self._lru, self._order, self._counters_db = (
+                env.open_db(name, create=False) for name in _DBS[:4])
+            try:
+                self._namespaces = env.open_db(b"namespaces", create=False)
+            except lmdb.NotFoundError:  # a store no writer has opened since the table came
+                self._namespaces = None
         except lmdb.Error as exc:  # NotFoundError: a database missing
             env.close()
             raise StoreError(f"cannot read store at {self.path}: {_one_line(exc)}") from None
@@ -695,6 +699,8 @@ class DiskTier:
     def namespaces(self) -> dict[bytes, dict]:
         """Per namespace digest: pages, bytes, tokens, last_use (unix time) and what its
         writer said about it (``describe_namespace``)."""
+        if self._namespaces is None:
+            return {}
         try:
             with self._env.begin(db=self._namespaces) as txn:
                 return {bytes(k): msgpack.unpackb(v) for k, v in txn.cursor()}

@@ -313,3 +313,22 @@ def test_every_flag_in_help_is_in_the_readme_flag_list():
         text = kvtier(*command, "--help").stdout
         for flag in set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]+", text)) - {"--help"}:
             assert flag in flags, f"kvtier {' '.join(command)}: {flag} is not in the README's flag list"
+
+
+def test_ctrl_c_in_bench_removes_its_scratch_store_and_exits_130(tmp_path):
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-m", "kvtier.engine.cli", "bench", "restore", "--store", str(tmp_path),
+                             "--page-size", "16"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not list(tmp_path.glob("calibration-*")) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert list(tmp_path.glob("calibration-*")), "the bench never started measuring"
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130
+    assert err.strip().splitlines()[-1] == f"kvtier: interrupted; 0 pages kept in {tmp_path}"
+    assert "Traceback" not in err and not list(tmp_path.glob("calibration-*"))

@@ -571,3 +571,19 @@ def test_compact_refuses_while_another_process_has_the_store_open(store: Path) -
     finally:
         holder.kill()
         holder.wait()
+
+
+def test_a_store_from_before_the_namespaces_table_is_counted_on_open(store: Path) -> None:
+    tier = DiskTier(store, 1 << 20)
+    for i in range(3):
+        tier.put(key(i), NS, TOKENS, payload(i))
+    tier.close()
+    with _raw_env(store) as (env, _, _meta):
+        with env.begin(write=True) as txn:
+            txn.drop(env.open_db(b"namespaces", txn=txn), delete=True)
+    with DiskTier(store, readonly=True) as reader:
+        assert reader.namespaces() == {} and reader.counters.pages == 3
+    tier = DiskTier(store, 1 << 20)
+    row = tier.namespaces()[NS]
+    assert (row["pages"], row["tokens"], row["bytes"]) == (3, 24, tier.counters.bytes_used)
+    tier.close()
