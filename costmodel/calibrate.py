@@ -29,7 +29,8 @@ PAGE_COUNTS = (1, 2, 4, 8, 16)
 REPEATS = 3  # timings per sample, the median kept: one stall of a noisy machine moves nothing
 PREFILL_TOKENS = (32, 128, 384)
 CONTEXTS = (0, 512, 1024)
-QUICK = {"page_counts": (1, 4), "prefill_tokens": (32, 64), "contexts": (0, 128)}  # first use: seconds
+QUICK = {"page_counts": (1, 2, 4, 8), "prefill_tokens": (16, 32, 64), "contexts": (0, 128)}  # the fewest points a
+# fit takes (TimeModel.refit: twice as many distinct inputs as terms), small ones: seconds, not minutes
 
 Tick = Callable[[], None]
 

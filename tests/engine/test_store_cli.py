@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from kvtier.costmodel.plan import Profile
 from kvtier.tiers.disk import DiskTier
 
 PROMPT = "the system prompt of an agent with tools " * 3  # ~120 tokens: 7 pages of 16
@@ -275,7 +276,12 @@ def test_first_use_of_a_store_calibrates_once(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "KVTIER_NO_AUTO_CALIBRATE"}
     first = kvtier("run", "--json", "--store", str(tmp_path), "--max-tokens", "1", "--prompt", "hi", env=env)
     assert "a quick calibration first" in first.stderr
-    assert json.loads(first.stdout.splitlines()[-1])["counters"]["costmodel"]["calibrated"]
+    fitted = json.loads(first.stdout.splitlines()[-1])["counters"]["costmodel"]
+    defaults = Profile.defaults().summary()
+    assert fitted["calibrated"]
+    for link in ("L2->L1", "L3->L1", "L3->L2"):  # enough distinct samples that every link was fitted
+        assert fitted["links"][link]["gib_s"] != defaults["links"][link]["gib_s"]
+    assert [fitted["compute"][c] for c in ("c0", "c1", "c2")] != [defaults["compute"][c] for c in ("c0", "c1", "c2")]
     second = kvtier("run", "--json", "--store", str(tmp_path), "--max-tokens", "1", "--prompt", "hi", env=env)
     assert "calibration" not in second.stderr
     skipped = kvtier("run", "--json", "--store", str(tmp_path / "other"), "--max-tokens", "1",
