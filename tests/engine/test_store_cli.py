@@ -338,3 +338,10 @@ def test_ctrl_c_in_bench_removes_its_scratch_store_and_exits_130(tmp_path):
     assert proc.returncode == 130
     assert err.strip().splitlines()[-1] == f"kvtier: interrupted; 0 pages kept in {tmp_path}"
     assert "Traceback" not in err and not list(tmp_path.glob("calibration-*"))
+
+
+def test_an_l3_cap_beyond_the_free_disk_space_is_a_warning(tmp_path):
+    done = kvtier("run", "--json", "--store", str(tmp_path), "--max-tokens", "1", "--l3-bytes", "99999TiB",
+                  "--prompt", "hi")
+    assert "is more than the free space" in done.stderr and len(done.stderr.strip().splitlines()) == 1
+    assert json.loads(done.stdout.splitlines()[-1])["counters"]["tiers"]["L3"]["capacity"] == 99999 << 40
