@@ -23,6 +23,7 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
+import shutil
 import struct
 import tempfile
 import threading
@@ -414,10 +415,12 @@ class DiskTier:
             raise StoreError(f"store directory {self.path} is not writable")
         if map_size is None:
             # Generous: if another process later grows the data past this map, every txn
-            # here fails with MapResizedError (a miss or a dropped write, logged once).
+            # here fails with MapResizedError (a miss or a dropped write, logged once). No
+            # larger than the filesystem: a cap beyond it cannot be reached, nor mapped.
             data = self.path / "data.mdb"
             existing = data.stat().st_size if data.exists() else 0
-            map_size = max(2 * self._capacity + 64 * _MIB, 2 * existing, _MIN_MAP)
+            wanted = min(2 * self._capacity + 64 * _MIB, shutil.disk_usage(self.path).total)
+            map_size = max(wanted, 2 * existing, _MIN_MAP)
         try:
             # sync=True: every commit is durable and a crash never leaves a damaged B-tree;
             # commits are batched on the writer thread, off the request path. readahead
