@@ -42,6 +42,21 @@ class InputError(ValueError):
     """A prompt the model cannot take (one clear line)."""
 
 
+def check_prompt(loaded: LoadedModel, tokens: Sequence[int], params: SamplingParams) -> None:
+    """InputError unless the model can take ``tokens`` and generate ``params.max_tokens``
+    after them (callers may check before building an engine: nothing is touched)."""
+    args = getattr(loaded.model, "args", None)
+    vocab, context = getattr(args, "vocab_size", None), getattr(args, "max_position_embeddings", None)
+    if not tokens:
+        raise InputError("empty prompt")
+    if context and len(tokens) + params.max_tokens > context:
+        raise InputError(f"prompt of {len(tokens)} tokens plus max_tokens {params.max_tokens} exceeds "
+                         f"the model's context of {context} tokens")
+    bad = [t for t in tokens if t < 0 or (vocab and t >= vocab)]
+    if bad:
+        raise InputError(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
+
+
 @dataclass
 class EngineConfig:
     page_size: int = 128
@@ -75,7 +90,6 @@ class Engine:
             prefill_step_size=self.config.prefill_step_size,
         )
         self.profile = self._load_profile()
-        self.vocab_size = loaded.model.args.vocab_size if hasattr(loaded.model, "args") else None
         flights = FlightCoordinator(self.config.single_flight if self.store is not None else "off")
         self.scheduler = Scheduler(flights, self.config.max_running, self.config.refresh_window)
         self.cached_tokens = RateWindow(self.config.window_s)
@@ -102,9 +116,10 @@ class Engine:
     def submit(self, prompt: Sequence[int] | str, params: SamplingParams | None = None) -> Request:
         """Queue a prompt (text is tokenized as ``tokenizer.encode`` does); thread-safe."""
         tokens = self.loaded.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        self._check_prompt(tokens)
+        params = params or SamplingParams()
+        check_prompt(self.loaded, tokens, params)
         keys = page_keys(self.namespace, tokens)[: reusable_pages(len(tokens), self.config.page_size)]
-        request = Request(next(self._rids), tokens, params or SamplingParams(), self.config.page_size, keys)
+        request = Request(next(self._rids), tokens, params, self.config.page_size, keys)
         request.l1_tokens_at_enqueue = self._l1_tokens(self.store.locate(keys, tokens)) if self.store else 0
         flight_key = hashlib.blake2b(np.asarray(tokens, "<u4").tobytes(), digest_size=16,
                                      key=self.namespace.digest()).digest()
@@ -113,13 +128,6 @@ class Engine:
 
     def _l1_tokens(self, matched: Sequence[Source]) -> int:
         return sum(self.config.page_size for s in matched if s is Source.L1)
-
-    def _check_prompt(self, tokens: list[int]) -> None:
-        if not tokens:
-            raise InputError("empty prompt")
-        bad = [t for t in tokens if t < 0 or (self.vocab_size and t >= self.vocab_size)]
-        if bad:
-            raise InputError(f"token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})")
 
     # -- the step loop ---------------------------------------------------------
 

@@ -108,7 +108,7 @@ class PendingRestore:
 class StoreConfig:
     l1_bytes: int = 1 << 30
     l2_bytes: int = 4 << 30
-    l3_bytes: int = 32 << 30
+    l3_bytes: int | None = None  # None: the store's own cap (a new store: 32 GiB)
     store_dir: Path | None = None
     codec: str = "raw"
     # Tier ("L2" or "L3") -> bytes per second: reads from that tier take at least
@@ -122,6 +122,7 @@ class StoreConfig:
     # stores payloads of a few bytes and counts them as full-size pages.
     page_bytes: int | None = None
     l3_queue_pages: int = 64  # L3 writes queued before more are dropped
+    label: str = ""  # what `kvtier store ls` calls these pages' model (its name)
 
 
 class TieredStore:
@@ -142,6 +143,10 @@ class TieredStore:
         self.l2 = HostTier(config.l2_bytes, geometry, page_bytes, make_policy(config.policy))
         self.admission = L3Admission(config.l3_admit)
         self.disk = _open_disk(config)
+        if self.disk is not None:
+            self.disk.describe_namespace(self.ns_digest, {
+                "model": config.label or namespace.model_fingerprint[:12], "page_size": geometry.page_size,
+                "dtype": geometry.dtype, "salted": bool(namespace.cache_salt)})
         self.throttle = _checked_throttle(config.throttle)
         self.links = {name: LinkCounters() for name in LINKS}
         self._pins: Counter[PageKey] = Counter()
