@@ -100,6 +100,13 @@ def build_parser() -> argparse.ArgumentParser:
     restore.add_argument("--json", action="store_true")
     restore.add_argument("--plot", type=Path, metavar="FILE.png", help="draw bandwidth against size (needs matplotlib)")
 
+    imp = sub.add_parser("import-gguf", help="convert a GGUF file (llama.cpp, Ollama, LM Studio) for mlx-lm")
+    imp.add_argument("file", type=Path, metavar="FILE.gguf")
+    imp.add_argument("--out", type=Path, default=None, help="model directory (default: under the kvtier home)")
+    imp.add_argument("--dtype", choices=["float32", "float16", "bfloat16", "keep"], default="float32",
+                     help="dequantize to this type, or keep the quantized matrices (default: float32, "
+                          "fastest on CPU)")
+
     stats = sub.add_parser("stats", help="counters persisted in a store")
     stats.add_argument("--store", type=Path, default=None)
     fmt = stats.add_mutually_exclusive_group()
@@ -115,7 +122,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
         logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                             format="kvtier: %(levelname)s: %(message)s")
-        commands = {"run": cmd_run, "stats": cmd_stats, "calibrate": cmd_calibrate, "bench": cmd_bench}
+        commands = {"run": cmd_run, "stats": cmd_stats, "calibrate": cmd_calibrate, "bench": cmd_bench,
+                    "import-gguf": cmd_import_gguf}
         return commands[args.command](args)
     except UsageError as err:
         print(f"kvtier: error: {err}", file=sys.stderr)
@@ -162,13 +170,51 @@ def _read_jsonl(path: Path) -> list:
 
 
 def _load_model(name: str | None):
-    from .model import ModelError, load_model
+    from .default_model import REAL_MODEL_HINT, TINY_MODEL
+    from .model import ModelError, default_model_name, load_model
 
     logging.getLogger("kvtier").info("BLAS: %s", blas_in_use())
-    try:
-        return load_model(name)
-    except ModelError as err:
-        raise UsageError(str(err)) from None
+    if name is None and default_model_name() == TINY_MODEL:
+        print(f"kvtier: using the generated test model {TINY_MODEL} (its text is gibberish); {REAL_MODEL_HINT}",
+              file=sys.stderr)
+    with _ProgressBar("importing model") as bar:
+        try:
+            return load_model(name, progress=bar.update)
+        except ModelError as err:
+            raise UsageError(str(err)) from None
+
+
+class _ProgressBar:
+    """A tqdm bar on stderr that appears only once there is progress to show."""
+
+    def __init__(self, desc: str) -> None:
+        self.desc, self.bar = desc, None
+
+    def update(self, done: int, total: int) -> None:
+        from tqdm import tqdm
+
+        if self.bar is None:
+            self.bar = tqdm(total=total, desc=self.desc, unit="B", unit_scale=True, file=sys.stderr)
+        self.bar.update(done - self.bar.n)
+
+    def __enter__(self) -> "_ProgressBar":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def cmd_import_gguf(args: argparse.Namespace) -> int:
+    from .gguf import GGUFError, import_gguf
+
+    with _ProgressBar(f"importing {args.file.name}") as bar:
+        try:
+            out = import_gguf(args.file, args.out, args.dtype, bar.update)
+        except GGUFError as err:
+            raise UsageError(str(err)) from None
+    print(out)
+    return 0
 
 
 def cmd_run(args: argparse.Namespace) -> int:

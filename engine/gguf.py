@@ -92,11 +92,11 @@ _PRE_TOKENIZERS: dict[str, tuple[str | None, bool]] = {  # name -> (split regex,
 
 
 def import_gguf(source: Path, out: Path | None = None, dtype: str = "float32",
-                progress: Callable[[int], None] | None = None) -> Path:
+                progress: Callable[[int, int], None] | None = None) -> Path:
     """Write (once) the mlx-lm model directory of ``source`` and return it.
 
     ``out`` defaults to ``<kvtier home>/models/<file stem>-<dtype>``. ``progress`` is
-    called with the source bytes each converted tensor accounts for.
+    called with (bytes converted so far, bytes in all) after each tensor.
     Raises :class:`GGUFError` for a file that is not a readable, supported GGUF.
     """
     if dtype not in DTYPES:
@@ -119,6 +119,13 @@ def import_gguf(source: Path, out: Path | None = None, dtype: str = "float32",
         _save_tokenizer(tmp, metadata)
         _write_json(tmp / MARKER, marker)
     return out
+
+
+def is_imported(directory: Path, dtype: str) -> bool:
+    """Whether ``directory`` holds a complete import by this importer version in ``dtype``
+    (whatever the source; :func:`import_gguf` also compares the source's digest)."""
+    marker = _read_marker(directory) or {}
+    return marker.get("importer_version") == IMPORTER_VERSION and marker.get("dtype") == dtype
 
 
 def default_import_dir(source: Path, dtype: str) -> Path:
@@ -220,21 +227,22 @@ def _hf_name(gguf_name: str) -> str:
 
 
 def _weights(tensors: dict[str, Any], dtype: str, config: dict[str, Any],
-             progress: Callable[[int], None] | None) -> dict[str, Any]:
+             progress: Callable[[int, int], None] | None) -> dict[str, Any]:
     """Renamed tensors, dequantized to ``dtype`` or kept (then ``config`` gets the bits)."""
     import mlx.core as mx
 
     weights: dict[str, Any] = {}
     bits_of: dict[str, int] = {}
+    total, done = sum(t.nbytes for t in tensors.values()), 0
     for name in sorted(tensors):
         if name.endswith((".scales", ".biases")):
             continue
         module = name.rpartition(".")[0]
         w = tensors[name]
-        size = w.nbytes
+        done += w.nbytes
         if f"{module}.scales" in tensors:
             scales, biases = tensors[f"{module}.scales"], tensors[f"{module}.biases"]
-            size += scales.nbytes + biases.nbytes
+            done += scales.nbytes + biases.nbytes
             bits = w.shape[-1] * 32 // (scales.shape[-1] * _GROUP_SIZE)
             if dtype == "keep":
                 path = _hf_name(name).rpartition(".")[0]
@@ -247,7 +255,7 @@ def _weights(tensors: dict[str, Any], dtype: str, config: dict[str, Any],
         weights[_hf_name(name)] = w
         mx.eval(weights[_hf_name(name)])
         if progress:
-            progress(size)
+            progress(done, total)
     if bits_of:
         common = max(sorted(set(bits_of.values())), key=list(bits_of.values()).count)
         quantization: dict[str, Any] = {"group_size": _GROUP_SIZE, "bits": common, "mode": "affine"}
