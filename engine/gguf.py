@@ -5,8 +5,8 @@ by ``mlx_lm.utils.save_model``, and ``tokenizer.json`` + ``tokenizer_config.json
 rebuilt from the GGUF's own vocabulary, merges, special tokens and chat template.
 
 ``mx.load`` reads the GGUF: F32/F16/BF16 tensors as they are, Q4_0/Q4_1/Q8_0 as mlx
-affine groups of 32 (``weight``/``scales``/``biases``). Every other tensor type is
-refused. ``dtype`` either dequantizes everything to one float type or keeps the
+affine groups of 32 (``weight``/``scales``/``biases``), the K-quants dequantized to
+float16; a type it cannot read (the IQ quantizations) is refused. ``dtype`` either dequantizes everything to one float type or keeps the
 quantized matrices (``keep``), with the config naming the bits of each layer.
 
 Rotary layout: llama.cpp's converter permutes the q/k rows of ``llama`` models so
@@ -112,11 +112,13 @@ def import_gguf(source: Path, out: Path | None = None, dtype: str = "float32",
     tensors, metadata = _read(source)
     arch = _architecture(metadata)
     config = _config(arch, metadata, tensors)
+    tokenizer, tokenizer_config = _tokenizer(metadata)
     weights = _weights(tensors, dtype, config, progress)
     log.info("importing %s (%s) into %s as %s", source.name, arch.model_type, out, dtype)
     with _replacing(out) as tmp:
         _save_model(tmp, config, weights)
-        _save_tokenizer(tmp, metadata)
+        tokenizer.save(str(tmp / "tokenizer.json"))
+        _write_json(tmp / "tokenizer_config.json", tokenizer_config)
         _write_json(tmp / MARKER, marker)
     return out
 
@@ -144,8 +146,11 @@ def _read(source: Path) -> tuple[dict[str, Any], dict[str, Any]]:
         raise GGUFError(f"{source} is not a GGUF file")
     try:
         tensors, metadata = mx.load(str(source), return_metadata=True)
-    except (RuntimeError, ValueError) as err:  # mlx: truncated file, unknown tensor type, ...
-        raise GGUFError(f"cannot load {source.name}: {_one_line(err)}") from None
+    except (RuntimeError, ValueError, KeyError) as err:  # mlx: truncated file, unknown tensor type, ...
+        reason = _one_line(err)
+        if "to_f16" in reason or isinstance(err, KeyError):
+            reason = f"it holds a tensor type mlx cannot read ({reason})"
+        raise GGUFError(f"cannot load {source.name}: {reason}") from None
     return tensors, metadata
 
 
@@ -295,8 +300,9 @@ def _save_model(directory: Path, config: dict[str, Any], weights: dict[str, Any]
     save_config(dict(config), directory / "config.json")
 
 
-def _save_tokenizer(directory: Path, meta: dict[str, Any]) -> None:
-    """tokenizer.json + tokenizer_config.json from the GGUF's BPE vocabulary."""
+def _tokenizer(meta: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    """The contents of tokenizer.json (a ``tokenizers.Tokenizer``) and
+    tokenizer_config.json, from the GGUF's byte-level BPE vocabulary."""
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
     kind = meta.get("tokenizer.ggml.model")
@@ -331,7 +337,6 @@ def _save_tokenizer(directory: Path, meta: dict[str, Any]) -> None:
         bos = token("bos")
         tok.post_processor = processors.TemplateProcessing(
             single=f"{bos}:0 $A:0", pair=f"{bos}:0 $A:0 {bos}:1 $B:1", special_tokens=[(bos, tokens.index(bos))])
-    tok.save(str(directory / "tokenizer.json"))
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": token("bos"),
@@ -345,7 +350,7 @@ def _save_tokenizer(directory: Path, meta: dict[str, Any]) -> None:
     }
     if "tokenizer.chat_template" in meta:
         config["chat_template"] = meta["tokenizer.chat_template"]
-    _write_json(directory / "tokenizer_config.json", config)
+    return tok, config
 
 
 @contextmanager
