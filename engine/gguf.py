@@ -167,12 +167,12 @@ def _config(arch: Architecture, meta: dict[str, Any], tensors: dict[str, Any]) -
     """config.json for mlx-lm's model class of this architecture."""
     if "rope_freqs.weight" in tensors:
         raise GGUFError("unsupported: rope_freqs tensor (Llama 3.1-style rope scaling)")
-    p = arch_prefix = meta["general.architecture"]
+    prefix = meta["general.architecture"]
 
     def get(key: str, default: Any = None) -> Any:
-        value = meta.get(f"{arch_prefix}.{key}", default)
+        value = meta.get(f"{prefix}.{key}", default)
         if value is None:
-            raise GGUFError(f"missing metadata {p}.{key}")
+            raise GGUFError(f"missing metadata {prefix}.{key}")
         return value.item() if hasattr(value, "item") else value
 
     heads = int(get("attention.head_count"))
@@ -199,7 +199,7 @@ def _config(arch: Architecture, meta: dict[str, Any], tensors: dict[str, Any]) -
         config["head_dim"] = head_dim
         config["attention_bias"] = "blk.0.attn_q.bias" in tensors
         config["mlp_bias"] = "blk.0.ffn_up.bias" in tensors
-    scaling = meta.get(f"{p}.rope.scaling.type")
+    scaling = meta.get(f"{prefix}.rope.scaling.type")
     if scaling not in (None, "none"):
         if scaling != "linear":
             raise GGUFError(f"unsupported rope scaling {scaling!r}")
@@ -238,6 +238,7 @@ def _weights(tensors: dict[str, Any], dtype: str, config: dict[str, Any],
 
     weights: dict[str, Any] = {}
     bits_of: dict[str, int] = {}
+    float_type = _float_type(dtype, tensors)
     total, done = sum(t.nbytes for t in tensors.values()), 0
     for name in sorted(tensors):
         if name.endswith((".scales", ".biases")):
@@ -256,9 +257,9 @@ def _weights(tensors: dict[str, Any], dtype: str, config: dict[str, Any],
             else:
                 w = mx.dequantize(w, scales, biases, group_size=_GROUP_SIZE, bits=bits)
         if dtype != "keep" or w.dtype != mx.uint32:
-            w = w.astype(_float_type(dtype, tensors))
+            w = w.astype(float_type)
         weights[_hf_name(name)] = w
-        mx.eval(weights[_hf_name(name)])
+        mx.eval(w)
         if progress:
             progress(done, total)
     if bits_of:
