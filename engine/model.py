@@ -114,8 +114,13 @@ def load_model(name: str | None = None, progress: Callable[[int, int], None] | N
         model, tokenizer = mlx_load(str(path))
     except Exception as err:
         raise ModelError(f"cannot load model from {path}: {err}") from None
-    reference = name if name and not Path(name).expanduser().is_dir() and _HUB_ID.match(name) else str(path.resolve())
-    return LoadedModel(reference, path, label, model, tokenizer, model_fingerprint(path))
+    return LoadedModel(_loadable_reference(name, path), path, label, model, tokenizer, model_fingerprint(path))
+
+
+def _loadable_reference(name: str | None, path: Path) -> str:
+    """What ``mlx_lm.load`` accepts as it is: the hub id the user gave, else the directory."""
+    hub_id = name is not None and not Path(name).expanduser().is_dir() and _HUB_ID.match(name)
+    return name if hub_id else str(path.resolve())
 
 
 def model_fingerprint(path: Path) -> str:

@@ -70,7 +70,7 @@ def test_cli_default_model_answers_stops_at_eos_and_reports_a_loadable_model(smo
     result = json.loads(done.stdout.splitlines()[0])
     assert "Paris" in result["text"]
     assert result["finish_reason"] == "stop" and len(result["output_token_ids"]) < 32  # <|im_end|> ended it
-    assert result["model"] == str(smollm2.path.resolve())
+    assert result["model"] == str(smollm2.path.resolve()) and result["model_name"] == "SmolLM2-135M-Instruct"
     model, tokenizer = mlx_lm.load(result["model"])
     chat = tokenizer.apply_chat_template([{"role": "user", "content": QUESTION}], add_generation_prompt=True)
     assert result["prompt_tokens"] == len(chat)
