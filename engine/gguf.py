@@ -304,7 +304,7 @@ def _save_model(directory: Path, config: dict[str, Any], weights: dict[str, Any]
 def _tokenizer(meta: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
     """The contents of tokenizer.json (a ``tokenizers.Tokenizer``) and
     tokenizer_config.json, from the GGUF's byte-level BPE vocabulary."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
     kind = meta.get("tokenizer.ggml.model")
     if kind != "gpt2":
@@ -322,6 +322,8 @@ def _tokenizer(meta: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
         steps.append(pre_tokenizers.Split(Regex(split), behavior="isolated"))
     steps.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=split is None))
     tok.pre_tokenizer = pre_tokenizers.Sequence(steps)
+    if pre == "qwen2":  # as Qwen2's own tokenizer.json
+        tok.normalizer = normalizers.NFC()
     tok.decoder = decoders.ByteLevel()
     types = meta["tokenizer.ggml.token_type"].tolist()  # 3: control, 4: user-defined
     tok.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False)
