@@ -107,7 +107,7 @@ def import_gguf(source: Path, out: Path | None = None, dtype: str = "float32",
     if _read_marker(out) == marker:
         log.info("%s already holds %s", out, source.name)
         return out
-    if out.exists() and any(out.iterdir()) and not (out / MARKER).exists():
+    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / MARKER).exists())):
         raise GGUFError(f"{out} exists and is not a kvtier import; choose another --out")
     tensors, metadata = _read(source)
     arch = _architecture(metadata)
@@ -115,11 +115,14 @@ def import_gguf(source: Path, out: Path | None = None, dtype: str = "float32",
     tokenizer, tokenizer_config = _tokenizer(metadata)
     weights = _weights(tensors, dtype, config, progress)
     log.info("importing %s (%s) into %s as %s", source.name, arch.model_type, out, dtype)
-    with _replacing(out) as tmp:
-        _save_model(tmp, config, weights)
-        tokenizer.save(str(tmp / "tokenizer.json"))
-        _write_json(tmp / "tokenizer_config.json", tokenizer_config)
-        _write_json(tmp / MARKER, marker)
+    try:
+        with _replacing(out) as tmp:
+            _save_model(tmp, config, weights)
+            tokenizer.save(str(tmp / "tokenizer.json"))
+            _write_json(tmp / "tokenizer_config.json", tokenizer_config)
+            _write_json(tmp / MARKER, marker)
+    except OSError as err:
+        raise GGUFError(f"cannot write {out}: {err.strerror or err}") from None
     return out
 
 

@@ -183,9 +183,17 @@ def test_unsupported_or_damaged_files_are_one_line_and_exit_2(llama_gguf: Path, 
     assert sorted(p.name for p in tmp_path.iterdir()) == ["x.gguf"]
 
 
-def test_a_directory_that_is_not_an_import_is_never_replaced(llama_gguf: Path, tmp_path: Path) -> None:
+def test_a_directory_or_file_that_is_not_an_import_is_never_replaced(llama_gguf: Path, tmp_path: Path) -> None:
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "notes.txt").write_text("keep")
-    with pytest.raises(GGUFError, match="not a kvtier import"):
-        import_gguf(llama_gguf, tmp_path / "mine")
-    assert (tmp_path / "mine" / "notes.txt").read_text() == "keep"
+    (tmp_path / "file").write_text("keep")
+    for out in (tmp_path / "mine", tmp_path / "file"):
+        with pytest.raises(GGUFError, match="not a kvtier import"):
+            import_gguf(llama_gguf, out)
+    assert (tmp_path / "mine" / "notes.txt").read_text() == (tmp_path / "file").read_text() == "keep"
+
+
+def test_an_unwritable_destination_is_one_error(llama_gguf: Path, tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("")
+    with pytest.raises(GGUFError, match="cannot write"):
+        import_gguf(llama_gguf, tmp_path / "file" / "m")  # its parent is a file (root can't either)
