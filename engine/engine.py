@@ -350,6 +350,7 @@ class Engine:
             "sources": request.sources(),
             "page_size": self.config.page_size,
             "model": self.loaded.name,
+            "model_name": self.loaded.label,
             "output_token_ids": request.output,
             "text": self.loaded.tokenizer.decode(request.output),
             "finish_reason": request.finish_reason,

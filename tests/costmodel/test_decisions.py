@@ -11,7 +11,7 @@ from kvtier.engine.request import SamplingParams
 from kvtier.tiers.hierarchy import StoreConfig
 from kvtier.tiers.page import reusable_pages
 
-from ..engine.conftest import loaded, mlx_lm_greedy, text_prompt  # noqa: F401  (fixture)
+from ..engine.conftest import loaded, mlx_lm_greedy, on_tiny_model, text_prompt  # noqa: F401  (fixture)
 
 PAGE = 64
 GREEDY = SamplingParams(max_tokens=4)
@@ -93,7 +93,8 @@ def test_restores_refine_the_link_model_and_record_errors(loaded):
 
 def test_calibrate_saves_a_profile_that_runs_use(tmp_path):
     def kvtier(*args):
-        done = subprocess.run([sys.executable, "-m", "kvtier.engine.cli", *args], capture_output=True, text=True)
+        done = subprocess.run([sys.executable, "-m", "kvtier.engine.cli", *on_tiny_model(args)], capture_output=True,
+                              text=True)
         assert done.returncode == 0, done.stderr
         return done.stdout
 

