@@ -136,6 +136,44 @@ def test_joined_pages_serve_any_read_pattern(layers):
         assert np.array_equal(np.load(io.BytesIO(bytes(data))), expected)
 
 
+def test_mx_load_reads_the_payload_in_one_call_into_the_arrays_own_memory():
+    """The private mlx behaviour ``join_pages`` is built on (pyproject pins mlx to the
+    versions checked): ``mx.load`` of a file-like ``.npy`` reads the header in small
+    reads, then the whole payload with ONE ``readinto`` whose buffer is the new
+    array's own memory, and the array holds exactly those bytes."""
+    data = np.arange(3 * 100 * 64, dtype=np.float32).reshape(3, 100, 64)
+    npy = io.BytesIO()
+    np.save(npy, data)
+    raw = npy.getvalue()
+    header = len(raw) - data.nbytes
+    reads = []
+
+    class File:
+        closed, pos = False, 0
+
+        def seek(self, offset, whence=0):
+            self.pos = {0: 0, 1: self.pos, 2: len(raw)}[whence] + offset
+            return self.pos
+
+        def tell(self):
+            return self.pos
+
+        def readinto(self, buffer):
+            out = memoryview(buffer).cast("B")
+            n = min(len(out), len(raw) - self.pos)
+            out[:n] = raw[self.pos : self.pos + n]
+            reads.append((self.pos, len(out), np.frombuffer(out, np.uint8).ctypes.data))
+            self.pos += n
+            return n
+
+    array = mx.load(File(), format="npy")
+    mx.eval(array)
+    assert np.array_equal(np.array(array), data)
+    payload = [(at, n) for at, n, _ in reads if at + n > header]
+    assert payload == [(header, data.nbytes)], "the payload must come in one read"
+    assert reads[-1][2] == np.asarray(array).ctypes.data, "read straight into the array's memory"
+
+
 @pytest.mark.parametrize("pages, groups, pieces", [(1, 1, False), (3, 1, False), (3, 2, False), (3, 2, True)])
 def test_join_hashes_the_flagged_pages_as_it_copies(monkeypatch, pages, groups, pieces):
     """Digests of the flagged pages equal their xxh3 whichever way the join runs: one
