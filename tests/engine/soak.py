@@ -14,14 +14,17 @@ import random
 import threading
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
+
+import mlx.core as mx
 
 from kvtier.engine.engine import Engine
 from kvtier.engine.request import SamplingParams
 
 from .tiny import greedy
 
-FAIL_ADMIT, FAIL_PUBLISH = 1, 2  # a prompt starting with this token fails there
-ACTIONS = ("keep", "keep", "keep", "cancel_early", "cancel_late", FAIL_ADMIT, FAIL_PUBLISH)
+MARKERS = {"fail_admit": 1, "fail_publish": 2}  # a prompt starting with this token fails there
+ACTIONS = ("keep", "keep", "keep", "cancel_early", "cancel_late", *MARKERS)
 
 
 @dataclass
@@ -32,6 +35,7 @@ class SoakReport:
     over_cap: list[str] = field(default_factory=list)
     totals: dict = field(default_factory=dict)  # the engine's, at the end
     sizes: list[dict[str, int]] = field(default_factory=list)  # after each round
+    memory: list[tuple[float, float]] = field(default_factory=list)  # (RSS, mlx active) MiB after each round
 
     @property
     def grown(self) -> dict[str, tuple[int, ...]]:
@@ -41,7 +45,7 @@ class SoakReport:
 
 
 def inject_faults(engine: Engine) -> None:
-    """Requests whose prompt starts with FAIL_ADMIT / FAIL_PUBLISH fail there."""
+    """Requests whose prompt starts with a marker (``MARKERS``) fail there."""
     admit, on_prefill = engine._admit, engine._on_prefill
 
     def failing(real, marker):
@@ -51,8 +55,8 @@ def inject_faults(engine: Engine) -> None:
             return real(request, *args)
         return work
 
-    engine._admit = failing(admit, FAIL_ADMIT)
-    engine._on_prefill = failing(on_prefill, FAIL_PUBLISH)
+    engine._admit = failing(admit, MARKERS["fail_admit"])
+    engine._on_prefill = failing(on_prefill, MARKERS["fail_publish"])
 
 
 def structure_sizes(engine: Engine) -> dict[str, int]:
@@ -67,6 +71,13 @@ def structure_sizes(engine: Engine) -> dict[str, int]:
             if hasattr(value, "__len__") and not isinstance(value, (str, bytes)):
                 sizes[f"{name}.{attr}"] = len(value)
     return sizes
+
+
+def rss_mib() -> float:
+    """This process's resident memory (Linux; elsewhere 0)."""
+    status = Path("/proc/self/status")
+    lines = status.read_text().splitlines() if status.exists() else []
+    return next((int(line.split()[1]) / 1024 for line in lines if line.startswith("VmRSS:")), 0.0)
 
 
 def soak(engine: Engine, rounds: int = 2, per_round: int = 200, threads: int = 8,
@@ -87,8 +98,8 @@ def soak(engine: Engine, rounds: int = 2, per_round: int = 200, threads: int = 8
             action = rng.choice(ACTIONS)
             prompt = list(rng.choice(shared)) if rng.random() < 0.5 else \
                 [32 + rng.randrange(200) for _ in range(rng.randrange(page // 2, 4 * page))]
-            if action in (FAIL_ADMIT, FAIL_PUBLISH):
-                prompt[0] = action
+            if action in MARKERS:
+                prompt[0] = MARKERS[action]
             work.append((action, prompt))
         ended: list = []
         lock = threading.Lock()
@@ -113,7 +124,7 @@ def soak(engine: Engine, rounds: int = 2, per_round: int = 200, threads: int = 8
             t.join(600)
         assert not any(t.is_alive() for t in pool), "a request never ended"
         for action, request, streamed in ended:
-            report.outcomes[(str(action), request.finish_reason)] += 1
+            report.outcomes[(action, request.finish_reason)] += 1
             key = tuple(request.prompt)
             if request.finish_reason in ("length", "cancelled"):
                 if key not in expected:
@@ -121,6 +132,7 @@ def soak(engine: Engine, rounds: int = 2, per_round: int = 200, threads: int = 8
                 want = expected[key][: len(request.output)] if request.finish_reason == "cancelled" else expected[key]
                 report.wrong_outputs += request.output != want or streamed != request.output
         report.sizes.append(structure_sizes(engine))
+        report.memory.append((rss_mib(), mx.get_active_memory() / 2**20))
     engine.stop()
     report.totals = dict(engine.totals)
     if engine.store is not None:
