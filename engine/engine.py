@@ -22,7 +22,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -136,7 +136,7 @@ class Engine:
     # -- the step loop ---------------------------------------------------------
 
     def run(self) -> None:
-        """Step until every submitted request has finished."""
+        """Step until every submitted request has ended."""
         while self.scheduler.pending() or self._running:
             self.step()
 
@@ -178,9 +178,7 @@ class Engine:
             try:
                 self.step()
             except Exception as exc:  # a fault outside any one request: fail those in the batch, go on
-                log.error("engine step failed: %s", _one_line(exc), exc_info=log.isEnabledFor(logging.DEBUG))
-                for request in list(self._running.values()):
-                    self._end(request, ERROR, exc)
+                self._fail_batch(exc)
 
     def step(self) -> None:
         """End cancelled requests, refresh and admit waiting ones, run one BatchGenerator
@@ -199,9 +197,8 @@ class Engine:
         t0 = time.perf_counter()
         try:
             prompt_responses, generation_responses = self.generator.next()
-        except Exception as exc:  # the batch's state is unknown: every request in it fails
-            for request in list(self._running.values()):
-                self._end(request, ERROR, exc)
+        except Exception as exc:
+            self._fail_batch(exc)
             return
         self._observe_prefill(prompt_responses, generation_responses, time.perf_counter() - t0)
         for response in prompt_responses:
@@ -210,7 +207,13 @@ class Engine:
             if (request := self._running.get(response.uid)) is not None:  # not failed in this step
                 self._guarded(request, self._on_token, response)
 
-    def _guarded(self, request: Request, work, *args) -> None:
+    def _fail_batch(self, exc: Exception) -> None:
+        """A fault in the batch as a whole (its state is unknown): every request in it fails."""
+        log.error("engine step failed: %s", _one_line(exc), exc_info=log.isEnabledFor(logging.DEBUG))
+        for request in list(self._running.values()):
+            self._end(request, ERROR, exc)
+
+    def _guarded(self, request: Request, work: Callable[..., None], *args: object) -> None:
         """``work(request, *args)``; an exception ends that request with an error."""
         try:
             work(request, *args)
