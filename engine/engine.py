@@ -89,6 +89,7 @@ class Engine:
         self._serving: threading.Thread | None = None
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="kvtier-restore")  # overlapped loads
         self._stop = threading.Event()
+        self._cancel_all = False  # set by stop(cancel=True); the stepping thread cancels
         self._closed = False
         # requests .. sources: of finished requests; cancelled, errors: the others.
         # store_seconds: time the step loop spent in the store (restore, publish): the offload overhead
@@ -158,10 +159,8 @@ class Engine:
         """Stop taking requests and end those already queued or running: finished (or,
         with ``cancel``, cancelled at the next step); then join the serving thread.
         Without one, the requests are run here."""
-        if cancel:
-            for request in [*self.scheduler.queued(), *self._running.values()]:
-                request.cancel()
         with self.scheduler.arrived:
+            self._cancel_all = self._cancel_all or cancel
             self._stop.set()
             self.scheduler.arrived.notify_all()
         if self._serving is not None:
@@ -183,6 +182,9 @@ class Engine:
     def step(self) -> None:
         """End cancelled requests, refresh and admit waiting ones, run one BatchGenerator
         step, publish and collect."""
+        if self._cancel_all:
+            for request in [*self.scheduler.queued(), *self._running.values()]:
+                request.cancel()
         for request in self.scheduler.cancelled():
             self._end(request, CANCELLED)
         if self.store is not None:

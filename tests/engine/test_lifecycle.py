@@ -95,12 +95,19 @@ def test_engine_and_store_are_context_managers(loaded, tmp_path):
     assert store._closed
 
 
-def test_stop_with_cancel_ends_everything_at_the_next_step(loaded):
+@pytest.mark.parametrize("serving", [False, True])
+def test_stop_with_cancel_ends_everything_at_the_next_step(loaded, serving):
     engine = make_engine(loaded, max_running=1)
     requests = [engine.submit(text_prompt(loaded, 40, seed=i), LONG) for i in range(3)]
-    engine.step()  # the first is running, the others wait
+    if serving:
+        engine.start()
+        while not requests[0].output:  # the first is running, the others wait
+            threading.Event().wait(0.001)
+    else:
+        engine.step()
     engine.stop(cancel=True)
     assert [r.finish_reason for r in requests] == ["cancelled"] * 3
+    assert [len(drained(r)) < LONG.max_tokens for r in requests] == [True] * 3
     assert_clean(engine)
 
 
