@@ -85,10 +85,9 @@ def soak(engine: Engine, rounds: int = 2, per_round: int = 200, threads: int = 8
     """Serve ``rounds * per_round`` requests from ``threads`` submitters (the engine is
     started here and stopped at the end); checks as in the module docstring."""
     rng = random.Random(seed)
-    params = SamplingParams(max_tokens=max_tokens)
     page = engine.config.page_size
     shared = [[32 + (s * 37 + i * 11) % 200 for i in range(3 * page + 5)] for s in range(4)]
-    expected: dict[tuple[int, ...], list[int]] = {}
+    expected = {tuple(p): greedy(engine.loaded, p, max_tokens) for p in shared}  # distinct ones: not kept
     report = SoakReport()
     inject_faults(engine)
     engine.start()
@@ -101,35 +100,11 @@ def soak(engine: Engine, rounds: int = 2, per_round: int = 200, threads: int = 8
             if action in MARKERS:
                 prompt[0] = MARKERS[action]
             work.append((action, prompt))
-        ended: list = []
-        lock = threading.Lock()
-
-        def submitter(share):
-            for action, prompt in share:
-                request = engine.submit(prompt, params)
-                if action == "cancel_early":
-                    request.cancel()
-                streamed = []
-                for token in request.stream():
-                    streamed.append(token)
-                    if action == "cancel_late" and len(streamed) == 1:
-                        request.cancel()
-                with lock:
-                    ended.append((action, request, streamed))
-
-        pool = [threading.Thread(target=submitter, args=(work[i::threads],), daemon=True) for i in range(threads)]
-        for t in pool:
-            t.start()
-        for t in pool:
-            t.join(600)
-        assert not any(t.is_alive() for t in pool), "a request never ended"
-        for action, request, streamed in ended:
+        for action, request, streamed in _serve_round(engine, work, threads, SamplingParams(max_tokens=max_tokens)):
             report.outcomes[(action, request.finish_reason)] += 1
-            key = tuple(request.prompt)
             if request.finish_reason in ("length", "cancelled"):
-                if key not in expected:
-                    expected[key] = greedy(engine.loaded, request.prompt, max_tokens)
-                want = expected[key][: len(request.output)] if request.finish_reason == "cancelled" else expected[key]
+                want = expected.get(tuple(request.prompt)) or greedy(engine.loaded, request.prompt, max_tokens)
+                want = want[: len(request.output)] if request.finish_reason == "cancelled" else want
                 report.wrong_outputs += request.output != want or streamed != request.output
         report.sizes.append(structure_sizes(engine))
         report.memory.append((rss_mib(), mx.get_active_memory() / 2**20))
@@ -142,3 +117,30 @@ def soak(engine: Engine, rounds: int = 2, per_round: int = 200, threads: int = 8
         tiers.update({"L3": store.disk.counters} if store.disk is not None else {})
         report.over_cap = [name for name, t in tiers.items() if t.bytes_used > t.capacity]
     return report
+
+
+def _serve_round(engine: Engine, work: list, threads: int, params: SamplingParams) -> list:
+    """Submit ``work`` ((action, prompt) pairs) from ``threads`` threads, each streaming
+    its requests to the end (cancelling as told); (action, request, streamed tokens)."""
+    ended, lock = [], threading.Lock()
+
+    def submitter(share):
+        for action, prompt in share:
+            request = engine.submit(prompt, params)
+            if action == "cancel_early":
+                request.cancel()
+            streamed = []
+            for token in request.stream():
+                streamed.append(token)
+                if action == "cancel_late" and len(streamed) == 1:
+                    request.cancel()
+            with lock:
+                ended.append((action, request, streamed))
+
+    pool = [threading.Thread(target=submitter, args=(work[i::threads],), daemon=True) for i in range(threads)]
+    for t in pool:
+        t.start()
+    for t in pool:
+        t.join(600)
+    assert not any(t.is_alive() for t in pool), "a request never ended"
+    return ended
