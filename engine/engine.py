@@ -449,7 +449,10 @@ class Engine:
     def __enter__(self) -> Engine:
         return self
 
-    def __exit__(self, *exc_info: object) -> None:
+    def __exit__(self, exc_type: type | None, *exc_info: object) -> None:
+        """Close; leaving on an exception cancels the requests instead of finishing them."""
+        if exc_type is not None:
+            self.stop(cancel=True)
         self.close()
 
 

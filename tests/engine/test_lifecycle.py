@@ -95,6 +95,15 @@ def test_engine_and_store_are_context_managers(loaded, tmp_path):
     assert store._closed
 
 
+def test_leaving_the_engine_on_an_exception_cancels_its_requests(loaded):
+    with pytest.raises(KeyboardInterrupt):
+        with make_engine(loaded) as engine:
+            engine.start()
+            request = engine.submit(text_prompt(loaded, 30), LONG)
+            raise KeyboardInterrupt
+    assert request.finish_reason == "cancelled" and not engine._serving.is_alive()
+
+
 @pytest.mark.parametrize("serving", [False, True])
 def test_stop_with_cancel_ends_everything_at_the_next_step(loaded, serving):
     engine = make_engine(loaded, max_running=1)
