@@ -19,6 +19,7 @@ from .tiny import greedy, tiny_model
 PAGE = 16
 GREEDY = SamplingParams(max_tokens=6)
 LONG = SamplingParams(max_tokens=200)
+ENDLESS = SamplingParams(max_tokens=100_000)  # ends only by cancellation, in these tests
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +100,7 @@ def test_leaving_the_engine_on_an_exception_cancels_its_requests(loaded):
     with pytest.raises(KeyboardInterrupt):
         with make_engine(loaded) as engine:
             engine.start()
-            request = engine.submit(text_prompt(loaded, 30), LONG)
+            request = engine.submit(text_prompt(loaded, 30), ENDLESS)
             raise KeyboardInterrupt
     assert request.finish_reason == "cancelled" and not engine._serving.is_alive()
 
@@ -107,7 +108,7 @@ def test_leaving_the_engine_on_an_exception_cancels_its_requests(loaded):
 @pytest.mark.parametrize("serving", [False, True])
 def test_stop_with_cancel_ends_everything_at_the_next_step(loaded, serving):
     engine = make_engine(loaded, max_running=1)
-    requests = [engine.submit(text_prompt(loaded, 40, seed=i), LONG) for i in range(3)]
+    requests = [engine.submit(text_prompt(loaded, 40, seed=i), ENDLESS) for i in range(3)]
     if serving:
         engine.start()
         while not requests[0].output:  # the first is running, the others wait
@@ -116,7 +117,7 @@ def test_stop_with_cancel_ends_everything_at_the_next_step(loaded, serving):
         engine.step()
     engine.stop(cancel=True)
     assert [r.finish_reason for r in requests] == ["cancelled"] * 3
-    assert [len(drained(r)) < LONG.max_tokens for r in requests] == [True] * 3
+    assert [len(drained(r)) < ENDLESS.max_tokens for r in requests] == [True] * 3
     assert_clean(engine)
 
 
