@@ -7,8 +7,10 @@ bytes, ``load_prompt_cache`` of the same KV): this kind of machine drifts.
 
 from __future__ import annotations
 
+import statistics
 import tempfile
 import time
+from itertools import cycle
 from pathlib import Path
 from typing import Callable
 
@@ -20,7 +22,7 @@ from mlx_lm.models.cache import KVCache, load_prompt_cache, save_prompt_cache
 
 from kvtier.tiers.page import PageGeometry, Source
 
-from .calibrate import drop_l2, link_samples, prefill_samples, scratch_store
+from .calibrate import REPEATS, drop_l2, link_samples, prefill_samples, scratch_store
 from .plan import Profile, plan_restore
 
 GIB = 1 << 30
@@ -37,20 +39,27 @@ def best_seconds(fn: Callable[[], object], repeats: int = 3) -> float:
 
 
 def memcpy_seconds(nbytes: int) -> float:
-    """numpy copy of ``nbytes`` between warm buffers."""
+    """numpy copy of ``nbytes`` between warm buffers, timed as the links are: the
+    median of ``REPEATS`` copies after a warm-up one."""
     src = np.ones(nbytes, np.uint8)
     dst = np.empty_like(src)
-    np.copyto(dst, src)
-    return best_seconds(lambda: np.copyto(dst, src))
+    seconds = []
+    for _ in range(REPEATS + 1):
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        seconds.append(time.perf_counter() - t0)
+    return statistics.median(seconds[1:])
 
 
 def run(model: nn.Module, geometry: PageGeometry, store_dir: Path, tick: Callable[[], None],
         page_counts: tuple[int, ...] = PAGE_COUNTS) -> dict:
     """The report behind ``kvtier bench restore --json``."""
     links = []
-    for link, nbytes, seconds in link_samples(geometry, store_dir, tick, page_counts):
+    # link_samples runs each link over page_counts in order; bytes alone cannot give the
+    # pages (compressed pages are smaller than a page)
+    for (link, nbytes, seconds), pages in zip(link_samples(geometry, store_dir, tick, page_counts), cycle(page_counts)):
         memcpy = memcpy_seconds(nbytes)
-        links.append({"link": link, "bytes": nbytes, "pages": nbytes // geometry.nbytes, "seconds": seconds,
+        links.append({"link": link, "bytes": nbytes, "pages": pages, "seconds": seconds,
                       "gib_s": nbytes / seconds / GIB, "memcpy_gib_s": nbytes / memcpy / GIB,
                       "ratio_to_memcpy": memcpy / seconds})
     limits, peer = _whole_prompt(geometry, store_dir, max(page_counts))

@@ -29,16 +29,22 @@ PAGE_COUNTS = (1, 2, 4, 8, 16)
 REPEATS = 3  # timings per sample, the median kept: one stall of a noisy machine moves nothing
 PREFILL_TOKENS = (32, 128, 384)
 CONTEXTS = (0, 512, 1024)
+QUICK = {"page_counts": (1, 2, 4, 8), "prefill_tokens": (16, 32, 64), "contexts": (0, 128)}  # the fewest points a
+# fit takes (TimeModel.refit: twice as many distinct inputs as terms), small ones: seconds, not minutes
 
 Tick = Callable[[], None]
 
 
-def calibrate(model: nn.Module, geometry: PageGeometry, store_dir: Path, tick: Tick = lambda: None) -> Profile:
-    """Measure links and prefill on this machine; ``tick`` is called once per sample."""
+def calibrate(model: nn.Module, geometry: PageGeometry, store_dir: Path, tick: Tick = lambda: None,
+              quick: bool = False) -> Profile:
+    """Measure links and prefill on this machine; ``tick`` is called once per sample.
+    ``quick`` samples the ``QUICK`` grid: fewer and smaller points, a rougher fit."""
+    grid = QUICK if quick else {}
     profile = Profile.defaults()
-    for link, nbytes, seconds in link_samples(geometry, store_dir, tick):
+    for link, nbytes, seconds in link_samples(geometry, store_dir, tick, grid.get("page_counts", PAGE_COUNTS)):
         profile.links[link].samples.append((nbytes, seconds))
-    for n, p, seconds in prefill_samples(model, tick):
+    for n, p, seconds in prefill_samples(model, tick, grid.get("prefill_tokens", PREFILL_TOKENS),
+                                         grid.get("contexts", CONTEXTS)):
         profile.compute.samples.append((n, p, seconds))
     for fitted in (*profile.links.values(), profile.compute):
         fitted.refit()
@@ -46,8 +52,10 @@ def calibrate(model: nn.Module, geometry: PageGeometry, store_dir: Path, tick: T
     return profile
 
 
-def steps(page_counts: Iterable[int] = PAGE_COUNTS) -> int:
+def steps(page_counts: Iterable[int] = PAGE_COUNTS, quick: bool = False) -> int:
     """How many samples ``calibrate`` takes (for a progress bar)."""
+    if quick:
+        return 3 * len(QUICK["page_counts"]) + len(QUICK["prefill_tokens"]) * len(QUICK["contexts"])
     return 3 * len(tuple(page_counts)) + len(PREFILL_TOKENS) * len(CONTEXTS)
 
 
@@ -111,16 +119,18 @@ def _timed(store: TieredStore, keys: list, tokens: list[int], link: str) -> tupl
     return link, after["bytes"] - before["bytes"], statistics.median(seconds[1:])
 
 
-def prefill_samples(model: nn.Module, tick: Tick) -> list[tuple[int, int, float]]:
+def prefill_samples(model: nn.Module, tick: Tick, prefill_tokens: Iterable[int] = PREFILL_TOKENS,
+                    contexts: Iterable[int] = CONTEXTS) -> list[tuple[int, int, float]]:
     """(new tokens, cached tokens, seconds) of forward passes."""
-    tokens = mx.array([[(i * 31) % 200 + 32 for i in range(max(CONTEXTS) + max(PREFILL_TOKENS))]])
+    prefill_tokens, contexts = tuple(prefill_tokens), tuple(contexts)
+    tokens = mx.array([[(i * 31) % 200 + 32 for i in range(max(contexts) + max(prefill_tokens))]])
     mx.eval(model(tokens[:, :8]))  # warm-up: kernels (mlx is lazy: unevaluated, nothing would run)
     samples = []
-    for p in CONTEXTS:
+    for p in contexts:
         cache = make_prompt_cache(model)
         if p:
             mx.eval(model(tokens[:, :p], cache=cache))
-        for n in PREFILL_TOKENS:
+        for n in prefill_tokens:
             seconds = []
             for _ in range(REPEATS):
                 t0 = time.perf_counter()

@@ -5,16 +5,25 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
+import os
+import queue
 import re
+import shutil
 import signal
 import sys
+import threading
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
+from kvtier import __version__
+from kvtier.tiers.disk import DEFAULT_CAPACITY, format_bytes
 from kvtier.tiers.hierarchy import StoreConfig
+from kvtier.tiers.policy import ADMISSIONS, DEFAULT_POLICY, POLICIES
 
 from .blas import blas_in_use
 from .paths import default_store_dir
+from .report import format_engine_totals, format_last_run, format_namespaces, format_prometheus, format_tier_table
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": 10**6, "mb": 10**6,
           "mib": 1 << 20, "g": 10**9, "gb": 10**9, "gib": 1 << 30, "t": 10**12, "tb": 10**12, "tib": 1 << 40}
@@ -27,6 +36,27 @@ class UsageError(Exception):
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # one line, not usage + message
         raise UsageError(message)
+
+
+class _Formatter(argparse.RawDescriptionHelpFormatter):
+    """Every option's help ends with its default, where it has one."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if not (default is None or default is False or default in ([], "", argparse.SUPPRESS) or "default" in text):
+            text += " (default: %(default)s)"
+        return text
+
+
+_EPILOG = """\
+sizes: plain bytes or a number with a unit: 512MiB, 4GiB, 1.5GB (B, k/KB, M/MB, G/GB, T/TB
+  are powers of 1000; KiB, MiB, GiB, TiB powers of 1024)
+environment:
+  KVTIER_HOME               models, fingerprints and the default store live here
+                            (now: {home})
+  KVTIER_NO_OPENBLAS=1      keep mlx's own BLAS (Linux: the system OpenBLAS is preloaded)
+  KVTIER_NO_AUTO_CALIBRATE=1  never calibrate on first use of a store (--no-auto-calibrate)"""
 
 
 def parse_size(text: str) -> int:
@@ -43,6 +73,34 @@ def positive_int(text: str) -> int:
     return int(text)
 
 
+def non_negative_int(text: str) -> int:
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {text!r}")
+    return int(text)
+
+
+def _number(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}")
+    return value
+
+
+def temperature(text: str) -> float:
+    if (value := _number(text)) < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0 (0 is greedy), got {text!r}")
+    return value
+
+
+def top_p(text: str) -> float:
+    if not 0 < (value := _number(text)) <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text!r}")
+    return value
+
+
 def parse_throttle(text: str) -> tuple[str, float]:
     """``L3=2MiB/s`` -> ("L3", bytes per second)."""
     tier, _, rate = text.partition("=")
@@ -54,77 +112,192 @@ def parse_throttle(text: str) -> tuple[str, float]:
     return tier, float(bytes_per_s)
 
 
+def _choices(allowed: Sequence[str]):
+    """An argparse type: a comma-separated list of names from ``allowed``."""
+    def parse(text: str) -> list[str]:
+        names = [n.strip() for n in text.split(",") if n.strip()]
+        bad = [n for n in names if n not in allowed]
+        if bad or not names:
+            raise argparse.ArgumentTypeError(f"bad choice {bad[0] if bad else text!r} "
+                                             f"(choose from {', '.join(allowed)})")
+        return names
+    return parse
+
+
+def _sweep(text: str) -> list[int]:
+    """``l2-bytes=1GiB,4GiB`` -> L2 sizes in bytes."""
+    name, _, sizes = text.partition("=")
+    if name != "l2-bytes" or not sizes:
+        raise argparse.ArgumentTypeError(f"bad sweep {text!r} (use e.g. l2-bytes=1GiB,4GiB,16GiB)")
+    return [parse_size(size) for size in sizes.split(",")]
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="kvtier", description="Tiered KV-cache offload for MLX inference.")
+    from .paths import kvtier_home
+
+    epilog = _EPILOG.format(home=kvtier_home())
+    store_help = f"L3 store directory (default: {default_store_dir()})"
+    model_help = "mlx-lm model directory or hub id (default: the embedded model)"
+    common = _Parser(add_help=False)  # -v after the subcommand too; SUPPRESS keeps one given before it
+    common.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                        help="log what the engine does")
+
+    def command(parent, name: str, help: str) -> _Parser:
+        return parent.add_parser(name, help=help, description=help, parents=[common],
+                                 formatter_class=_Formatter, epilog=epilog)
+
+    parser = _Parser(prog="kvtier", description="Tiered KV-cache offload for MLX inference.",
+                     formatter_class=_Formatter, epilog=epilog)
+    parser.add_argument("--version", action="version", version=f"kvtier {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log what the engine does")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
-    run = sub.add_parser("run", help="generate with a tiered KV cache")
-    run.add_argument("--model", help="mlx-lm model directory or hub id (default: embedded model)")
+    run = command(sub, "run", "generate with a tiered KV cache")
+    run.add_argument("--model", help=model_help)
     src = run.add_mutually_exclusive_group(required=True)
-    src.add_argument("--prompt", action="append", help="raw completion prompt (repeat for a burst)")
-    src.add_argument("--prompts-file", type=Path, help="JSONL: {\"prompt\": text} or {\"tokens\": [ids]}")
-    run.add_argument("--max-tokens", type=positive_int, default=32)
-    run.add_argument("--temperature", type=float, default=0.0)
-    run.add_argument("--top-p", type=float, default=1.0)
-    run.add_argument("--store", type=Path, default=None, help="L3 directory (default: user cache)")
-    run.add_argument("--l1-bytes", type=parse_size, default=parse_size("1GiB"))
-    run.add_argument("--l2-bytes", type=parse_size, default=parse_size("4GiB"))
-    run.add_argument("--l3-bytes", type=parse_size, default=parse_size("32GiB"))
-    run.add_argument("--page-size", type=positive_int, default=128)
+    src.add_argument("--prompt", action="append", metavar="TEXT",
+                     help="raw completion prompt; '-' reads it from stdin (repeat for a burst)")
+    src.add_argument("--prompt-file", action="append", type=Path, metavar="FILE",
+                     help="a prompt: the whole text of FILE (repeat for a burst)")
+    src.add_argument("--prompts-file", type=Path, metavar="FILE.jsonl",
+                     help="JSONL, one prompt a line: {\"prompt\": text} or {\"tokens\": [ids]}")
+    run.add_argument("--max-tokens", type=positive_int, default=32, metavar="N",
+                     help="tokens to generate per prompt (prompt + N must fit the model's context)")
+    run.add_argument("--temperature", type=temperature, default=0.0, metavar="T", help="0 is greedy")
+    run.add_argument("--top-p", type=top_p, default=1.0, metavar="P", help="nucleus sampling, in (0, 1]")
+    run.add_argument("--store", type=Path, default=None, metavar="DIR", help=store_help)
+    run.add_argument("--l1-bytes", type=parse_size, default="1GiB", metavar="S",
+                     help="L1 (device) capacity; more than the machine's memory is refused")
+    run.add_argument("--l2-bytes", type=parse_size, default="4GiB", metavar="S",
+                     help="L2 (host RAM) capacity; more than the machine's memory is refused")
+    run.add_argument("--l3-bytes", type=parse_size, default=None, metavar="S",
+                     help=f"L3 cap of a new store (default: {format_bytes(DEFAULT_CAPACITY)}); an existing "
+                          "store keeps its own (`kvtier store resize` changes it)")
+    run.add_argument("--page-size", type=positive_int, default=128, metavar="N", help="tokens per KV page")
     run.add_argument("--codec", choices=["raw", "zstd"], default="raw", help="L3 payload codec")
     run.add_argument("--cache-salt", default="", help="isolate this tenant's pages")
     run.add_argument("--throttle", type=parse_throttle, action="append", default=[], metavar="TIER=RATE",
                      help="cap a tier's read bandwidth, e.g. L3=2MiB/s (tests and demos)")
     run.add_argument("--single-flight", choices=["off", "after-prefill", "at-completion"], default="after-prefill",
                      help="identical concurrent prompts: compute once, release followers after the "
-                          "leader's prefill (default) or completion")
-    run.add_argument("--refresh-window", type=int, default=128, metavar="N",
+                          "leader's prefill or its completion")
+    run.add_argument("--refresh-window", type=non_negative_int, default=128, metavar="N",
                      help="touch the L1 pages of the first N waiting requests before each admission")
     run.add_argument("--no-offload", action="store_true", help="no store: recompute every prompt")
+    run.add_argument("--policy", choices=POLICIES, default=DEFAULT_POLICY, help="eviction policy of every tier")
+    run.add_argument("--no-auto-calibrate", action="store_true",
+                     help="use the default cost model on a store without a profile for this model, "
+                          "instead of calibrating first")
     run.add_argument("--sequential", action="store_true", help="submit each prompt after the previous finishes")
     run.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
     run.add_argument("--json", action="store_true", help="one JSON object per request, then counters")
 
-    calibrate = sub.add_parser("calibrate", help="measure links and prefill; store the cost profile")
-    calibrate.add_argument("--store", type=Path, default=None)
-    calibrate.add_argument("--model", help="mlx-lm model directory or hub id (default: embedded model)")
-    calibrate.add_argument("--page-size", type=positive_int, default=128)
+    calibrate = command(sub, "calibrate", "measure links and prefill; store the cost profile")
+    calibrate.add_argument("--store", type=Path, default=None, metavar="DIR", help=store_help)
+    calibrate.add_argument("--model", help=model_help)
+    calibrate.add_argument("--page-size", type=positive_int, default=128, metavar="N", help="tokens per KV page")
 
-    bench = sub.add_parser("bench", help="measure the store on this machine")
+    bench = command(sub, "bench", "measure the store on this machine")
     bench_sub = bench.add_subparsers(dest="bench", required=True, parser_class=_Parser)
-    restore = bench_sub.add_parser("restore", help="restore bandwidth per link against size, beside memcpy")
-    restore.add_argument("--store", type=Path, default=None)
-    restore.add_argument("--model", help="mlx-lm model directory or hub id (default: embedded model)")
-    restore.add_argument("--page-size", type=positive_int, default=128)
-    restore.add_argument("--json", action="store_true")
+    restore = command(bench_sub, "restore", "restore bandwidth per link against size, beside memcpy")
+    restore.add_argument("--store", type=Path, default=None, metavar="DIR",
+                         help=f"a scratch store is made inside DIR (default: {default_store_dir()})")
+    restore.add_argument("--model", help=model_help)
+    restore.add_argument("--page-size", type=positive_int, default=128, metavar="N", help="tokens per KV page")
+    restore.add_argument("--json", action="store_true", help="the report as one JSON object")
     restore.add_argument("--plot", type=Path, metavar="FILE.png", help="draw bandwidth against size (needs matplotlib)")
 
-    stats = sub.add_parser("stats", help="counters persisted in a store")
-    stats.add_argument("--store", type=Path, default=None)
+    replay = command(sub, "replay", "replay a Mooncake trace against the store: size the tiers, "
+                                    "choose the policy")
+    replay.add_argument("trace", type=Path, metavar="TRACE.jsonl")
+    replay.add_argument("--page-size", type=positive_int, default=512, help="divides 512")
+    geometry = replay.add_mutually_exclusive_group()
+    geometry.add_argument("--kv-bytes-per-token", type=positive_int, metavar="N",
+                          help="full-size KV bytes of one token (default: the model's)")
+    geometry.add_argument("--model", help="take the KV size (and the calibrated profile) from this model")
+    replay.add_argument("--store", type=Path, default=None, help="where the model's calibrated profile is")
+    replay.add_argument("--profile", type=Path, metavar="FILE.json", help="a saved cost profile to use")
+    replay.add_argument("--l1-bytes", type=parse_size, default=parse_size("1GiB"))
+    replay.add_argument("--l2-bytes", type=parse_size, default=parse_size("4GiB"))
+    replay.add_argument("--l3-bytes", type=parse_size, default=parse_size("32GiB"))
+    replay.add_argument("--policy", type=_choices([*POLICIES, "belady"]), default=list(POLICIES),
+                        help=f"comma-separated, each replayed: {','.join(POLICIES)}, or belady (the "
+                             "offline bound for the same total capacity)")
+    replay.add_argument("--l3-admit", type=_choices(ADMISSIONS), default=["always"],
+                        help=f"comma-separated L3 admission filters: {','.join(ADMISSIONS)}")
+    replay.add_argument("--sweep", type=_sweep, metavar="l2-bytes=S,S,...", help="replay at each L2 size")
+    replay.add_argument("--speed", type=float, default=1.0,
+                        help="arrival timestamps divided by this (0.02 stretches them 50 times)")
+    replay.add_argument("--json", action="store_true", help="one JSON object")
+    replay.add_argument("--plot", type=Path, metavar="FILE.png",
+                        help="reused ratio and TTFT against L2 size per policy (needs matplotlib)")
+
+    stats = command(sub, "stats", "counters persisted in a store (read-only unless --reset)")
+    stats.add_argument("--store", type=Path, default=None, metavar="DIR", help=store_help)
     fmt = stats.add_mutually_exclusive_group()
-    fmt.add_argument("--json", action="store_true")
-    fmt.add_argument("--prometheus", action="store_true")
+    fmt.add_argument("--json", action="store_true", help="one JSON object")
+    fmt.add_argument("--prometheus", action="store_true", help="Prometheus text format")
+    fmt.add_argument("--reset", action="store_true", help="set the store's cumulative counters to zero")
+
+    store = command(sub, "store", "list, clear, compact or resize a store")
+    store_sub = store.add_subparsers(dest="store_command", required=True, parser_class=_Parser)
+    ls = command(store_sub, "ls", "pages per namespace (model, page size): tokens, bytes, last use")
+    ls.add_argument("--json", action="store_true", help="one JSON object")
+    clear = command(store_sub, "clear", "delete every page, or those of some namespaces")
+    clear.add_argument("--namespace", action="append", metavar="HEX",
+                       help="a namespace as `kvtier store ls` shows it (a unique prefix will do; repeatable)")
+    command(store_sub, "compact", "rewrite data.mdb without its free pages (stop other kvtier processes first)")
+    resize = command(store_sub, "resize", "change the store's L3 cap, evicting least-recently-used pages")
+    resize.add_argument("--l3-bytes", type=parse_size, required=True, metavar="S", help="the new cap")
+    for each in (ls, clear, resize, store_sub.choices["compact"]):
+        each.add_argument("--store", type=Path, default=None, metavar="DIR", help=store_help)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     if hasattr(signal, "SIGPIPE"):  # `kvtier ... | head` ends quietly, like any Unix tool (output comes after the store closes)
         signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+    args = None
     try:
         args = build_parser().parse_args(argv)
         logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                             format="kvtier: %(levelname)s: %(message)s")
-        commands = {"run": cmd_run, "stats": cmd_stats, "calibrate": cmd_calibrate, "bench": cmd_bench}
+        commands = {"run": cmd_run, "stats": cmd_stats, "calibrate": cmd_calibrate, "bench": cmd_bench,
+                    "replay": cmd_replay,
+                    "store": cmd_store}
         return commands[args.command](args)
     except UsageError as err:
         print(f"kvtier: error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"kvtier: interrupted; {_pages_kept(args)}", file=sys.stderr)
+        return 130
+
+
+def _pages_kept(args: argparse.Namespace | None) -> str:
+    """What the store holds after an interrupted command (its writes were flushed)."""
+    from kvtier.tiers.disk import DiskTier, StoreError
+
+    if args is None or not hasattr(args, "store") or getattr(args, "no_offload", False):
+        return "no store in use"
+    path = args.store or default_store_dir()
+    try:
+        with DiskTier(path, readonly=True) as disk:
+            return f"{disk.counters.pages} pages kept in {path}"
+    except StoreError:
+        return f"0 pages kept in {path}"
+
+
+# -- inputs ----------------------------------------------------------------------
 
 
 def _read_prompts(args: argparse.Namespace, tokenizer) -> list[list[int]]:
+    # kvtier checks prompt lengths itself (one line); the tokenizer's own warning would be a second
+    logging.getLogger("transformers.tokenization_utils_base").setLevel(logging.ERROR)
     if args.prompt is not None:
-        texts: list = list(args.prompt)
+        texts: list = [sys.stdin.read() if text == "-" else text for text in args.prompt]
+    elif args.prompt_file is not None:
+        texts = [_read_text(path) for path in args.prompt_file]
     else:
         texts = _read_jsonl(args.prompts_file)
     prompts = []
@@ -139,13 +312,16 @@ def _read_prompts(args: argparse.Namespace, tokenizer) -> list[list[int]]:
     return prompts
 
 
-def _read_jsonl(path: Path) -> list:
+def _read_text(path: Path) -> str:
     try:
-        lines = path.read_text().splitlines()
-    except OSError as err:
-        raise UsageError(f"cannot read {path}: {err.strerror}") from None
+        return path.read_text()
+    except (OSError, UnicodeDecodeError) as err:
+        raise UsageError(f"cannot read {path}: {getattr(err, 'strerror', None) or err}") from None
+
+
+def _read_jsonl(path: Path) -> list:
     items = []
-    for number, line in enumerate(lines, 1):
+    for number, line in enumerate(_read_text(path).splitlines(), 1):
         if not line.strip():
             continue
         try:
@@ -161,6 +337,35 @@ def _read_jsonl(path: Path) -> list:
     return items
 
 
+def _usable_store(path: Path | None) -> Path:
+    """The store directory the user named (or the default), created if missing; a file
+    or a directory kvtier cannot write is the user's error, not a reason to run without L3."""
+    path = path or default_store_dir()
+    if path.exists() and not path.is_dir():
+        raise UsageError(f"store {path} is not a directory")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise UsageError(f"cannot create store directory {path}: {err.strerror or err}") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise UsageError(f"store directory {path} is not writable")
+    return path
+
+
+def _check_sizes(args: argparse.Namespace, store_dir: Path | None) -> None:
+    """L1 or L2 larger than the machine's memory is refused; an L3 cap larger than the
+    free disk space is allowed (the file grows with the data) with a warning."""
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for flag, size in (("--l1-bytes", args.l1_bytes), ("--l2-bytes", args.l2_bytes)):
+        if size > memory:
+            raise UsageError(f"{flag} {format_bytes(size)} is more than this machine's memory ({format_bytes(memory)})")
+    if store_dir is not None and args.l3_bytes is not None:
+        free = shutil.disk_usage(store_dir).free
+        if args.l3_bytes > free:
+            print(f"kvtier: warning: --l3-bytes {format_bytes(args.l3_bytes)} is more than the free space "
+                  f"under {store_dir} ({format_bytes(free)}): the disk fills before the cap", file=sys.stderr)
+
+
 def _load_model(name: str | None):
     from .model import ModelError, load_model
 
@@ -171,88 +376,162 @@ def _load_model(name: str | None):
         raise UsageError(str(err)) from None
 
 
+def _geometry(loaded, page_size: int):
+    """The model's page geometry; a model kvtier cannot use is the user's error."""
+    from .model import ModelError
+
+    try:
+        return loaded.geometry(page_size)
+    except (ModelError, ValueError) as err:
+        raise UsageError(str(err)) from None
+
+
+# -- run -------------------------------------------------------------------------
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     # Imported here so that `kvtier --help` and bad arguments answer at once.
-    from .engine import Engine, EngineConfig, InputError
+    from .engine import Engine, EngineConfig, InputError, check_prompt
+    from .model import ModelError
     from .request import SamplingParams
 
+    store_dir = None if args.no_offload else _usable_store(args.store)
+    _check_sizes(args, store_dir)
     loaded = _load_model(args.model)
     prompts = _read_prompts(args, loaded.tokenizer)
-    store = StoreConfig(args.l1_bytes, args.l2_bytes, args.l3_bytes,
-                        args.store or default_store_dir(), args.codec, throttle=dict(args.throttle))
-    config = EngineConfig(page_size=args.page_size, offload=not args.no_offload, store=store,
-                          cache_salt=args.cache_salt, single_flight=args.single_flight,
-                          refresh_window=max(args.refresh_window, 0))
     params = SamplingParams(args.max_tokens, args.temperature, args.top_p)
-    engine = Engine(loaded, config)
     try:
-        requests = [engine.submit(p, params) for p in ([] if args.sequential else prompts)]
-        engine.run()
-        for prompt in prompts if args.sequential else []:
-            requests.append(engine.submit(prompt, params))
+        for prompt in prompts:  # before any work: nothing computed, the store untouched
+            check_prompt(loaded, prompt, params)
+    except InputError as err:
+        raise UsageError(str(err)) from None
+    geometry = _geometry(loaded, args.page_size)
+    if store_dir is not None and not (args.no_auto_calibrate or os.environ.get("KVTIER_NO_AUTO_CALIBRATE")):
+        _calibrate_on_first_use(loaded, geometry, store_dir)
+    store = StoreConfig(args.l1_bytes, args.l2_bytes, args.l3_bytes, store_dir, args.codec,
+                        throttle=dict(args.throttle), label=loaded.name)
+    config = EngineConfig(page_size=args.page_size, offload=store_dir is not None, store=store,
+                          cache_salt=args.cache_salt, single_flight=args.single_flight,
+                          refresh_window=args.refresh_window, policy=args.policy)
+    try:
+        engine = Engine(loaded, config)
+    except (ModelError, ValueError) as err:
+        raise UsageError(str(err)) from None
+    printer = None if args.json else _Printer(loaded.tokenizer, engine.result)
+    requests = []
+    try:
+        for batch in ([[p] for p in prompts] if args.sequential else [prompts]):
+            submitted = [engine.submit(p, params) for p in batch]
+            for request in submitted if printer else []:
+                printer.add(request)
+            requests += submitted
             engine.run()
     except InputError as err:
         raise UsageError(str(err)) from None
     finally:
-        engine.close()
-    results = [engine.result(r) for r in requests]
+        _close_uninterrupted(engine.close)
     if args.json:
-        for result in results:
-            print(json.dumps(result))
+        for request in requests:
+            print(json.dumps(engine.result(request)))
         print(json.dumps({"counters": engine.stats()}))
     else:
-        _print_human(results, engine.stats())
+        printer.finish()
+        _print_summary(engine.stats())
     return 0
 
 
-def _print_human(results: list[dict], stats: dict) -> None:
-    for r in results:
-        print(f"── request {r['id']}: {r['prompt_tokens']} prompt tokens, "
-              f"ttft {r['ttft_s'] * 1000:.0f} ms, {len(r['output_token_ids'])} tokens out")
-        print(r["text"])
-        print("   sources: " + "  ".join(f"{k}={v}" for k, v in r["sources"].items()))
+def _close_uninterrupted(close: Callable[[], None]) -> None:
+    """Close with Ctrl-C held off, so a second one cannot cut the store's flush short."""
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        close()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+class _Printer:
+    """Prints each request's text as its tokens are generated, requests in order.
+
+    Runs on its own thread reading ``Request.stream()`` while the main thread runs the
+    engine's step loop (so Ctrl-C lands in the step loop, which then closes the store).
+    """
+
+    def __init__(self, tokenizer, result: Callable) -> None:
+        self.tokenizer, self.result = tokenizer, result
+        self.requests: queue.Queue = queue.Queue()
+        self.thread = threading.Thread(target=self._print_all, name="kvtier-printer", daemon=True)
+        self.thread.start()
+
+    def add(self, request) -> None:
+        self.requests.put(request)
+
+    def finish(self) -> None:
+        self.requests.put(None)
+        self.thread.join()
+
+    def _print_all(self) -> None:
+        while (request := self.requests.get()) is not None:
+            print(f"── request {request.rid}: {len(request.prompt)} prompt tokens", flush=True)
+            detokenizer = self.tokenizer.detokenizer
+            for token in request.stream():
+                detokenizer.add_token(token)
+                print(detokenizer.last_segment, end="", flush=True)
+            detokenizer.finalize()
+            r = self.result(request)
+            print(detokenizer.last_segment)
+            print(f"   ttft {r['ttft_s'] * 1000:.0f} ms, {len(r['output_token_ids'])} tokens out; sources: "
+                  + "  ".join(f"{k}={v}" for k, v in r["sources"].items()), flush=True)
+
+
+def _print_summary(stats: dict) -> None:
     print()
     print(format_tier_table(stats))
     if not stats["costmodel"]["calibrated"]:
         print("\ncost model: defaults (run `kvtier calibrate` to measure this machine)")
 
 
-def format_tier_table(stats: dict) -> str:
-    """Per-tier and per-link counters as a small text table."""
-    cols = ("capacity", "bytes_used", "pages", "lookups", "hit_pages", "hit_tokens",
-            "inserts", "evictions", "checksum_failures", "writes_dropped")
-    lines = ["tier " + " ".join(f"{c:>12.12}" for c in cols)]
-    for name, tier in stats.get("tiers", {}).items():
-        lines.append(f"{name:<4} " + " ".join(f"{tier.get(c, 0):>12}" for c in cols))
-    lines.append("")
-    lines.append(f"{'link':<7} {'bytes':>14} {'pages':>8} {'seconds':>10} {'GiB/s':>8}")
-    for name, link in stats.get("links", {}).items():
-        if link.get("pages"):
-            rate = link["bytes"] / link["seconds"] / (1 << 30) if link["seconds"] else 0.0
-            lines.append(f"{name:<7} {link['bytes']:>14} {link['pages']:>8} {link['seconds']:>10.4f} {rate:>8.2f}")
-    return "\n".join(lines)
+# -- calibrate -------------------------------------------------------------------
 
 
-def cmd_calibrate(args: argparse.Namespace) -> int:
+def _calibrate_into(loaded, geometry, store_dir: Path, quick: bool = False):
+    """Measure this machine (with a progress bar) and save the profile in the store."""
     from tqdm import tqdm
 
     from kvtier.costmodel.calibrate import calibrate, steps
     from kvtier.tiers.disk import DiskTier, StoreError
 
-    loaded = _load_model(args.model)
-    geometry = loaded.geometry(args.page_size)
-    store_dir = args.store or default_store_dir()
-    with tqdm(total=steps(), desc="calibrating", unit="sample", file=sys.stderr) as bar:
-        try:
-            profile = calibrate(loaded.model, geometry, store_dir, bar.update)
-        except (OSError, StoreError) as err:
-            raise UsageError(f"cannot calibrate with store {store_dir}: {err}") from None
     try:
-        disk = DiskTier(store_dir, capacity_bytes=0)
-    except StoreError as err:
-        raise UsageError(str(err)) from None
-    disk.put_meta(loaded.profile_key(geometry), profile.to_dict())
-    disk.close()
+        desc = "calibrating (quick, first use)" if quick else "calibrating"
+        with tqdm(total=steps(quick=quick), desc=desc, unit="sample", file=sys.stderr) as bar:
+            profile = calibrate(loaded.model, geometry, store_dir, bar.update, quick=quick)
+        with DiskTier(store_dir) as disk:
+            disk.put_meta(loaded.profile_key(geometry), profile.to_dict())
+    except (OSError, StoreError) as err:
+        raise UsageError(f"cannot calibrate with store {store_dir}: {err}") from None
+    return profile
+
+
+def _calibrate_on_first_use(loaded, geometry, store_dir: Path) -> None:
+    """Calibrate once per store, model and page size: the default cost model can be far
+    off this machine, and online refinement needs many requests to correct it."""
+    from kvtier.tiers.disk import DiskTier, StoreError
+
+    if (store_dir / "data.mdb").exists():
+        try:
+            with DiskTier(store_dir, readonly=True) as disk:
+                if disk.get_meta(loaded.profile_key(geometry)) is not None:
+                    return
+        except StoreError:
+            return  # the engine warns and runs without L3
+    print(f"kvtier: no cost profile for this model in {store_dir}: a quick calibration first "
+          "(--no-auto-calibrate skips it; `kvtier calibrate` measures more)", file=sys.stderr)
+    _calibrate_into(loaded, geometry, store_dir, quick=True)
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    store_dir = _usable_store(args.store)
+    loaded = _load_model(args.model)
+    profile = _calibrate_into(loaded, _geometry(loaded, args.page_size), store_dir)
     summary = profile.summary()
     for name, link in summary["links"].items():
         print(f"{name}: setup {link['setup_s'] * 1e3:.3f} ms, {link['gib_s']:.2f} GiB/s")
@@ -262,27 +541,53 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- bench -----------------------------------------------------------------------
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from kvtier.costmodel import bandwidth
 
     if args.plot is not None:
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            raise UsageError("--plot needs matplotlib (pip install matplotlib)") from None
+        _check_plot_path(args.plot)
+    store_dir = _usable_store(args.store)
     loaded = _load_model(args.model)
-    geometry = loaded.geometry(args.page_size)
+    geometry = _geometry(loaded, args.page_size)
     total = 2 * len(bandwidth.PAGE_COUNTS) + 1 + 9
     with tqdm(total=total, desc="measuring", unit="step", file=sys.stderr) as bar:
-        report = bandwidth.run(loaded.model, geometry, args.store or default_store_dir(), bar.update)
+        report = bandwidth.run(loaded.model, geometry, store_dir, bar.update)
     report["blas"] = blas_in_use()
-    if args.plot is not None:
-        _plot(report, args.plot)
     if args.json:
         print(json.dumps(report))
-        return 0
+    else:
+        _print_bench(report)
+    if args.plot is not None:
+        try:
+            _plot(report, args.plot)
+        except Exception as err:  # matplotlib and the filesystem raise many types
+            print(f"kvtier: error: cannot draw {args.plot}: {' '.join(str(err).split())}", file=sys.stderr)
+            return 1
+    return 0
+
+
+def _check_plot_path(path: Path) -> None:
+    """Refuse a plot that cannot be written before measuring, not after."""
+    if path.is_dir():
+        raise UsageError(f"--plot {path} is a directory")
+    parent = path.parent if str(path.parent) else Path(".")
+    if not parent.is_dir() or not os.access(parent, os.W_OK):
+        raise UsageError(f"--plot {path}: directory {parent} does not exist or is not writable")
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+    except ImportError:
+        raise UsageError("--plot needs matplotlib (pip install matplotlib)") from None
+    kinds = FigureCanvasAgg.get_supported_filetypes()
+    if path.suffix.lstrip(".").lower() not in kinds:
+        raise UsageError(f"--plot {path}: use one of the suffixes .{', .'.join(sorted(kinds))}")
+
+
+def _print_bench(report: dict) -> None:
     print(f"{'link':<7} {'pages':>6} {'MiB':>8} {'GiB/s':>7} {'memcpy':>7} {'ratio':>6}")
     for row in report["links"]:
         print(f"{row['link']:<7} {row['pages']:>6} {row['bytes'] / (1 << 20):>8.1f} {row['gib_s']:>7.2f} "
@@ -295,7 +600,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
           f"{peer['load_prompt_cache_gib_s']:.2f} GiB/s: {peer['ratio']:.2f}x")
     for tier, tokens in report["break_even_tokens"].items():
         print(f"break-even prompt length for {tier}: {tokens if tokens else 'never (recompute wins)'} tokens")
-    return 0
 
 
 def _plot(report: dict, path: Path) -> None:
@@ -308,7 +612,7 @@ def _plot(report: dict, path: Path) -> None:
     for link in sorted({r["link"] for r in report["links"]}):
         rows = [r for r in report["links"] if r["link"] == link]
         ax.plot([r["bytes"] / (1 << 20) for r in rows], [r["gib_s"] for r in rows], marker="o", label=link)
-    rows = report["links"]
+    rows = sorted(report["links"], key=lambda r: r["bytes"])
     ax.plot([r["bytes"] / (1 << 20) for r in rows], [r["memcpy_gib_s"] for r in rows], "k:", label="memcpy")
     ax.set(xscale="log", xlabel="restore size (MiB)", ylabel="GiB/s", title="kvtier restore bandwidth")
     ax.legend()
@@ -316,83 +620,159 @@ def _plot(report: dict, path: Path) -> None:
     fig.savefig(path)
 
 
-def cmd_stats(args: argparse.Namespace) -> int:
+def cmd_replay(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from kvtier.costmodel import replay as rp
+    from kvtier.costmodel.plan import Profile
     from kvtier.tiers.disk import DiskTier, StoreError
 
-    path = args.store or default_store_dir()
-    if not (path / "data.mdb").exists():
+    if rp.BLOCK_TOKENS % args.page_size:
+        raise UsageError(f"--page-size {args.page_size} does not divide {rp.BLOCK_TOKENS}")
+    if not args.speed > 0:
+        raise UsageError("--speed must be positive")
+    if args.plot is not None and not args.sweep:
+        raise UsageError("--plot draws against L2 size: give --sweep l2-bytes=...")
+    if args.plot is not None:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise UsageError("--plot needs matplotlib (pip install matplotlib)") from None
+    try:
+        trace = rp.read_trace(args.trace)
+        profile = Profile.from_dict(json.loads(args.profile.read_text())) if args.profile else None
+    except rp.TraceError as err:
+        raise UsageError(str(err)) from None
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise UsageError(f"cannot read profile {args.profile}: {err}") from None
+    bytes_per_token = args.kv_bytes_per_token
+    if bytes_per_token is None:
+        loaded = _load_model(args.model)
+        geometry = loaded.geometry(args.page_size)
+        bytes_per_token = geometry.bytes_per_token
+        store_dir = args.store or default_store_dir()
+        if profile is None and (store_dir / "data.mdb").exists():
+            try:
+                disk = DiskTier(store_dir, readonly=True)
+            except StoreError as err:
+                raise UsageError(str(err)) from None
+            saved = disk.get_meta(loaded.profile_key(geometry))
+            disk.close()
+            profile = Profile.from_dict(saved) if saved else None
+    base = rp.ReplayConfig(bytes_per_token, args.page_size, args.l1_bytes, args.l2_bytes, args.l3_bytes,
+                           speed=args.speed)
+    configs = rp.configs_for(base, args.policy, args.l3_admit, args.sweep or ())
+    replays = sum(c.policy != rp.BELADY for c in configs)
+    with tqdm(total=len(trace) * replays, desc="replaying", unit="req", file=sys.stderr) as bar:
+        report = rp.replay(trace, configs, profile or Profile.defaults(), lambda: bar.update())
+    if args.plot is not None:
+        rp.plot_report(report, args.plot)
+    print(json.dumps(report) if args.json else rp.format_report(report))
+    return 0
+
+
+# -- stats and store management ------------------------------------------------------
+
+
+def _open_store(path: Path | None, readonly: bool = False):
+    """The store at ``path`` (it must exist): read-only for reports, writable to manage it."""
+    from kvtier.tiers.disk import DiskTier, StoreError
+
+    path = path or default_store_dir()
+    if not (path / "data.mdb").is_file():
         raise UsageError(f"no kvtier store at {path}")
     try:
-        disk = DiskTier(path, capacity_bytes=0)
+        return DiskTier(path, readonly=readonly)
     except StoreError as err:
         raise UsageError(str(err)) from None
-    try:
+
+
+def cmd_stats(args: argparse.Namespace) -> int:
+    if args.reset:
+        with _open_store(args.store) as disk:
+            disk.reset_counters()
+            disk.put_meta("last_run", {})
+            print(f"counters of {disk.path} reset")
+        return 0
+    with _open_store(args.store, readonly=True) as disk:
         counters = disk.persistent_counters()
         counters["last_run"] = disk.get_meta("last_run") or {}
         counters.setdefault("tiers", {}).setdefault("L3", {}).update(
-            bytes_used=disk.counters.bytes_used, pages=disk.counters.pages)
-    finally:
-        disk.close()
+            capacity=disk.counters.capacity, bytes_used=disk.counters.bytes_used,
+            pages=disk.counters.pages, file_bytes=disk.file_bytes)
     if args.json:
         print(json.dumps(counters))
     elif args.prometheus:
         print(format_prometheus(counters), end="")
     else:
+        l3 = counters["tiers"]["L3"]
         print(format_tier_table(counters))
-        engine = counters.get("engine", {})
-        if engine:
+        print(f"\nL3 holds {format_bytes(l3['bytes_used'])} of its {format_bytes(l3['capacity'])} cap; "
+              f"data.mdb is {format_bytes(l3['file_bytes'])} on disk (`kvtier store compact` shrinks it). "
+              "L1 and L2 capacities belong to each run (-).")
+        if counters.get("engine"):
             print()
-            print("requests {requests}  prompt tokens {prompt_tokens}  generated {generated_tokens}".format(
-                **{k: engine.get(k, 0) for k in ("requests", "prompt_tokens", "generated_tokens")}))
-            print("sources: " + "  ".join(f"{k}={v}" for k, v in engine.get("sources", {}).items()))
-            print(f"L1 hit loss between enqueue and admission: {engine.get('l1_hit_loss_tokens', 0)} tokens")
+            print(format_engine_totals(counters["engine"]))
         if counters["last_run"]:
             print()
             print(format_last_run(counters["last_run"]))
     return 0
 
 
-def format_last_run(last: dict) -> str:
-    """The last run's window and cost-model fit, with prediction errors."""
-    window = last.get("windowed", {})
-    lines = [f"last run ({last.get('model')}): cached tokens/s over {window.get('window_s', 0):.0f} s: "
-             f"{window.get('cached_tokens_per_s', 0):.1f}"]
-    cost = last.get("costmodel", {})
-    lines.append(f"cost model: {'calibrated' if cost.get('calibrated') else 'defaults'}")
-    rows = [(name, f"setup {m['setup_s'] * 1e3:.3f} ms, {m['gib_s']:.2f} GiB/s", m["error"])
-            for name, m in cost.get("links", {}).items()]
-    if "compute" in cost:
-        c = cost["compute"]
-        rows.append(("prefill", f"{c['c0']:.3g} + {c['c1']:.3g}*n + {c['c2']:.3g}*n*(p+n/2) s", c["error"]))
-    for name, fit, error in rows:
-        err = (f"error median {error['median']:.0%}, p90 {error['p90']:.0%} over {error['count']}"
-               if error.get("count") else "no predictions checked yet")
-        lines.append(f"  {name:<8} {fit:<42} {err}")
-    return "\n".join(lines)
+def cmd_store(args: argparse.Namespace) -> int:
+    commands = {"ls": _store_ls, "clear": _store_clear, "compact": _store_compact, "resize": _store_resize}
+    return commands[args.store_command](args)
 
 
-def format_prometheus(counters: dict) -> str:
-    """Store counters in the Prometheus text exposition format."""
-    from prometheus_client import CollectorRegistry, generate_latest
+def _store_ls(args: argparse.Namespace) -> int:
+    with _open_store(args.store, readonly=True) as disk:
+        rows = [{"namespace": digest.hex(), **row.pop("about"), **row}
+                for digest, row in disk.namespaces().items() if row["pages"]]
+        listing = {"path": str(disk.path), "pages": disk.counters.pages, "bytes_used": disk.counters.bytes_used,
+                   "capacity": disk.counters.capacity, "file_bytes": disk.file_bytes,
+                   "namespaces": sorted(rows, key=lambda r: -r["last_use"])}
+    for row in listing["namespaces"]:
+        row.setdefault("model", "?"), row.setdefault("page_size", "?"), row.setdefault("dtype", "?")
+    print(json.dumps(listing) if args.json else format_namespaces(listing))
+    return 0
 
-    registry = CollectorRegistry()
-    _add_gauges(registry, "tier", counters.get("tiers", {}))
-    _add_gauges(registry, "link", counters.get("links", {}))
-    engine = counters.get("engine", {})
-    _add_gauges(registry, "source", {s: {"prompt_tokens": v} for s, v in engine.get("sources", {}).items()})
-    return generate_latest(registry).decode()
+
+def _store_clear(args: argparse.Namespace) -> int:
+    with _open_store(args.store, readonly=True) as disk:  # a bad --namespace writes nothing
+        chosen = None if args.namespace is None else {_namespace(disk, prefix) for prefix in args.namespace}
+    with _open_store(args.store) as disk:
+        pages, nbytes = disk.clear(chosen)
+        print(f"removed {pages} pages ({format_bytes(nbytes)}) from {disk.path}")
+    return 0
 
 
-def _add_gauges(registry, label: str, table: dict[str, dict]) -> None:
-    """One gauge per field, labelled by row: ``kvtier_tier_pages{tier="L1"}``."""
-    from prometheus_client import Gauge
+def _namespace(disk, prefix: str) -> bytes:
+    matches = [d for d in disk.namespaces() if d.hex().startswith(prefix.lower())]
+    if len(matches) != 1:
+        raise UsageError(f"--namespace {prefix} matches {len(matches)} namespaces of {disk.path} "
+                         "(see `kvtier store ls`)")
+    return matches[0]
 
-    gauges: dict[str, Gauge] = {}
-    for row, fields in table.items():
-        for name, value in fields.items():
-            if name not in gauges:
-                gauges[name] = Gauge(f"kvtier_{label}_{name}", f"kvtier {name} per {label}", [label], registry=registry)
-            gauges[name].labels(**{label: row}).set(value)
+
+def _store_compact(args: argparse.Namespace) -> int:
+    from kvtier.tiers.disk import StoreError, compact_store
+
+    path = args.store or default_store_dir()
+    try:
+        before, after = compact_store(path)
+    except StoreError as err:
+        raise UsageError(str(err)) from None
+    print(f"compacted {path}: data.mdb {format_bytes(before)} -> {format_bytes(after)}")
+    return 0
+
+
+def _store_resize(args: argparse.Namespace) -> int:
+    with _open_store(args.store) as disk:
+        old = disk.counters.capacity
+        evicted = disk.resize(args.l3_bytes)
+        print(f"L3 cap of {disk.path}: {format_bytes(old)} -> {format_bytes(args.l3_bytes)}; "
+              f"{evicted} pages evicted" + ("; `kvtier store compact` shrinks data.mdb" if evicted else ""))
+    return 0
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Sequence
 
 import mlx.core as mx
@@ -33,6 +33,7 @@ from mlx_lm.sample_utils import make_sampler
 from kvtier.costmodel.plan import READ_LINKS, Profile, plan_restore
 from kvtier.tiers.counters import add_into
 from kvtier.tiers.hierarchy import RestoredPrefix, StoreConfig, TieredStore
+from kvtier.tiers.policy import DEFAULT_POLICY
 from kvtier.tiers.page import Source, page_keys, reusable_pages
 
 from .flights import FlightCoordinator
@@ -48,6 +49,21 @@ class InputError(ValueError):
     """A prompt the model cannot take (one clear line)."""
 
 
+def check_prompt(loaded: LoadedModel, tokens: Sequence[int], params: SamplingParams) -> None:
+    """InputError unless the model can take ``tokens`` and generate ``params.max_tokens``
+    after them (callers may check before building an engine: nothing is touched)."""
+    args = getattr(loaded.model, "args", None)
+    vocab, context = getattr(args, "vocab_size", None), getattr(args, "max_position_embeddings", None)
+    if not tokens:
+        raise InputError("empty prompt")
+    if context and len(tokens) + params.max_tokens > context:
+        raise InputError(f"prompt of {len(tokens)} tokens plus max_tokens {params.max_tokens} exceeds "
+                         f"the model's context of {context} tokens")
+    bad = [t for t in tokens if t < 0 or (vocab and t >= vocab)]
+    if bad:
+        raise InputError(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
+
+
 @dataclass
 class EngineConfig:
     page_size: int = 128
@@ -60,6 +76,7 @@ class EngineConfig:
     max_running: int = 32  # requests in the BatchGenerator at once; the rest wait
     refresh_window: int = 128  # waiting requests whose L1 pages are touched before admission
     window_s: float = 30.0  # cached tokens per second are measured over this window
+    policy: str = DEFAULT_POLICY  # eviction policy of the store's tiers (tiers.policy)
 
 
 class Engine:
@@ -71,7 +88,7 @@ class Engine:
         self.geometry = loaded.geometry(self.config.page_size)
         self.namespace = loaded.namespace(self.geometry, self.config.cache_salt)
         self.store = (
-            TieredStore(self.geometry, self.namespace, self.config.store)
+            TieredStore(self.geometry, self.namespace, replace(self.config.store, policy=self.config.policy))
             if self.config.offload else None
         )
         self.generator = BatchGenerator(
@@ -80,7 +97,6 @@ class Engine:
             prefill_step_size=self.config.prefill_step_size,
         )
         self.profile = self._load_profile()
-        self.vocab_size = loaded.model.args.vocab_size if hasattr(loaded.model, "args") else None
         flights = FlightCoordinator(self.config.single_flight if self.store is not None else "off")
         self.scheduler = Scheduler(flights, self.config.max_running, self.config.refresh_window)
         self.cached_tokens = RateWindow(self.config.window_s)
@@ -112,9 +128,10 @@ class Engine:
         """Queue a prompt (text is tokenized as ``tokenizer.encode`` does); thread-safe.
         Refused (RuntimeError) once the engine is stopping or closed."""
         tokens = self.loaded.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        self._check_prompt(tokens)
+        params = params or SamplingParams()
+        check_prompt(self.loaded, tokens, params)
         keys = page_keys(self.namespace, tokens)[: reusable_pages(len(tokens), self.config.page_size)]
-        request = Request(next(self._rids), tokens, params or SamplingParams(), self.config.page_size, keys)
+        request = Request(next(self._rids), tokens, params, self.config.page_size, keys)
         request.l1_tokens_at_enqueue = self._l1_tokens(self.store.locate(keys, tokens)) if self.store else 0
         flight_key = hashlib.blake2b(np.asarray(tokens, "<u4").tobytes(), digest_size=16,
                                      key=self.namespace.digest()).digest()
@@ -126,13 +143,6 @@ class Engine:
 
     def _l1_tokens(self, matched: Sequence[Source]) -> int:
         return sum(self.config.page_size for s in matched if s is Source.L1)
-
-    def _check_prompt(self, tokens: list[int]) -> None:
-        if not tokens:
-            raise InputError("empty prompt")
-        bad = [t for t in tokens if t < 0 or (self.vocab_size and t >= self.vocab_size)]
-        if bad:
-            raise InputError(f"token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})")
 
     # -- the step loop ---------------------------------------------------------
 

@@ -8,18 +8,29 @@ bytes}``; dtype and shape are implied by the namespace and the raw length. The
 payload is the raw bytes or a zstd frame (of the 2-byte planes for zstd-shuffle).
 
 Side databases: ``meta`` (format version, store-wide bytes_used and pages, access_seq,
-``put_meta`` entries under ``user/``), ``lru`` (page key -> 8-byte big-endian last
-access seq), ``order`` (seq || page key -> b"", oldest first), ``counters``.
+the L3 cap ``capacity``, ``put_meta`` entries under ``user/``), ``lru`` (page key ->
+8-byte big-endian rank (the last access seq under LRU) and a u32 use count), ``order``
+(rank || page key -> b"", next victim first), ``counters``, ``namespaces`` (namespace
+digest -> its pages, bytes, tokens, last use and what the process that wrote it said
+about it).
+
+The cap belongs to the store, not to a process: the first opener sets it, later
+openers keep it (a different request is logged and ignored) and ``resize`` changes it,
+so one process with a small cap never evicts everyone else's pages.
 """
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
+import shutil
 import struct
+import tempfile
 import threading
+import time
 from contextlib import contextmanager
-from dataclasses import astuple, dataclass, fields
+from dataclasses import astuple, dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
@@ -30,16 +41,30 @@ import zstandard
 from xxhash import xxh3_64_intdigest
 
 from kvtier.tiers.counters import TierCounters, add_into
+from kvtier.tiers.policy import POLICIES
 
 log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
+DEFAULT_CAPACITY = 32 << 30  # the cap of a new store when none is asked for
 CODECS = ("raw", "zstd", "zstd-shuffle")
 _LEN, _SEQ = struct.Struct("<I"), struct.Struct(">Q")
 _MIB = 1 << 20
 _MIN_MAP = 16 << 30  # address space only: the file grows with the data, not with the map
 _TOUCH_DELAY_S = 0.05  # LRU touches alone wait this long, so many share one commit
 _MAX_TOUCHES = 4096  # touches are hints: past this many pending, the oldest are dropped
+
+
+_DBS = (b"pages", b"lru", b"order", b"counters", b"namespaces")
+
+
+def format_bytes(n: float) -> str:
+    """``1.5 GiB``, ``12 KiB``, ``512 B``: sizes as people read them."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
 
 
 class StoreError(Exception):
@@ -176,13 +201,30 @@ class _Batch:
     deletes: dict[bytes, int]  # page key -> xxh3 of the bad value that get saw
 
 
+_STATE_FIELDS = ("bytes_used", "pages", "access_seq", "capacity", "clock")
+
+
 @dataclass
 class _StoreState:
-    """The meta numbers, read and written back inside one write transaction."""
+    """The meta numbers, read and written back inside one write transaction, and the
+    per-namespace changes that transaction makes (added to ``namespaces`` on save)."""
 
     bytes_used: int = 0
     pages: int = 0
     access_seq: int = 0
+    clock: int = 0  # the ``cost`` policy's aging clock: the priority of the last victim
+    capacity: int = 0
+    namespaces: dict[bytes, list[int]] = field(default_factory=dict)  # digest -> [pages, bytes, tokens]
+    used: set[bytes] = field(default_factory=set)  # namespaces whose pages were written or read
+
+    def tally(self, namespace: bytes | None, pages: int, nbytes: int, tokens: int) -> None:
+        """Count records in or out (namespace None: a record whose header is unreadable)."""
+        if namespace is not None:
+            row = self.namespaces.setdefault(namespace, [0, 0, 0])
+            for i, n in enumerate((pages, nbytes, tokens)):
+                row[i] += n
+        self.bytes_used += nbytes
+        self.pages += pages
 
 
 @dataclass
@@ -196,6 +238,18 @@ class _Outcome:
 
 def _token_bytes(tokens: Sequence[int]) -> bytes:
     return struct.pack(f"<{len(tokens)}I", *tokens)  # 10x faster than numpy for a page
+
+
+def _uses(stamp: memoryview | bytes) -> int:
+    """Use count of an ``lru`` entry (entries written before counts were kept: 1)."""
+    return _LEN.unpack_from(stamp, _SEQ.size)[0] if len(stamp) >= _SEQ.size + _LEN.size else 1
+
+
+def _header_or_none(value: memoryview | bytes) -> RecordHeader | None:
+    try:
+        return RecordHeader.unpack(value)[0]
+    except _Corrupt:
+        return None
 
 
 def _one_line(exc: BaseException) -> str:
@@ -250,6 +304,64 @@ def decode_payload(codec: str, payload: memoryview, raw_len: int,
         raise _Corrupt(f"payload does not decode ({exc})") from None
 
 
+def _check_version(path: Path, stored: bytes | None) -> None:
+    version = FORMAT_VERSION if stored is None else msgpack.unpackb(stored)
+    if version != FORMAT_VERSION:
+        raise StoreError(f"store at {path} has format version {version}, "
+                         f"this kvtier reads version {FORMAT_VERSION}")
+
+
+def _ns_row() -> dict:
+    return {"pages": 0, "bytes": 0, "tokens": 0, "last_use": 0.0, "about": {}}
+
+
+def _describe(row: dict) -> str:
+    about = row.get("about") or {}
+    return f"model {about.get('model', '?')}, page size {about.get('page_size', '?')}"
+
+
+def compact_store(path: Path) -> tuple[int, int]:
+    """Rewrite ``data.mdb`` without its free pages (LMDB copy with compaction); the file
+    sizes before and after. StoreError when another process has the store open.
+
+    LMDB holds a shared lock on the first byte of ``lock.mdb`` in every process with the
+    store open; taking it exclusively here proves nobody else has, and makes any process
+    that opens the store meanwhile wait until the new file is in place.
+    """
+    path = Path(path)
+    data = path / "data.mdb"
+    if not data.is_file():
+        raise StoreError(f"no kvtier store at {path}")
+    try:
+        fd = os.open(path / "lock.mdb", os.O_RDWR | os.O_CREAT)
+    except OSError as exc:
+        raise StoreError(f"cannot lock store {path}: {exc.strerror}") from None
+    try:
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, 0)
+        except OSError:
+            raise StoreError(f"store {path} is open in another process; stop it before compacting") from None
+        before = data.stat().st_size
+        with tempfile.TemporaryDirectory(dir=path, prefix="compact-") as tmp:
+            try:
+                env = lmdb.open(str(path), max_dbs=8, subdir=True, lock=True, create=False)
+            except lmdb.Error as exc:
+                raise StoreError(f"cannot open store at {path}: {_one_line(exc)}") from None
+            try:  # closing the env drops this process's locks on lock.mdb (POSIX locks are
+                # per process and file): the new file goes in place before that
+                with env.begin() as txn:
+                    _check_version(path, txn.get(b"format_version", db=env.open_db(b"meta", txn=txn, create=False)))
+                env.copy(tmp, compact=True)
+                os.replace(Path(tmp) / "data.mdb", data)
+            except lmdb.Error as exc:
+                raise StoreError(f"cannot compact store at {path}: {_one_line(exc)}") from None
+            finally:
+                env.close()
+        return before, data.stat().st_size
+    finally:
+        os.close(fd)
+
+
 class DiskTier:
     """L3: an LMDB store of immutable pages, capped in bytes, evicted least-recently-used.
 
@@ -258,43 +370,57 @@ class DiskTier:
       did not commit, never a record failing its header or checksum check (that one
       is deleted and counted in checksum_failures). Bad data never raises.
     - write-once: a key already stored is never written again.
-    - stored record bytes (sum of value lengths, store-wide) never exceed capacity;
-      meta bytes_used/pages, lru and order change in the same transaction as the records.
-    - eviction takes the least-recently-used record first; a get counts as a use.
+    - stored record bytes (sum of value lengths, store-wide; or ``record_bytes`` per
+      record, for a trace replay's tiny payloads) never exceed the store's cap; meta
+      bytes_used/pages, the namespaces table, lru and order change in the same
+      transaction as the records.
+    - eviction takes the least-recently-used record first (or, with ``policy="cost"``,
+      the lowest frequency-with-aging rank); a get counts as a use.
     - put never waits for the disk: a full queue drops the write and counts it.
     - LMDB errors (MapFullError included) never reach a caller after open.
     - another format version, an unwritable directory or a damaged environment raise
       StoreError on open, with one line.
     - several processes may use one store at once; pages survive close and reopen.
+    - ``readonly=True`` never writes a byte of the store (it may be a read-only
+      directory); it reads pages, meta and counters, and puts nothing.
 
     Counted here: lookups, hit_pages, hit_tokens (by get), inserts, evictions,
-    checksum_failures, writes_dropped. bytes_used and pages are store-wide gauges,
-    reloaded from meta after each commit and by refresh().
+    checksum_failures, writes_dropped. bytes_used, pages and capacity are store-wide
+    gauges, reloaded from meta after each commit and by refresh().
     """
 
-    def __init__(self, path: Path, capacity_bytes: int, *, codec: str = "raw", zstd_level: int = 3,
-                 queue_pages: int = 64, map_size: int | None = None) -> None:
+    def __init__(self, path: Path, capacity_bytes: int | None = None, *, codec: str = "raw",
+                 zstd_level: int = 3, queue_pages: int = 64, map_size: int | None = None,
+                 readonly: bool = False, record_bytes: int | None = None, policy: str = "lru") -> None:
         if codec not in CODECS:
             raise ValueError(f"unknown L3 codec {codec!r}; expected one of {', '.join(CODECS)}")
+        if policy not in POLICIES:
+            raise ValueError(f"unknown eviction policy {policy!r}; expected one of {', '.join(POLICIES)}")
         self.path = Path(path)
-        self.counters = TierCounters(capacity=capacity_bytes)
-        self._capacity, self._codec, self._level = capacity_bytes, codec, zstd_level
+        self.readonly = readonly
+        self._capacity = DEFAULT_CAPACITY if capacity_bytes is None else capacity_bytes  # until meta says
+        self.counters = TierCounters(capacity=self._capacity)
+        self._codec, self._level = codec, zstd_level
         self._queue_pages = max(1, queue_pages)
-        self._env = self._open_env(map_size)
+        self._record_bytes = record_bytes  # what a record counts against the cap; None: its size
+        self._policy = policy  # eviction order: "lru", or "cost" (see _stamp)
+        self._env = self._open_readonly() if readonly else self._open_env(map_size, capacity_bytes)
         self._lock = threading.Lock()  # guards counters and the pending work below
         self._wake = threading.Condition(self._lock)
         self._puts: dict[bytes, _PendingPut] = {}
         self._touches: dict[bytes, None] = {}  # insertion order = access order
         self._deletes: dict[bytes, int] = {}
         self._deleting: frozenset[bytes] = frozenset()  # deletes of the batch being committed
-        self._in_flight = self._closing = self._stopped = False
+        self._in_flight = self._closing = self._stopped = readonly
+        self._closed = False
         self._flushers = 0
         self._failures_seen: set[tuple[str, type]] = set()
         self.refresh()
         self._writer = threading.Thread(target=self._run_writer, name="kvtier-l3-writer", daemon=True)
-        self._writer.start()
+        if not readonly:
+            self._writer.start()
 
-    def _open_env(self, map_size: int | None) -> lmdb.Environment:
+    def _open_env(self, map_size: int | None, capacity: int | None) -> lmdb.Environment:
         try:
             self.path.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
@@ -303,10 +429,12 @@ class DiskTier:
             raise StoreError(f"store directory {self.path} is not writable")
         if map_size is None:
             # Generous: if another process later grows the data past this map, every txn
-            # here fails with MapResizedError (a miss or a dropped write, logged once).
+            # here fails with MapResizedError (a miss or a dropped write, logged once). No
+            # larger than the filesystem: a cap beyond it cannot be reached, nor mapped.
             data = self.path / "data.mdb"
             existing = data.stat().st_size if data.exists() else 0
-            map_size = max(2 * self._capacity + 64 * _MIB, 2 * existing, _MIN_MAP)
+            wanted = min(2 * self._capacity + 64 * _MIB, shutil.disk_usage(self.path).total)
+            map_size = max(wanted, 2 * existing, _MIN_MAP)
         try:
             # sync=True: every commit is durable and a crash never leaves a damaged B-tree;
             # commits are batched on the writer thread, off the request path. readahead
@@ -317,7 +445,40 @@ class DiskTier:
         try:
             self._check_file_size(env)
             env.reader_check()  # free reader slots of killed processes (they pin old pages)
-            self._open_dbs(env)
+            self._open_dbs(env, capacity)
+        except BaseException:
+            env.close()
+            raise
+        return env
+
+    def _open_readonly(self) -> lmdb.Environment:
+        """The existing store, opened without writing to it (nor creating it)."""
+        if not (self.path / "data.mdb").is_file():
+            raise StoreError(f"no kvtier store at {self.path}")
+        env = None
+        for lock in (True, False):  # without locks only where the lock file cannot be written
+            try:
+                env = lmdb.open(str(self.path), readonly=True, max_dbs=8, subdir=True, lock=lock, create=False)
+                break
+            except lmdb.Error as exc:
+                error = exc
+        if env is None:
+            raise StoreError(f"cannot open store at {self.path}: {_one_line(error)}")
+        try:
+            self._check_file_size(env)
+            # Without a txn: py-lmdb keeps the handles of a read-only env only when it opens them itself
+            self._meta = env.open_db(b"meta", create=False)
+            with env.begin(db=self._meta) as txn:
+                _check_version(self.path, txn.get(b"format_version"))
+            self._pages, self._lru, self._order, self._counters_db = (
+                env.open_db(name, create=False) for name in _DBS[:4])
+            try:
+                self._namespaces = env.open_db(b"namespaces", create=False)
+            except lmdb.NotFoundError:  # a store no writer has opened since the table came
+                self._namespaces = None
+        except lmdb.Error as exc:  # NotFoundError: a database missing
+            env.close()
+            raise StoreError(f"cannot read store at {self.path}: {_one_line(exc)}") from None
         except BaseException:
             env.close()
             raise
@@ -337,21 +498,41 @@ class DiskTier:
         if have < need:
             raise StoreError(f"store file {data} is truncated ({have} bytes, its meta needs {need})")
 
-    def _open_dbs(self, env: lmdb.Environment) -> None:
-        """Check the format version, then create the databases (one transaction)."""
+    def _open_dbs(self, env: lmdb.Environment, capacity: int | None) -> None:
+        """Check the format version, create the databases, settle the cap (one transaction)."""
         try:
             with env.begin(write=True) as txn:
                 self._meta = env.open_db(b"meta", txn=txn)
-                stored = txn.get(b"format_version", db=self._meta)
-                version = FORMAT_VERSION if stored is None else msgpack.unpackb(stored)
-                if version != FORMAT_VERSION:
-                    raise StoreError(f"store at {self.path} has format version {version}, "
-                                     f"this kvtier reads version {FORMAT_VERSION}")
+                _check_version(self.path, txn.get(b"format_version", db=self._meta))
                 txn.put(b"format_version", msgpack.packb(FORMAT_VERSION), db=self._meta)
-                self._pages, self._lru, self._order, self._counters_db = (
-                    env.open_db(name, txn=txn) for name in (b"pages", b"lru", b"order", b"counters"))
+                fresh = b"namespaces" not in {bytes(k) for k, _ in txn.cursor()}
+                self._pages, self._lru, self._order, self._counters_db, self._namespaces = (
+                    env.open_db(name, txn=txn) for name in _DBS)
+                if fresh:
+                    self._count_namespaces(txn)
+                self._settle_capacity(txn, capacity)
         except (lmdb.Error, ValueError) as exc:  # ValueError: msgpack, on a damaged version
             raise StoreError(f"cannot open store at {self.path}: {_one_line(exc)}") from None
+
+    def _settle_capacity(self, txn: lmdb.Transaction, asked: int | None) -> None:
+        """The store's cap wins; a store without one takes the cap asked for."""
+        stored = txn.get(b"capacity", db=self._meta)
+        if stored is None:
+            txn.put(b"capacity", msgpack.packb(self._capacity), db=self._meta)
+            return
+        self._capacity = msgpack.unpackb(stored)
+        if asked is not None and asked != self._capacity:
+            log.warning("store %s keeps its L3 cap of %s; the %s asked for is ignored "
+                        "(`kvtier store resize --l3-bytes` changes it)",
+                        self.path, format_bytes(self._capacity), format_bytes(asked))
+
+    def _count_namespaces(self, txn: lmdb.Transaction) -> None:
+        """Fill the namespaces table from the records (a store from before it existed)."""
+        state = _StoreState()
+        for _, value in txn.cursor(db=self._pages):
+            if (header := _header_or_none(value)) is not None:
+                state.tally(header.namespace, 1, self._size(value), len(header.tokens) // 4)
+        self._save_namespaces(txn, state)
 
     # --- caller threads ----------------------------------------------------------------
 
@@ -469,6 +650,9 @@ class DiskTier:
             return True  # write-once: nothing to copy or write
         pending = _PendingPut(bytes(key), bytes(namespace_digest), _token_bytes(tokens), bytes(payload))
         with self._lock:
+            if self._codec == "raw" and self._size(payload) > self._capacity:  # can never fit: nothing crosses to L3
+                self.counters.writes_dropped += 1
+                return False
             while wait and not self._closing and len(self._puts) >= self._queue_pages:
                 self._wake.wait()
             if self._closing or len(self._puts) >= self._queue_pages:
@@ -491,11 +675,20 @@ class DiskTier:
     def close(self) -> None:
         """Flush, stop the writer, close the environment; idempotent."""
         with self._lock:
-            already, self._closing = self._closing, True
+            self._closing = True
             self._wake.notify_all()
-        self._writer.join()  # the writer drains all pending work before it stops
+        if self._writer.is_alive():
+            self._writer.join()  # the writer drains all pending work before it stops
+        with self._lock:
+            already, self._closed = self._closed, True
         if not already:
             self._env.close()
+
+    def __enter__(self) -> DiskTier:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def refresh(self) -> None:
         """Reload the store-wide gauges (every process changes them)."""
@@ -507,6 +700,78 @@ class DiskTier:
             return
         with self._lock:
             self.counters.bytes_used, self.counters.pages = state.bytes_used, state.pages
+            self._capacity = self.counters.capacity = state.capacity
+
+    @property
+    def file_bytes(self) -> int:
+        """Size of ``data.mdb`` on disk: LMDB reuses freed pages but never shrinks the
+        file, so after churn it can exceed the cap (``compact_store`` shrinks it)."""
+        try:
+            return (self.path / "data.mdb").stat().st_size
+        except OSError:
+            return 0
+
+    # --- store management (caller threads; each one write transaction) ------------------
+
+    def namespaces(self) -> dict[bytes, dict]:
+        """Per namespace digest: pages, bytes, tokens, last_use (unix time) and what its
+        writer said about it (``describe_namespace``)."""
+        if self._namespaces is None:
+            return {}
+        try:
+            with self._env.begin(db=self._namespaces) as txn:
+                return {bytes(k): msgpack.unpackb(v) for k, v in txn.cursor()}
+        except Exception as exc:  # lmdb or msgpack: a damaged table reads as empty
+            self._failed("namespaces read", exc)
+            return {}
+
+    def describe_namespace(self, digest: bytes, about: dict) -> None:
+        """Record what a namespace is (model, page size, ...) for ``kvtier store ls``; warn
+        in one line when the store holds pages, none of them of this namespace."""
+        def merge(row: object) -> dict:
+            row = row if isinstance(row, dict) else _ns_row()
+            return {**row, "about": about}
+        self._update(self._namespaces, digest, merge)
+        others = {d: row for d, row in self.namespaces().items() if d != digest and row["pages"]}
+        if others and not self.namespaces().get(digest, {}).get("pages"):
+            seen = sorted({_describe(row) for row in others.values()})
+            log.warning("store %s holds no pages for this model and page size (%s), only %d of "
+                        "other namespaces (%s): nothing here will be reused",
+                        self.path, _describe({"about": about}), sum(r["pages"] for r in others.values()),
+                        "; ".join(seen))
+
+    def clear(self, namespaces: set[bytes] | None = None) -> tuple[int, int]:
+        """Delete every page (or those of ``namespaces``); (pages, bytes) removed."""
+        self.flush()
+        with self._env.begin(write=True, buffers=True) as txn:
+            state = self._load_state(txn)
+            doomed = []
+            for key, value in txn.cursor(db=self._pages):
+                header = _header_or_none(value)
+                if namespaces is None or (header is not None and header.namespace in namespaces):
+                    doomed.append(bytes(key))
+            before = (state.pages, state.bytes_used)
+            for key in doomed:
+                self._remove(txn, state, key, txn.get(key, db=self._pages))
+            self._save_state(txn, state)
+        self.refresh()
+        return before[0] - state.pages, before[1] - state.bytes_used
+
+    def resize(self, capacity: int) -> int:
+        """Set the store's cap and evict down to it; how many pages were evicted."""
+        self.flush()
+        with self._env.begin(write=True, buffers=True) as txn:
+            state = self._load_state(txn)
+            state.capacity = capacity
+            evicted = self._evict(txn, state, capacity)
+            self._save_state(txn, state)
+        self.refresh()
+        return evicted
+
+    def reset_counters(self) -> None:
+        """Forget the cumulative counters (``kvtier stats --reset``)."""
+        with self._env.begin(write=True, db=self._counters_db) as txn:
+            txn.drop(self._counters_db, delete=False)
 
     # --- side tables (caller threads; LMDB serialises them with the writer) ------------
 
@@ -616,11 +881,13 @@ class DiskTier:
             for key, fingerprint in batch.deletes.items():
                 value = txn.get(key, db=self._pages)
                 if value is not None and xxh3_64_intdigest(value) == fingerprint:
-                    self._remove(txn, state, key, len(value))  # unless rewritten meanwhile
+                    self._remove(txn, state, key, value)  # unless rewritten meanwhile
             for key in batch.touches:
-                if (seq := txn.get(key, db=self._lru)) is not None:
-                    txn.delete(bytes(seq) + key, db=self._order)
-                    self._stamp(txn, state, key)
+                if (stamp := txn.get(key, db=self._lru)) is not None:
+                    txn.delete(bytes(stamp)[: _SEQ.size] + key, db=self._order)
+                    self._stamp(txn, state, key, _uses(stamp) + 1)
+                    if (header := _header_or_none(txn.get(key, db=self._pages) or b"")) is not None:
+                        state.used.add(header.namespace)
             for key, value in records:
                 self._insert(txn, state, key, value, outcome)
             self._save_state(txn, state)
@@ -630,14 +897,15 @@ class DiskTier:
                 outcome: _Outcome) -> None:
         if txn.get(key, db=self._pages) is not None:
             return  # write-once (another process may have written it since put)
-        if len(value) > self._capacity:  # larger than the whole tier: evict nothing for it
+        if self._size(value) > state.capacity:  # larger than the whole tier: evict nothing for it
             outcome.writes_dropped += 1
             return
-        outcome.evictions += self._evict(txn, state, self._capacity - len(value))
+        outcome.evictions += self._evict(txn, state, state.capacity - self._size(value))
         txn.put(key, value, db=self._pages)
         self._stamp(txn, state, key)
-        state.bytes_used += len(value)
-        state.pages += 1
+        header = RecordHeader.unpack(value)[0]  # encoded by _encode just now
+        state.tally(header.namespace, 1, self._size(value), len(header.tokens) // 4)
+        state.used.add(header.namespace)
         outcome.inserts += 1
 
     def _evict(self, txn: lmdb.Transaction, state: _StoreState, limit: int) -> int:
@@ -648,35 +916,62 @@ class DiskTier:
                 if not cursor.first():
                     break
                 key = bytes(cursor.key())[_SEQ.size:]
+                if self._policy == "cost":
+                    state.clock = _SEQ.unpack_from(cursor.key())[0] >> 32
                 cursor.delete()  # always progress, even past an entry lru no longer names
             value = txn.get(key, db=self._pages)
-            self._remove(txn, state, key, None if value is None else len(value))
+            self._remove(txn, state, key, value)
             evicted += value is not None
         return evicted
 
-    def _remove(self, txn: lmdb.Transaction, state: _StoreState, key: bytes, size: int | None) -> None:
-        """Delete a record and its lru/order entries (size None: the record is gone)."""
-        if size is not None:
+    def _remove(self, txn: lmdb.Transaction, state: _StoreState, key: bytes, value: memoryview | None) -> None:
+        """Delete a record and its lru/order entries (value None: the record is gone)."""
+        if value is not None:
+            header = _header_or_none(value)
+            namespace, tokens = (None, 0) if header is None else (header.namespace, len(header.tokens) // 4)
+            state.tally(namespace, -1, -self._size(value), -tokens)
             txn.delete(key, db=self._pages)
-            state.bytes_used -= size
-            state.pages -= 1
-        if (seq := txn.get(key, db=self._lru)) is not None:
-            txn.delete(bytes(seq) + key, db=self._order)
+        if (stamp := txn.get(key, db=self._lru)) is not None:
+            txn.delete(bytes(stamp)[: _SEQ.size] + key, db=self._order)
             txn.delete(key, db=self._lru)
 
-    def _stamp(self, txn: lmdb.Transaction, state: _StoreState, key: bytes) -> None:
+    def _size(self, value: memoryview | bytes) -> int:
+        """Bytes a record counts against the cap (and in bytes_used)."""
+        return self._record_bytes or len(value)
+
+    def _stamp(self, txn: lmdb.Transaction, state: _StoreState, key: bytes, uses: int = 1) -> None:
+        """Place a page in the eviction order (``order`` is read first to last): by
+        access sequence (``lru``), or (``cost``) by GreedyDual-Frequency rank
+        ``clock + uses`` in the high 32 bits, the access sequence below it, so equal
+        ranks leave oldest first. Every L3 page costs the same to recompute, so this
+        is frequency with aging. ``lru`` holds the rank and the use count."""
         state.access_seq += 1
-        seq = _SEQ.pack(state.access_seq)
-        txn.put(key, seq, db=self._lru)
+        rank = state.access_seq if self._policy == "lru" else \
+            (state.clock + uses) << 32 | (state.access_seq & 0xFFFFFFFF)
+        seq = _SEQ.pack(rank)
+        txn.put(key, seq + _LEN.pack(uses), db=self._lru)
         txn.put(seq + key, b"", db=self._order)
 
     def _load_state(self, txn: lmdb.Transaction) -> _StoreState:
-        stored = (txn.get(f.name.encode(), db=self._meta) for f in fields(_StoreState))
-        return _StoreState(*(0 if v is None else msgpack.unpackb(bytes(v)) for v in stored))
+        stored = {name: txn.get(name.encode(), db=self._meta) for name in _STATE_FIELDS}
+        return _StoreState(**{name: 0 if v is None else msgpack.unpackb(bytes(v)) for name, v in stored.items()})
 
     def _save_state(self, txn: lmdb.Transaction, state: _StoreState) -> None:
-        for name, number in vars(state).items():
-            txn.put(name.encode(), msgpack.packb(number), db=self._meta)
+        for name in _STATE_FIELDS:
+            txn.put(name.encode(), msgpack.packb(getattr(state, name)), db=self._meta)
+        self._save_namespaces(txn, state)
+
+    def _save_namespaces(self, txn: lmdb.Transaction, state: _StoreState) -> None:
+        """Add the transaction's per-namespace changes into the namespaces table."""
+        now = time.time()
+        for digest in state.namespaces.keys() | state.used:
+            stored = txn.get(digest, db=self._namespaces)
+            row = _ns_row() if stored is None else msgpack.unpackb(bytes(stored))
+            for name, n in zip(("pages", "bytes", "tokens"), state.namespaces.get(digest, (0, 0, 0))):
+                row[name] += n
+            if digest in state.used:
+                row["last_use"] = now
+            txn.put(digest, msgpack.packb(row), db=self._namespaces)
 
     def _failed(self, what: str, exc: BaseException, detail: str = "") -> None:
         """Log a failure: the first of each kind as a warning, repeats at debug level."""

@@ -50,6 +50,7 @@ from .counters import LINKS, LinkCounters, add_into
 from .disk import DiskTier, Snapshot, StoredRecord, StoreError
 from .page import Namespace, PageGeometry, PageKey, Source
 from .join import Joined, in_parallel, join_pages, keep_buffers_for_restores, shares
+from .policy import DEFAULT_POLICY, L3Admission, make_policy
 from .tier import DevicePage, HostTier, Tier, kv_to_host
 
 log = logging.getLogger(__name__)
@@ -108,7 +109,7 @@ class PendingRestore:
 class StoreConfig:
     l1_bytes: int = 1 << 30
     l2_bytes: int = 4 << 30
-    l3_bytes: int = 32 << 30
+    l3_bytes: int | None = None  # None: the store's own cap (a new store: 32 GiB)
     store_dir: Path | None = None
     codec: str = "raw"
     # Tier ("L2" or "L3") -> bytes per second: reads from that tier take at least
@@ -116,6 +117,13 @@ class StoreConfig:
     # "L3" slows the reads of L3 pages (L3->L1, L3->L2); "L2" slows the L2->L1 join of
     # every page that crosses it (so also of compressed L3 pages decoded into L2).
     throttle: dict[str, float] = field(default_factory=dict)
+    policy: str = DEFAULT_POLICY  # eviction order of every tier (tiers.policy)
+    l3_admit: str = "always"  # or "second-use": write a page to L3 once it is seen twice
+    # What one page counts against every cap (None: its payload size). A trace replay
+    # stores payloads of a few bytes and counts them as full-size pages.
+    page_bytes: int | None = None
+    l3_queue_pages: int = 64  # L3 writes queued before more are dropped
+    label: str = ""  # what `kvtier store ls` calls these pages' model (its name)
 
 
 class TieredStore:
@@ -131,9 +139,15 @@ class TieredStore:
         self.namespace = namespace
         keep_buffers_for_restores()
         self.ns_digest = namespace.digest()
-        self.l1: Tier[DevicePage] = Tier("L1", config.l1_bytes, geometry.nbytes)
-        self.l2 = HostTier(config.l2_bytes, geometry)
+        page_bytes = config.page_bytes or geometry.nbytes
+        self.l1: Tier[DevicePage] = Tier("L1", config.l1_bytes, page_bytes, make_policy(config.policy))
+        self.l2 = HostTier(config.l2_bytes, geometry, page_bytes, make_policy(config.policy))
+        self.admission = L3Admission(config.l3_admit)
         self.disk = _open_disk(config)
+        if self.disk is not None:
+            self.disk.describe_namespace(self.ns_digest, {
+                "model": config.label or namespace.model_fingerprint[:12], "page_size": geometry.page_size,
+                "dtype": geometry.dtype, "salted": bool(namespace.cache_salt)})
         self.throttle = _checked_throttle(config.throttle)
         self.links = {name: LinkCounters() for name in LINKS}
         self._pins: Counter[PageKey] = Counter()
@@ -265,6 +279,7 @@ class TieredStore:
                     self._pins[key] += 1
             if page is None:
                 break
+            self.admission.seen(key)
             pages.append(page)
         for page in pages:
             if page.compressed and self._make_room(self.l2):
@@ -390,45 +405,49 @@ class TieredStore:
         with self._lock:
             return key in self.l1 or key in self.l2 or (self.disk is not None and self.disk.contains(key))
 
-    def publish(self, key: PageKey, tokens: Sequence[int], kv: mx.array) -> bool:
-        """Add a newly computed full page to L1; False if it was already stored."""
+    def publish(self, key: PageKey, tokens: Sequence[int], kv: mx.array, cost: float = 1.0) -> bool:
+        """Add a newly computed full page to L1; False if it was already stored.
+        ``cost``: the seconds its recompute takes, for the ``cost`` eviction policy."""
         with self._lock:
+            self.admission.seen(key)
             if self.has(key):
                 return False
-            self._add_l1(key, tuple(tokens), kv)
+            self._add_l1(key, tuple(tokens), kv, cost)
             return True
 
-    def _add_l1(self, key: PageKey, page_tokens: tuple[int, ...], kv: mx.array) -> None:
+    def _add_l1(self, key: PageKey, page_tokens: tuple[int, ...], kv: mx.array, cost: float) -> None:
         if key in self.l1:
             return
         if self._make_room(self.l1):
-            self.l1.add(key, DevicePage(page_tokens, kv))
+            self.l1.add(key, DevicePage(page_tokens, kv), cost)
         else:
-            self._place_below_l1(key, page_tokens, kv)
+            self._place_below_l1(key, page_tokens, kv, cost)
 
     def _make_room(self, tier: Tier) -> bool:
-        """Evict unpinned LRU pages of ``tier`` until one page fits."""
+        """Evict the policy's unpinned victims from ``tier`` until one page fits."""
         while not tier.has_room():
             victim = tier.victim(self.pinned)
             if victim is None:
                 return False
             tier.counters.evictions += 1
             if tier is self.l1:
+                cost = self.l1.policy.cost_of(victim)
                 page = self.l1.pop(victim)
-                self._place_below_l1(victim, page.tokens, page.kv)
+                self._place_below_l1(victim, page.tokens, page.kv, cost)
             else:
                 self._write_l3(victim, self.l2.entries[victim].tokens, self.l2.read(victim), "L2->L3")
                 self.l2.pop(victim)
         return True
 
-    def _place_below_l1(self, key: PageKey, page_tokens: tuple[int, ...], kv: mx.array) -> None:
+    def _place_below_l1(self, key: PageKey, page_tokens: tuple[int, ...], kv: mx.array,
+                        cost: float) -> None:
         """Give a page leaving (or refused by) L1 a place in L2, else L3, else drop it."""
         if key in self.l2:
             return
         t0 = time.perf_counter()
         data = kv_to_host(kv)
         if self._make_room(self.l2):
-            self.l2.write(key, page_tokens, data)
+            self.l2.write(key, page_tokens, data, cost)
             self.links["L1->L2"].record(len(data), time.perf_counter() - t0)
         elif not self._write_l3(key, page_tokens, data, "L1->L3"):
             self.l2.counters.writes_dropped += 1
@@ -440,6 +459,8 @@ class TieredStore:
             return False
         if self.disk.contains(key):
             return True
+        if not self.admission.admits(key):
+            return False
         t0 = time.perf_counter()
         queued = self.disk.put(key, self.ns_digest, page_tokens, data, wait=wait)
         if queued:
@@ -447,6 +468,12 @@ class TieredStore:
         return queued
 
     # -- lifecycle and numbers -------------------------------------------------
+
+    def settle(self) -> None:
+        """Wait until L3 has committed every queued write and use (its evictions
+        included): what a replay or a test reads next is then deterministic."""
+        if self.disk is not None:
+            self.disk.flush()
 
     def flush(self) -> None:
         """Write every page that lives only in L1 or L2 down to L3 and wait for it."""
@@ -508,7 +535,9 @@ def _open_disk(config: StoreConfig) -> DiskTier | None:
     if config.store_dir is None:
         return None
     try:
-        return DiskTier(Path(config.store_dir), config.l3_bytes, codec=config.codec)
+        return DiskTier(Path(config.store_dir), config.l3_bytes, codec=config.codec,
+                        queue_pages=config.l3_queue_pages, record_bytes=config.page_bytes,
+                        policy=config.policy)
     except StoreError as err:
         log.warning("running without L3: %s", err)
         return None

@@ -3,8 +3,9 @@
 Invariants kept here:
 - Capacity is a hard cap: ``bytes_used <= capacity`` at every moment; ``add``
   refuses a page that does not fit (the caller makes room first).
-- ``victim`` only ever names an unpinned page, least recently used first, so a
-  pinned page is never evicted.
+- ``victim`` only ever names an unpinned page, in the order of the tier's
+  ``EvictionPolicy`` (least recently used first by default), so a pinned page is
+  never evicted.
 """
 
 from __future__ import annotations
@@ -18,18 +19,22 @@ import numpy as np
 
 from .counters import TierCounters
 from .page import PageGeometry, PageKey
+from .policy import EvictionPolicy
 
 Entry = TypeVar("Entry")
 
 
 class Tier(Generic[Entry]):
-    """LRU index of same-sized pages with a hard byte cap."""
+    """Index of same-sized pages with a hard byte cap; ``page_nbytes`` is what one page
+    counts against it (a trace replay counts full-size pages holding tiny payloads)."""
 
-    def __init__(self, name: str, capacity: int, page_nbytes: int) -> None:
+    def __init__(self, name: str, capacity: int, page_nbytes: int,
+                 policy: EvictionPolicy | None = None) -> None:
         self.name = name
         self.page_nbytes = page_nbytes
         self.max_pages = capacity // page_nbytes
         self.entries: OrderedDict[PageKey, Entry] = OrderedDict()
+        self.policy = policy or EvictionPolicy()
         self.counters = TierCounters(capacity=capacity)
 
     def __contains__(self, key: PageKey) -> bool:
@@ -43,24 +48,27 @@ class Tier(Generic[Entry]):
         entry = self.entries.get(key)
         if entry is not None:
             self.entries.move_to_end(key)
+            self.policy.used(key)
         return entry
 
     def has_room(self) -> bool:
         return len(self.entries) < self.max_pages
 
     def victim(self, pinned: Callable[[PageKey], bool]) -> PageKey | None:
-        """Least recently used unpinned page, or None when every page is pinned."""
-        return next((k for k in self.entries if not pinned(k)), None)
+        """The policy's next unpinned page, or None when every page is pinned."""
+        return self.policy.victim(pinned)
 
-    def add(self, key: PageKey, entry: Entry) -> None:
+    def add(self, key: PageKey, entry: Entry, cost: float = 1.0) -> None:
         if len(self.entries) >= self.max_pages:
             raise MemoryError(f"{self.name} is full")
         self.entries[key] = entry
+        self.policy.added(key, cost)
         self.counters.inserts += 1
         self._update_gauges()
 
     def pop(self, key: PageKey) -> Entry:
         entry = self.entries.pop(key)
+        self.policy.removed(key)
         self._update_gauges()
         return entry
 
@@ -88,16 +96,18 @@ class HostPage:
 class HostTier(Tier[HostPage]):
     """L2: one preallocated arena of page slots, so spilling never allocates."""
 
-    def __init__(self, capacity: int, geometry: PageGeometry) -> None:
-        super().__init__("L2", capacity, geometry.nbytes)
+    def __init__(self, capacity: int, geometry: PageGeometry, page_nbytes: int | None = None,
+                 policy: EvictionPolicy | None = None) -> None:
+        super().__init__("L2", capacity, page_nbytes or geometry.nbytes, policy)
         self.arena = np.empty((self.max_pages, geometry.nbytes), dtype=np.uint8)
         self.free_slots = list(range(self.max_pages - 1, -1, -1))
 
-    def write(self, key: PageKey, tokens: tuple[int, ...], data: np.ndarray | bytes) -> None:
+    def write(self, key: PageKey, tokens: tuple[int, ...], data: np.ndarray | bytes,
+              cost: float = 1.0) -> None:
         """Copy one page's bytes into a free slot."""
         slot = self.take_slot()
         self.arena[slot] = np.frombuffer(data, dtype=np.uint8)
-        self.fill(key, tokens, slot)
+        self.fill(key, tokens, slot, cost)
 
     def has_room(self) -> bool:
         """A slot is free (slots reserved by ``take_slot`` and not yet filled are not)."""
@@ -109,9 +119,9 @@ class HostTier(Tier[HostPage]):
             raise MemoryError("L2 is full")
         return self.free_slots.pop()
 
-    def fill(self, key: PageKey, tokens: tuple[int, ...], slot: int) -> None:
+    def fill(self, key: PageKey, tokens: tuple[int, ...], slot: int, cost: float = 1.0) -> None:
         """Index a reserved slot whose bytes are in place."""
-        self.add(key, HostPage(tokens, slot))
+        self.add(key, HostPage(tokens, slot), cost)
 
     def give_back(self, slot: int) -> None:
         self.free_slots.append(slot)

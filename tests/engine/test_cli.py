@@ -1,6 +1,7 @@
 """`kvtier` as a user runs it: a fresh process per command."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -56,29 +57,17 @@ def test_stats_reads_what_runs_persisted(tmp_path):
     assert stats["engine"]["requests"] == 2
     assert stats["tiers"]["L3"]["pages"] >= 3
     text = kvtier("stats", "--store", str(tmp_path), "--prometheus").stdout
-    assert 'kvtier_tier_pages{tier="L3"}' in text
-    assert 'kvtier_source_prompt_tokens{source="L3"}' in text
+    assert "# TYPE kvtier_tier_pages gauge" in text and 'kvtier_tier_pages{tier="L3"}' in text
+    assert re.search(r"# TYPE kvtier_tier_lookups(_total)? counter", text) and 'kvtier_tier_lookups_total{tier="L3"}' in text
+    assert re.search(r"# TYPE kvtier_link_bytes(_total)? counter", text)
+    assert 'kvtier_source_prompt_tokens_total{source="L3"}' in text
 
 
-def test_unwritable_store_runs_without_l3(tmp_path):
-    blocker = tmp_path / "file"
-    blocker.write_text("not a directory")
-    done = kvtier("run", "--store", str(blocker / "store"), "--prompt", "hello there", "--max-tokens", "2")
+def test_damaged_store_warns_and_runs_without_l3(tmp_path):
+    (tmp_path / "data.mdb").write_bytes(b"this is not lmdb" * 1024)
+    done = kvtier("run", "--store", str(tmp_path), "--prompt", "hello there", "--max-tokens", "2")
     assert "running without L3" in done.stderr
-
-
-@pytest.mark.parametrize("args,message", [
-    (["run", "--prompt", ""], "empty prompt"),
-    (["run", "--prompt", "hi", "--l1-bytes", "12XB"], "bad size"),
-    (["run", "--prompt", "hi", "--model", "/no/such/model"], "not an mlx-lm model"),
-    (["run", "--prompt", "hi", "--max-tokens", "0"], "positive whole number"),
-    (["stats", "--store", "/no/such/store"], "no kvtier store"),
-])
-def test_bad_input_is_one_line_and_exit_2(args, message):
-    done = kvtier(*args, check=False)
-    assert done.returncode == 2
-    assert message in done.stderr
-    assert len(done.stderr.strip().splitlines()) == 1 and "Traceback" not in done.stderr
+    assert (tmp_path / "data.mdb").read_bytes() == b"this is not lmdb" * 1024
 
 
 @pytest.mark.parametrize("content,message", [
@@ -101,6 +90,8 @@ def test_bench_restore_reports_links_limits_peer_and_break_even(tmp_path):
     assert links == {"L2->L1", "L3->L1", "L3->L2"}
     for row in report["links"]:
         assert row["bytes"] > 0 and row["gib_s"] > 0 and row["ratio_to_memcpy"] > 0
+    for link in links:  # pages restored, not bytes over the raw page size (compressed pages are smaller)
+        assert [row["pages"] for row in report["links"] if row["link"] == link] == [1, 4, 16, 64]
     assert {"load_prompt_cache_gib_s", "ours_l3_gib_s", "ratio"} <= set(report["peer"])
     assert set(report["break_even_tokens"]) == {"L2", "L3"}
     assert report["limits"]["lmdb_zero_copy_read_gib_s"] > 0

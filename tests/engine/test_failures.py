@@ -462,10 +462,12 @@ def test_bad_input_is_one_line_exit_2_and_the_store_is_untouched(tmp_path, basel
     assert counters["tiers"]["L3"]["checksum_failures"] == 0
 
 
-def test_unwritable_store_warns_once_and_runs_without_l3(tmp_path, baseline):
-    blocker = tmp_path / "file"
-    blocker.write_text("not a directory")
-    results, counters, stderr = run(blocker / "store", prompts=PROMPTS[:2])
+def test_damaged_store_warns_once_and_runs_without_l3(tmp_path, baseline):
+    """A store kvtier cannot open (here: damaged) is one warning and a run without L3; a
+    --store that names a file or an unwritable directory is the user's error (exit 2,
+    tests/engine/test_store_cli.py)."""
+    (tmp_path / "data.mdb").write_bytes(b"this is not lmdb" * 1024)
+    results, counters, stderr = run(tmp_path, prompts=PROMPTS[:2])
     assert outputs(results) == baseline[:2]
     assert "running without L3" in stderr and len(stderr.strip().splitlines()) == 1
     assert "L3" not in counters["tiers"]

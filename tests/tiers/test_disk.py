@@ -25,7 +25,8 @@ from hypothesis import strategies as st
 
 from xxhash import xxh3_64_intdigest
 
-from kvtier.tiers.disk import FORMAT_VERSION, DiskTier, RecordHeader, StoreError, _Corrupt, decode_record
+from kvtier.tiers.disk import (FORMAT_VERSION, DiskTier, RecordHeader, StoreError, _Corrupt, compact_store,
+                               decode_record)
 
 REPO = Path(__file__).resolve().parents[2]
 NS = b"N" * 16
@@ -484,3 +485,142 @@ def _raw_env_of(tier: DiskTier):
     """The stored values, read through the tier's own env handle."""
     with tier._env.begin(db=tier._pages) as txn:
         yield {bytes(k): bytes(v) for k, v in txn.cursor()}
+
+
+# --- the store's own cap, namespaces, read-only opens and management (issues 11 and 12) ---
+
+
+def test_the_cap_is_the_stores_and_a_different_one_is_ignored_with_a_warning(store: Path, caplog) -> None:
+    tier = DiskTier(store, 8 * 4096 + 1024)
+    for i in range(8):
+        tier.put(key(i), NS, TOKENS, payload(i))
+    tier.close()
+    small = DiskTier(store, 2 * 4096)  # a second process with a smaller cap
+    assert "keeps its L3 cap" in caplog.text and small.counters.capacity == 8 * 4096 + 1024
+    small.put(key(99), NS, TOKENS, payload(99))
+    small.close()
+    s = _assert_consistent(store, 8 * 4096 + 1024)
+    assert len(s["sizes"]) == 8  # one eviction made room for one page; nothing more went
+    assert DiskTier(store).counters.capacity == 8 * 4096 + 1024  # no cap asked: the store's
+
+
+def test_resize_evicts_least_recently_used_down_to_the_new_cap(store: Path) -> None:
+    tier = DiskTier(store, 1 << 20)
+    for i in range(6):
+        tier.put(key(i), NS, TOKENS, payload(i))
+    tier.flush()
+    record = tier.counters.bytes_used // 6
+    assert tier.resize(2 * record) == 4
+    assert tier.counters.capacity == 2 * record and tier.counters.pages == 2
+    assert tier.get(key(5), NS, TOKENS, 4096) is not None and tier.get(key(0), NS, TOKENS, 4096) is None
+    tier.close()
+    _assert_consistent(store, 2 * record)
+
+
+def test_namespaces_are_counted_with_the_records_and_clear_takes_one(store: Path) -> None:
+    other = b"O" * 16
+    tier = DiskTier(store, 1 << 20)
+    tier.describe_namespace(NS, {"model": "m", "page_size": 8})
+    for i in range(5):
+        tier.put(key(i), NS if i < 3 else other, TOKENS, payload(i))
+    tier.flush()
+    rows = tier.namespaces()
+    assert (rows[NS]["pages"], rows[NS]["tokens"], rows[other]["pages"]) == (3, 24, 2)
+    assert rows[NS]["bytes"] + rows[other]["bytes"] == tier.counters.bytes_used
+    assert rows[NS]["about"] == {"model": "m", "page_size": 8} and rows[NS]["last_use"] > 0
+    assert tier.clear({other}) == (2, rows[other]["bytes"])
+    assert tier.get(key(3), other, TOKENS, 4096) is None and tier.get(key(0), NS, TOKENS, 4096) is not None
+    assert tier.namespaces()[other]["pages"] == 0 and tier.counters.pages == 3
+    assert tier.clear()[0] == 3 and tier.counters.bytes_used == 0
+    tier.close()
+    _assert_consistent(store, 1 << 20)
+
+
+def test_a_store_holding_only_other_namespaces_says_so(store: Path, caplog) -> None:
+    tier = DiskTier(store, 1 << 20)
+    tier.describe_namespace(NS, {"model": "a", "page_size": 16})
+    tier.put(key(0), NS, TOKENS, payload(0))
+    tier.flush()
+    tier.describe_namespace(b"O" * 16, {"model": "a", "page_size": 32})
+    tier.close()
+    warnings = [r.getMessage() for r in caplog.records if "holds no pages for this model" in r.getMessage()]
+    assert len(warnings) == 1 and "page size 32" in warnings[0] and "page size 16" in warnings[0]
+
+
+def test_read_only_open_reads_and_never_writes(store: Path) -> None:
+    tier = DiskTier(store, 1 << 20)
+    tier.put(key(1), NS, TOKENS, payload(1))
+    tier.add_persistent_counters({"requests": 1})
+    tier.close()
+    before = (store / "data.mdb").read_bytes()
+    reader = DiskTier(store, readonly=True)
+    assert reader.get(key(1), NS, TOKENS, 4096)[0] == payload(1)
+    assert reader.persistent_counters() == {"requests": 1} and reader.counters.pages == 1
+    assert reader.put(key(2), NS, TOKENS, payload(2)) is False
+    reader.close()
+    reader.close()
+    assert (store / "data.mdb").read_bytes() == before
+    with pytest.raises(StoreError, match="no kvtier store"):
+        DiskTier(store / "missing", readonly=True)
+    assert not (store / "missing").exists()
+
+
+def test_reset_counters(store: Path) -> None:
+    tier = DiskTier(store, 1 << 20)
+    tier.add_persistent_counters({"requests": 3})
+    tier.reset_counters()
+    assert tier.persistent_counters() == {}
+    tier.close()
+
+
+def test_a_page_larger_than_the_cap_is_dropped_at_put(store: Path) -> None:
+    tier = DiskTier(store, 0)
+    assert tier.put(key(0), NS, TOKENS, payload(0)) is False
+    assert tier.counters.writes_dropped == 1
+    tier.close()
+
+
+def test_compact_shrinks_the_file_and_keeps_every_page(store: Path) -> None:
+    other = b"O" * 16
+    tier = DiskTier(store, 1 << 22)
+    for i in range(40):
+        tier.put(key(i), other if i < 30 else NS, TOKENS, payload(i, 16384), wait=True)
+    tier.flush()
+    assert tier.clear({other})[0] == 30  # churn: 30 of 40 pages deleted, the file keeps its size
+    tier.close()
+    before, after = compact_store(store)
+    assert after < before / 2 and (store / "data.mdb").stat().st_size == after
+    tier = DiskTier(store)
+    assert [i for i in range(40) if tier.get(key(i), NS, TOKENS, 16384) is not None] == list(range(30, 40))
+    tier.close()
+    _assert_consistent(store, 1 << 22)
+
+
+def test_compact_refuses_while_another_process_has_the_store_open(store: Path) -> None:
+    DiskTier(store, 1 << 20).close()
+    holder = subprocess.Popen([sys.executable, "-c", "import time; from kvtier.tiers.disk import DiskTier; "
+                               f"d = DiskTier({str(store)!r}); print('open', flush=True); time.sleep(60)"],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "open"
+        with pytest.raises(StoreError, match="open in another process"):
+            compact_store(store)
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_a_store_from_before_the_namespaces_table_is_counted_on_open(store: Path) -> None:
+    tier = DiskTier(store, 1 << 20)
+    for i in range(3):
+        tier.put(key(i), NS, TOKENS, payload(i))
+    tier.close()
+    with _raw_env(store) as (env, _, _meta):
+        with env.begin(write=True) as txn:
+            txn.drop(env.open_db(b"namespaces", txn=txn), delete=True)
+    with DiskTier(store, readonly=True) as reader:
+        assert reader.namespaces() == {} and reader.counters.pages == 3
+    tier = DiskTier(store, 1 << 20)
+    row = tier.namespaces()[NS]
+    assert (row["pages"], row["tokens"], row["bytes"]) == (3, 24, tier.counters.bytes_used)
+    tier.close()

@@ -1,0 +1,410 @@
+"""Trace replay (DESIGN §8c): which hit ratio and prefill time given caps and a policy give.
+
+A Mooncake trace (one JSON object a line: ``timestamp`` ms, ``input_length``,
+``output_length``, ``hash_ids`` of 512-token blocks, the last one possibly partial)
+is replayed against the real ``TieredStore``: its L1/L2/L3 code paths, caps, pins,
+eviction, spill, write-once and admission, on a store of its own.
+
+- Block ``h`` becomes 512 synthetic token ids derived from ``h`` (equal ids, equal
+  tokens), so the page keys chain exactly as a real prompt's do. Only the request's
+  reusable full pages (``(input_length - 1) // page_size``) are keyed, as in the engine.
+- Payloads are a few bytes, but every cap counts each page as
+  ``kv_bytes_per_token * page_size`` bytes (``StoreConfig.page_bytes``), and link
+  bytes are link pages times that size.
+- Time is simulated, never measured: requests arrive at their timestamps (divided
+  by ``speed``) and queue FIFO on one engine; each takes the time of the plan
+  ``plan_restore`` chooses (the engine's restore-or-recompute choice), then decodes
+  ``output_length`` tokens, one step of the compute model each. Only prompt pages
+  are published: a trace has no ids for the pages of an answer.
+- The L3 writer is settled after every request, so a replay is deterministic.
+
+The infinite-cache bound: per request, the longest prefix of its reusable pages
+that earlier requests published, summed over the trace and divided by all prompt
+tokens (what unbounded tiers would reuse).
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Callable, Iterator, Sequence
+
+import mlx.core as mx
+import numpy as np
+
+from kvtier.tiers.hierarchy import StoreConfig, TieredStore
+from kvtier.tiers.page import Namespace, PageGeometry, PageKey, Source, page_keys, reusable_pages
+from kvtier.tiers.policy import DEFAULT_POLICY
+
+from .models import ComputeModel
+from .plan import Profile, plan_restore
+
+BLOCK_TOKENS = 512
+BELADY = "belady"  # not a store policy: the offline bound for the same total capacity
+SOURCES = tuple(s.value for s in Source)
+
+
+class TraceError(ValueError):
+    """A trace line that is not a Mooncake request (one clear line)."""
+
+
+@dataclass(frozen=True)
+class TraceRequest:
+    arrival_s: float
+    input_length: int
+    output_length: int
+    hash_ids: tuple[int, ...]
+
+
+def read_trace(path: Path) -> list[TraceRequest]:
+    """The requests of a Mooncake trace file, in file order; TraceError on a bad line."""
+    requests = []
+    try:
+        lines = Path(path).read_text().splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise TraceError(f"cannot read trace {path}: {getattr(exc, 'strerror', None) or exc}") from None
+    for number, line in enumerate(lines, 1):
+        if line.strip():
+            requests.append(_parse(line, f"{path}:{number}"))
+    if not requests:
+        raise TraceError(f"trace {path} has no requests")
+    return requests
+
+
+def _parse(line: str, where: str) -> TraceRequest:
+    try:
+        d = json.loads(line)
+        stamp, n, out, ids = d["timestamp"], d["input_length"], d["output_length"], d["hash_ids"]
+    except (ValueError, TypeError, KeyError) as exc:
+        raise TraceError(f"{where}: not a trace request ({type(exc).__name__}: {exc})") from None
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in (n, out, *ids)) \
+            or not isinstance(stamp, (int, float)) or n < 1 or out < 0:
+        raise TraceError(f"{where}: timestamp, input_length >= 1, output_length >= 0 and "
+                         "hash_ids must be numbers")
+    if len(ids) != -(-n // BLOCK_TOKENS):
+        raise TraceError(f"{where}: {len(ids)} hash_ids for {n} tokens "
+                         f"(expected ceil({n}/{BLOCK_TOKENS}) = {-(-n // BLOCK_TOKENS)})")
+    return TraceRequest(stamp / 1000.0, n, out, tuple(ids))
+
+
+class SyntheticPrompts:
+    """Token ids and page keys of trace requests: block ``h`` is the 512 ids
+    ``d*512 .. d*512+511``, ``d`` the rank of ``h`` among the ids seen so far."""
+
+    def __init__(self, namespace: Namespace) -> None:
+        if BLOCK_TOKENS % namespace.page_size:
+            raise ValueError(f"page size {namespace.page_size} does not divide {BLOCK_TOKENS}")
+        self.namespace = namespace
+        self.page_size = namespace.page_size
+        self.dense: dict[int, int] = {}
+        self._offsets = np.arange(BLOCK_TOKENS, dtype=np.uint32)
+
+    def pages(self, request: TraceRequest) -> tuple[list[PageKey], list[int]]:
+        """Keys of the request's reusable full pages and the tokens they hold."""
+        n_pages = reusable_pages(request.input_length, self.page_size)
+        blocks = -(-n_pages * self.page_size // BLOCK_TOKENS)
+        dense = np.array([self.dense.setdefault(h, len(self.dense)) for h in request.hash_ids[:blocks]],
+                         dtype=np.uint32)
+        tokens = (dense[:, None] * BLOCK_TOKENS + self._offsets).reshape(-1)[: n_pages * self.page_size]
+        return page_keys(self.namespace, tokens), tokens.tolist()
+
+
+def page_names(request: TraceRequest, page_size: int) -> list[tuple[int, int]]:
+    """Its reusable pages as (hash id of the block, page within the block): a block's
+    hash id names its whole prefix, so equal names are equal pages."""
+    per_block = BLOCK_TOKENS // page_size
+    return [(request.hash_ids[i // per_block], i % per_block)
+            for i in range(reusable_pages(request.input_length, page_size))]
+
+
+def infinite_cache(trace: Sequence[TraceRequest], page_size: int) -> list[int]:
+    """Reused tokens per request with unbounded tiers: the longest prefix of its
+    reusable pages that earlier requests published."""
+    published: set[tuple[int, int]] = set()
+    reused = []
+    for request in trace:
+        pages = page_names(request, page_size)
+        hits = next((i for i, page in enumerate(pages) if page not in published), len(pages))
+        reused.append(hits * page_size)
+        published.update(pages)
+    return reused
+
+
+def belady(trace: Sequence[TraceRequest], page_size: int, capacity_pages: int) -> list[int]:
+    """Reused tokens per request for one cache of ``capacity_pages`` that always
+    evicts the page used again farthest in the future (Belady's offline choice, from
+    the trace's future; a page never used again is not kept). A prefix's pages are
+    used together, so a page's next use is never later than the next use of the
+    pages after it: the farthest is a chain's tail, and the reused prefix stays whole."""
+    names = [page_names(r, page_size) for r in trace]
+    never = len(trace)
+    next_use: list[list[int]] = [[] for _ in trace]
+    upcoming: dict[tuple[int, int], int] = {}
+    for index in range(len(trace) - 1, -1, -1):
+        next_use[index] = [upcoming.get(name, never) for name in names[index]]
+        upcoming.update((name, index) for name in names[index])
+    cached: dict[tuple[int, int], int] = {}  # page -> its next use
+    farthest: list[tuple[int, tuple[int, int]]] = []  # max-heap of (-next use, page); stale entries skipped
+    reused = []
+    for index, pages in enumerate(names):
+        reused.append(next((i for i, page in enumerate(pages) if page not in cached), len(pages)) * page_size)
+        for page, use in zip(pages, next_use[index]):
+            cached[page] = use
+            heapq.heappush(farthest, (-use, page))
+        while len(cached) > capacity_pages or (farthest and -farthest[0][0] == never):
+            use, page = heapq.heappop(farthest)
+            if cached.get(page) == -use:
+                del cached[page]
+    return reused
+
+
+def decode_seconds(compute: ComputeModel, context: int, tokens: int) -> float:
+    """Decoding ``tokens`` tokens after ``context``, one compute-model step each:
+    the sum of ``c0 + c1 + c2*(p + 1/2)`` for p = context .. context + tokens - 1."""
+    c0, c1, c2 = compute.coef
+    return tokens * (c0 + c1 + c2 * (context + 0.5)) + c2 * tokens * (tokens - 1) / 2
+
+
+@dataclass
+class ReplayConfig:
+    kv_bytes_per_token: int
+    page_size: int = BLOCK_TOKENS
+    l1_bytes: int = 1 << 30
+    l2_bytes: int = 4 << 30
+    l3_bytes: int = 32 << 30
+    policy: str = DEFAULT_POLICY
+    l3_admit: str = "always"
+    speed: float = 1.0
+
+    @property
+    def page_bytes(self) -> int:
+        return self.kv_bytes_per_token * self.page_size
+
+    @property
+    def label(self) -> str:
+        return self.policy if self.l3_admit == "always" else f"{self.policy}+{self.l3_admit}"
+
+
+@dataclass
+class ReplayResult:
+    """What one replay measured (``report`` turns it into the published numbers)."""
+
+    config: ReplayConfig
+    prompt_tokens: int = 0
+    sources: dict[str, int] = field(default_factory=lambda: dict.fromkeys(SOURCES, 0))
+    prefill_seconds_saved: float = 0.0
+    ttft_s: list[float] = field(default_factory=list)
+    reused: list[int] = field(default_factory=list)  # restored tokens per request
+    links: dict[str, int] = field(default_factory=dict)  # link -> bytes (pages x page bytes)
+    evictions: dict[str, int] = field(default_factory=dict)
+    peak_bytes: dict[str, int] = field(default_factory=dict)  # most each tier held after a request
+    capacity: dict[str, int] = field(default_factory=dict)
+    l3_pages_written: int = 0
+    l3_writes_refused: int = 0  # by the admission filter
+    makespan_s: float = 0.0
+
+    def report(self, distinct_pages: int) -> dict:
+        c, restored = self.config, self.prompt_tokens - self.sources[Source.RECOMPUTED.value]
+        written = self.l3_pages_written * c.page_bytes
+        p50, p90, p99 = np.percentile(self.ttft_s, [50, 90, 99]) if self.ttft_s else (0.0, 0.0, 0.0)
+        return {
+            "policy": c.label, "eviction": c.policy, "l3_admit": c.l3_admit,
+            "l1_bytes": c.l1_bytes, "l2_bytes": c.l2_bytes, "l3_bytes": c.l3_bytes,
+            "reused_ratio": restored / max(self.prompt_tokens, 1), "reused_tokens": restored,
+            "sources": dict(self.sources), "prefill_seconds_saved": self.prefill_seconds_saved,
+            "ttft_p50_s": float(p50), "ttft_p90_s": float(p90), "ttft_p99_s": float(p99),
+            "link_bytes": dict(self.links), "l3_bytes_written": written,
+            "l3_write_amplification": written / max(distinct_pages * c.page_bytes, 1),
+            "l3_writes_refused": self.l3_writes_refused, "evictions": dict(self.evictions),
+            "peak_bytes": dict(self.peak_bytes), "makespan_s": self.makespan_s,
+        }
+
+
+class Replay:
+    """One trace through one fresh store under one ``ReplayConfig``."""
+
+    def __init__(self, trace: Sequence[TraceRequest], config: ReplayConfig, profile: Profile) -> None:
+        self.trace, self.config, self.profile = trace, config, profile
+        self.geometry = PageGeometry(1, 1, 1, config.page_size, "float16")  # 4 bytes a token
+        self.namespace = Namespace("kvtier-trace-replay", "float16", config.page_size)
+        self.kv = mx.zeros(self.geometry.shape, dtype=mx.float16)  # every page's payload
+
+    def run(self, on_request: Callable[[], None] | None = None) -> ReplayResult:
+        with tempfile.TemporaryDirectory(prefix="kvtier-replay-", dir=_fast_tmp()) as tmp:
+            store = TieredStore(self.geometry, self.namespace, self._store_config(Path(tmp)))
+            try:
+                result = ReplayResult(self.config)
+                free_at = 0.0
+                prompts = SyntheticPrompts(self.namespace)
+                for request in self.trace:
+                    free_at = self._serve(store, prompts, request, free_at, result)
+                    self._watch_caps(store, result)
+                    if on_request is not None:
+                        on_request()
+                self._collect(store, result)
+                result.makespan_s = free_at
+                return result
+            finally:
+                store.close()
+
+    def _store_config(self, store_dir: Path) -> StoreConfig:
+        c = self.config
+        return StoreConfig(l1_bytes=c.l1_bytes, l2_bytes=c.l2_bytes, l3_bytes=c.l3_bytes,
+                           store_dir=store_dir, policy=c.policy, l3_admit=c.l3_admit,
+                           page_bytes=c.page_bytes, l3_queue_pages=1 << 20)
+
+    def _serve(self, store: TieredStore, prompts: SyntheticPrompts, request: TraceRequest,
+               free_at: float, result: ReplayResult) -> float:
+        """Restore, publish and time one request; returns when the engine is free again."""
+        size, compute = self.config.page_size, self.profile.compute
+        keys, tokens = prompts.pages(request)
+        plan = plan_restore(store.locate(keys, tokens), request.input_length, size,
+                            self.config.page_bytes, self.profile)
+        restored = [*self._restore(store, keys[: plan.l1_pages], tokens, 0),  # as the engine does
+                    *self._restore(store, keys[: plan.restore_pages], tokens, plan.first_loaded)]
+        for key, source in restored:
+            result.sources[source.value] += size
+        result.sources[Source.RECOMPUTED.value] += request.input_length - len(restored) * size
+        result.reused.append(len(restored) * size)
+        result.prompt_tokens += request.input_length
+        for i in range(plan.restore_pages, len(keys)):  # as the engine publishes: no cost hint
+            store.publish(keys[i], tokens[i * size : (i + 1) * size], self.kv)
+        store.release([key for key, _ in restored])
+        store.settle()
+        arrival = request.arrival_s / self.config.speed
+        start = max(arrival, free_at)
+        result.ttft_s.append(start + plan.predicted_s - arrival)
+        result.prefill_seconds_saved += plan.recompute_s - plan.predicted_s
+        return start + plan.predicted_s + decode_seconds(compute, request.input_length, request.output_length)
+
+    @staticmethod
+    def _restore(store: TieredStore, keys: list[PageKey], tokens: list[int],
+                 first: int) -> Iterator[tuple[PageKey, Source]]:
+        """Pin and load pages ``first ..`` of ``keys``: (key, tier) of each."""
+        if first >= len(keys):
+            return iter(())
+        prefix = store.restore(keys, tokens, first)
+        return zip(prefix.keys, prefix.sources)
+
+    def _watch_caps(self, store: TieredStore, result: ReplayResult) -> None:
+        for name, tier in store.stats()["tiers"].items():
+            result.peak_bytes[name] = max(result.peak_bytes.get(name, 0), tier["bytes_used"])
+            result.capacity[name] = tier["capacity"]
+
+    def _collect(self, store: TieredStore, result: ReplayResult) -> None:
+        stats = store.stats()
+        result.links = {name: link["pages"] * self.config.page_bytes for name, link in stats["links"].items()}
+        result.evictions = {name: tier["evictions"] for name, tier in stats["tiers"].items()}
+        result.l3_pages_written = stats["tiers"].get("L3", {}).get("inserts", 0)
+        result.l3_writes_refused = store.admission.rejected
+
+
+def _fast_tmp() -> str | None:
+    """A RAM-backed temporary directory when there is one (L3 commits sync each batch)."""
+    shm = Path("/dev/shm")
+    return str(shm) if shm.is_dir() and _writable(shm) else None
+
+
+def _writable(path: Path) -> bool:
+    return os.access(path, os.W_OK | os.X_OK)
+
+
+def replay(trace: Sequence[TraceRequest], configs: Sequence[ReplayConfig], profile: Profile,
+           on_request: Callable[[], None] | None = None) -> dict:
+    """Replay ``trace`` once per config; the report ``kvtier replay --json`` prints."""
+    page_size = configs[0].page_size
+    bound = infinite_cache(trace, page_size)
+    prompt_tokens = sum(r.input_length for r in trace)
+    distinct = len({name for r in trace for name in page_names(r, page_size)})
+    saved = compute_saved(trace, bound, profile)
+    rows = [_belady_row(trace, c, profile, prompt_tokens) if c.policy == BELADY else
+            Replay(trace, c, profile).run(on_request).report(distinct) for c in configs]
+    return {
+        "requests": len(trace), "prompt_tokens": prompt_tokens, "page_size": page_size,
+        "page_bytes": configs[0].page_bytes, "distinct_pages": distinct,
+        "profile": "calibrated" if profile.calibrated else "defaults",
+        "infinite_cache": {"reused_ratio": sum(bound) / max(prompt_tokens, 1), "reused_tokens": sum(bound),
+                           "prefill_seconds_saved": saved},
+        "policies": rows,
+    }
+
+
+def compute_saved(trace: Sequence[TraceRequest], reused: Sequence[int], profile: Profile) -> float:
+    """Prefill seconds saved by reusing ``reused`` tokens of each request, restores free
+    (what a bound can claim)."""
+    compute = profile.compute.predict
+    return sum(compute(r.input_length, 0) - compute(r.input_length - k, k) for r, k in zip(trace, reused))
+
+
+def _belady_row(trace: Sequence[TraceRequest], config: ReplayConfig, profile: Profile, prompt_tokens: int) -> dict:
+    """Belady's reuse for the config's L1 + L2 + L3 as one cache (no store, no timing)."""
+    capacity = (config.l1_bytes + config.l2_bytes + config.l3_bytes) // config.page_bytes
+    reused = belady(trace, config.page_size, capacity)
+    return {"policy": BELADY, "eviction": BELADY, "l3_admit": None, "l1_bytes": config.l1_bytes,
+            "l2_bytes": config.l2_bytes, "l3_bytes": config.l3_bytes,
+            "reused_ratio": sum(reused) / max(prompt_tokens, 1), "reused_tokens": sum(reused),
+            "prefill_seconds_saved": compute_saved(trace, reused, profile)}
+
+
+def configs_for(base: ReplayConfig, policies: Sequence[str], admits: Sequence[str],
+                l2_sweep: Sequence[int] = ()) -> list[ReplayConfig]:
+    """One config per L2 size (or the base one), policy and admission, in that order
+    (belady, which has no admission, once per L2 size)."""
+    return [replace(base, l2_bytes=l2, policy=p, l3_admit=a)
+            for l2 in (l2_sweep or [base.l2_bytes]) for p in policies for a in admits
+            if p != BELADY or a == admits[0]]
+
+
+def format_report(report: dict) -> str:
+    """The report as a text table: one row per replay, the bound first."""
+    gib = 1 << 30
+    bound = report["infinite_cache"]
+    lines = [f"{report['requests']} requests, {report['prompt_tokens']} prompt tokens, page {report['page_size']} "
+             f"tokens = {report['page_bytes'] / (1 << 20):.1f} MiB, cost model: {report['profile']}",
+             f"infinite cache: reused {bound['reused_ratio']:.1%}, prefill saved {bound['prefill_seconds_saved']:.0f} s",
+             "",
+             f"{'policy':<18} {'L1':>6} {'L2':>6} {'L3':>6} {'reused':>7} {'L1 tok':>10} {'L2 tok':>10} "
+             f"{'L3 tok':>10} {'saved s':>9} {'ttft p50':>9} {'p90':>9} {'p99':>9} {'L3 GiB w':>9} "
+             f"{'L3 amp':>6} {'ev L1':>7} {'ev L2':>7} {'ev L3':>7}"]
+    for p in report["policies"]:
+        if p["policy"] == BELADY:
+            note = "(offline, one cache)"
+            lines.append(f"{p['policy']:<18} {p['l1_bytes'] / gib:>5.0f}G {p['l2_bytes'] / gib:>5.0f}G "
+                         f"{p['l3_bytes'] / gib:>5.0f}G {p['reused_ratio']:>7.1%} {note:>32} "
+                         f"{p['prefill_seconds_saved']:>9.0f}")
+            continue
+        src, ev = p["sources"], p["evictions"]
+        lines.append(
+            f"{p['policy']:<18} {p['l1_bytes'] / gib:>5.0f}G {p['l2_bytes'] / gib:>5.0f}G {p['l3_bytes'] / gib:>5.0f}G "
+            f"{p['reused_ratio']:>7.1%} {src['L1']:>10} {src['L2']:>10} {src['L3']:>10} "
+            f"{p['prefill_seconds_saved']:>9.0f} {p['ttft_p50_s']:>9.2f} {p['ttft_p90_s']:>9.2f} "
+            f"{p['ttft_p99_s']:>9.2f} {p['l3_bytes_written'] / gib:>9.1f} {p['l3_write_amplification']:>6.2f} "
+            f"{ev.get('L1', 0):>7} {ev.get('L2', 0):>7} {ev.get('L3', 0):>7}")
+    return "\n".join(lines)
+
+
+def plot_report(report: dict, path: Path) -> None:
+    """Reused ratio and predicted TTFT p50 against L2 size, one line per policy."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (reuse, ttft) = plt.subplots(1, 2, figsize=(10, 4))
+    for label in dict.fromkeys(p["policy"] for p in report["policies"]):
+        rows = sorted((p for p in report["policies"] if p["policy"] == label), key=lambda p: p["l2_bytes"])
+        sizes = [p["l2_bytes"] / (1 << 30) for p in rows]
+        reuse.plot(sizes, [p["reused_ratio"] for p in rows], marker="o", label=label,
+                   linestyle="--" if label == BELADY else "-")
+        if label != BELADY:
+            ttft.plot(sizes, [p["ttft_p50_s"] for p in rows], marker="o", label=label)
+    reuse.axhline(report["infinite_cache"]["reused_ratio"], color="k", linestyle=":", label="infinite cache")
+    reuse.set(xscale="log", xlabel="L2 GiB", ylabel="reused token ratio", title="reuse")
+    ttft.set(xscale="log", xlabel="L2 GiB", ylabel="predicted TTFT p50 (s)", title="time to first token")
+    reuse.legend()
+    fig.tight_layout()
+    fig.savefig(path)

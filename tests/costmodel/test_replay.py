@@ -1,0 +1,194 @@
+"""Trace replay (costmodel/replay.py): hand-made traces whose numbers are counted by
+hand, the bound on the shared Mooncake trace against an independent count, and
+`kvtier replay` as a user runs it."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvtier.costmodel import replay as rp
+from kvtier.costmodel.plan import Profile
+
+KV_PER_TOKEN = 12288
+PAGE_BYTES = 512 * KV_PER_TOKEN  # 6 MiB
+
+
+def trace_file(tmp_path: Path, rows: list[tuple[int, int, list[int]]]) -> Path:
+    """(input_length, output_length, hash_ids) rows, one second apart."""
+    path = tmp_path / "trace.jsonl"
+    path.write_text("".join(json.dumps({"timestamp": 1000 * i, "input_length": n, "output_length": out,
+                                        "hash_ids": ids}) + "\n" for i, (n, out, ids) in enumerate(rows)))
+    return path
+
+
+# Reusable pages are (n - 1) // 512: 2, 3, 1 and 1.
+HAND = [(1100, 10, [1, 2, 3]), (1600, 10, [1, 2, 4, 5]), (1024, 10, [1, 2]), (600, 10, [7, 8])]
+HAND_PROMPT = 1100 + 1600 + 1024 + 600
+# r1 finds pages 1, 2 (1024 tokens); r2's single reusable page is page 1 (512); r0 and r3 find nothing.
+HAND_BOUND = [0, 1024, 512, 0]
+
+
+def run(trace, page_size=512, **config) -> rp.ReplayResult:
+    return rp.Replay(trace, rp.ReplayConfig(KV_PER_TOKEN, page_size, **config), Profile.defaults()).run()
+
+
+def test_infinite_cache_bound_of_a_hand_made_trace(tmp_path):
+    trace = rp.read_trace(trace_file(tmp_path, HAND))
+    assert rp.infinite_cache(trace, 512) == HAND_BOUND
+    assert rp.infinite_cache(trace, 256) == [0, 1024, 768, 0]  # pages of 256: 4, 6, 3 and 2 reusable
+    result = run(trace, l1_bytes=1 << 40)  # unbounded tiers reach the bound exactly
+    assert result.reused == HAND_BOUND
+    assert result.sources == {"L1": 1536, "L2": 0, "L3": 0, "recomputed": HAND_PROMPT - 1536}
+
+
+LRU_TRACE = [(1100, 5, [1, 2, 3]), (700, 5, [1, 5]), (600, 5, [7, 8]), (1100, 5, [1, 2, 3])]
+
+
+def test_lru_hits_with_two_l1_pages(tmp_path):
+    """L1 holds two pages, nothing below. r0 publishes 1, 2; r1 uses 1; r2 publishes 7,
+    evicting 2 (least recently used; FIFO would evict 1); r3 finds 1, misses 2 and
+    publishes it, evicting 7 (1 is pinned)."""
+    trace = rp.read_trace(trace_file(tmp_path, LRU_TRACE))
+    result = run(trace, l1_bytes=2 * PAGE_BYTES, l2_bytes=0, l3_bytes=0, policy="lru")
+    assert rp.infinite_cache(trace, 512) == [0, 512, 0, 1024]
+    assert result.reused == [0, 512, 0, 512]
+    assert result.evictions["L1"] == 2
+    assert result.peak_bytes["L1"] == 2 * PAGE_BYTES
+
+
+REPEAT = [(1100, 5, [1, 2, 3])] * 3  # two reusable pages, asked three times
+
+
+def test_spill_to_l3_is_written_once(tmp_path):
+    """L1 holds one page, no L2: r0's page 1 goes to L3 when page 2 arrives; r1 and r2
+    restore page 1 from L3 and page 2 from L1 and publish nothing: one page written."""
+    trace = rp.read_trace(trace_file(tmp_path, REPEAT))
+    result = run(trace, l1_bytes=PAGE_BYTES, l2_bytes=0, l3_bytes=8 * PAGE_BYTES)
+    report = result.report(distinct_pages=2)
+    assert result.reused == [0, 1024, 1024]
+    assert report["sources"] == {"L1": 1024, "L2": 0, "L3": 1024, "recomputed": 3300 - 2048}
+    assert report["l3_bytes_written"] == PAGE_BYTES
+    assert report["link_bytes"]["L1->L3"] == PAGE_BYTES
+    assert report["link_bytes"]["L3->L1"] == 2 * PAGE_BYTES
+    assert report["l3_write_amplification"] == 0.5
+
+
+def test_second_use_admission_writes_after_the_second_sighting(tmp_path):
+    """r0: page 1 leaves L1 seen once: not written. r1 misses, recomputes 1 (seen twice)
+    and 2 (seen twice): page 2 leaves L1 first, then page 1, admitted. r2 reuses both."""
+    trace = rp.read_trace(trace_file(tmp_path, REPEAT))
+    result = run(trace, l1_bytes=PAGE_BYTES, l2_bytes=0, l3_bytes=8 * PAGE_BYTES, l3_admit="second-use")
+    assert result.reused == [0, 0, 1024]
+    assert result.l3_pages_written == 1
+    assert result.l3_writes_refused == 2
+
+
+def test_decode_seconds_is_the_sum_of_one_token_steps():
+    profile = Profile.defaults()
+    profile.compute.coef = [1e-3, 2e-3, 1e-6]
+    steps = sum(profile.compute.predict(1, p) for p in range(100, 105))
+    assert rp.decode_seconds(profile.compute, 100, 5) == pytest.approx(steps)
+
+
+@pytest.mark.parametrize("line, message", [
+    ('{"timestamp": 0, "input_length": 700, "output_length": 1, "hash_ids": [1]}', "1 hash_ids for 700 tokens"),
+    ('{"timestamp": 0, "input_length": 0, "output_length": 1, "hash_ids": []}', "input_length >= 1"),
+    ('{"timestamp": 0}', "not a trace request"),
+    ("not json", "not a trace request"),
+])
+def test_a_bad_trace_line_is_one_clear_error(tmp_path, line, message):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(line + "\n")
+    with pytest.raises(rp.TraceError, match=message):
+        rp.read_trace(path)
+
+
+def shared_trace() -> Path | None:
+    for root in Path(__file__).resolve().parents:
+        path = root / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
+        if path.exists():
+            return path
+    return None
+
+
+SHARED = shared_trace()
+needs_shared = pytest.mark.skipif(SHARED is None, reason="shared Mooncake trace not found")
+
+
+@needs_shared
+def test_bound_on_the_shared_trace_equals_an_independent_count():
+    seen, reused = set(), 0
+    for line in SHARED.read_text().splitlines():
+        r = json.loads(line)
+        usable = (r["input_length"] - 1) // 512
+        hits = 0
+        while hits < usable and r["hash_ids"][hits] in seen:
+            hits += 1
+        reused += 512 * hits
+        seen.update(r["hash_ids"][:usable])
+    assert sum(rp.infinite_cache(rp.read_trace(SHARED), 512)) == reused
+
+
+@needs_shared
+@pytest.mark.parametrize("policy, admit", [("lru", "always"), ("cost", "always"), ("cost", "second-use")])
+def test_policies_stay_under_the_bound_and_the_caps(policy, admit):
+    trace = rp.read_trace(SHARED)[:150]
+    bound = rp.infinite_cache(trace, 128)
+    result = run(trace, page_size=128, l1_bytes=64 * PAGE_BYTES // 4, l2_bytes=64 * PAGE_BYTES // 4,
+                 l3_bytes=32 * PAGE_BYTES // 4, policy=policy, l3_admit=admit)
+    assert all(r <= b for r, b in zip(result.reused, bound))
+    assert sum(result.reused) > 0
+    assert all(result.peak_bytes[t] <= result.capacity[t] for t in ("L1", "L2", "L3"))
+    assert result.evictions["L3"] > 0  # the caps were reached
+
+
+def kvtier(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kvtier.engine.cli", *args], capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_cli_replay_json_reports_bound_and_each_policy(tmp_path):
+    done = kvtier("replay", str(trace_file(tmp_path, HAND)), "--kv-bytes-per-token", str(KV_PER_TOKEN),
+                  "--l1-bytes", "1TiB", "--policy", "lru,cost", "--l3-admit", "always,second-use", "--json")
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert report["infinite_cache"]["reused_tokens"] == sum(HAND_BOUND)
+    assert [p["policy"] for p in report["policies"]] == ["lru", "lru+second-use", "cost", "cost+second-use"]
+    assert all(p["reused_tokens"] == sum(HAND_BOUND) for p in report["policies"])
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--page-size", "384"], "does not divide 512"),
+    (["--policy", "mru"], "bad choice 'mru'"),
+    (["--sweep", "l1-bytes=1GiB"], "bad sweep"),
+    (["--plot", "x.png"], "give --sweep"),
+    (["--profile", "missing.json"], "cannot read profile"),
+])
+def test_cli_replay_bad_input_is_one_line_and_exit_2(tmp_path, args, message):
+    done = kvtier("replay", str(trace_file(tmp_path, HAND)), "--kv-bytes-per-token", "8", *args)
+    assert done.returncode == 2
+    assert message in done.stderr and len(done.stderr.strip().splitlines()) == 1
+
+
+def test_cli_replay_plots_a_sweep(tmp_path):
+    pytest.importorskip("matplotlib")
+    plot = tmp_path / "sizing.png"
+    done = kvtier("replay", str(trace_file(tmp_path, HAND)), "--kv-bytes-per-token", str(KV_PER_TOKEN),
+                  "--policy", "lru,belady", "--sweep", "l2-bytes=6MiB,1GiB", "--l1-bytes", "0", "--plot", str(plot))
+    assert done.returncode == 0, done.stderr
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    rows = [line.split()[0] for line in done.stdout.splitlines()[4:]]  # after the header
+    assert rows == ["lru", "belady", "lru", "belady"]
+
+
+def test_belady_keeps_the_page_used_soonest(tmp_path):
+    """Two pages of room: r1's page 5 is used again later than pages 1, 2, so it goes;
+    r2 reuses 1, 2 (then never used again, they go); r3 misses 5. Three pages: all reuse."""
+    trace = rp.read_trace(trace_file(tmp_path, [(1100, 1, [1, 2, 3]), (600, 1, [5, 6])] * 2))
+    assert rp.belady(trace, 512, 2) == [0, 0, 1024, 0]
+    assert rp.belady(trace, 512, 3) == [0, 0, 1024, 512] == rp.infinite_cache(trace, 512)
+    lru = run(trace, l1_bytes=2 * PAGE_BYTES, l2_bytes=0, l3_bytes=0, policy="lru")
+    assert lru.reused == [0, 0, 0, 0]  # page 5 evicted page 1

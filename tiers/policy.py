@@ -1,0 +1,162 @@
+"""Which page a full tier gives up, and which pages L3 takes in.
+
+A tier reports every page it adds, uses and removes to its ``EvictionPolicy`` and
+asks it for a victim when it needs room. Policies only order pages; the tier keeps
+the caps and the pins (a victim is always an unpinned page the tier holds).
+
+- ``lru``: least recently used first.
+- ``cost``: GreedyDual-Size-Frequency. A page's priority is ``clock + uses * cost``:
+  the recompute seconds its loss would cost (per byte: every page of a tier has
+  one size, so seconds order them alike), weighted by how often it was used, on
+  top of the tier's clock, which rises to the priority of each victim. Pages that
+  are used again climb; pages left alone fall behind the clock and leave in turn,
+  however hot they once were (the aging). Equal priorities leave oldest first. A
+  publisher may pass a page's cost (``TieredStore.publish``); without one every
+  page costs the same and the policy orders by uses and age. L3 keeps the same
+  order in its LMDB tables (``tiers.disk``), with every page costing the same.
+
+``L3Admission`` decides which pages are worth writing to L3 at all: ``always``, or
+``second-use``, which writes a page only once it has been seen a second time
+(published again after it left, or restored), so one-off prompts never wear the disk.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import OrderedDict
+from typing import Callable
+
+from .page import PageKey
+
+POLICIES = ("lru", "cost")
+DEFAULT_POLICY = "cost"
+ADMISSIONS = ("always", "second-use")
+
+Pinned = Callable[[PageKey], bool]
+
+
+class EvictionPolicy:
+    """Least recently used first (the base every policy refines)."""
+
+    name = "lru"
+
+    def __init__(self) -> None:
+        self.order: OrderedDict[PageKey, None] = OrderedDict()
+
+    def added(self, key: PageKey, cost: float = 1.0) -> None:
+        self.order[key] = None
+
+    def used(self, key: PageKey) -> None:
+        self.order.move_to_end(key)
+
+    def cost_of(self, key: PageKey) -> float:
+        """The cost the page was added with (it goes with the page to the next tier)."""
+        return 1.0
+
+    def removed(self, key: PageKey) -> None:
+        del self.order[key]
+
+    def victim(self, pinned: Pinned) -> PageKey | None:
+        """The page to evict next, or None when every page is pinned."""
+        return next((k for k in self.order if not pinned(k)), None)
+
+
+class CostPolicy(EvictionPolicy):
+    """GreedyDual-Size-Frequency over same-sized pages (see the module docstring).
+
+    Invariant: ``priority[k]`` is the priority of every live heap entry of ``k``;
+    older entries of ``k`` are stale and skipped when they surface.
+    """
+
+    name = "cost"
+
+    def __init__(self) -> None:
+        self.clock = 0.0
+        self.priority: dict[PageKey, float] = {}
+        self.uses: dict[PageKey, int] = {}
+        self.cost: dict[PageKey, float] = {}
+        self.heap: list[tuple[float, int, PageKey]] = []
+        self._seq = itertools.count()
+
+    def added(self, key: PageKey, cost: float = 1.0) -> None:
+        self.cost[key] = cost
+        self.uses[key] = 0
+        self.used(key)
+
+    def used(self, key: PageKey) -> None:
+        self.uses[key] += 1
+        self.priority[key] = self.clock + self.uses[key] * self.cost[key]
+        heapq.heappush(self.heap, (self.priority[key], next(self._seq), key))
+        if len(self.heap) > 4 * len(self.priority) + 64:
+            self._compact()
+
+    def cost_of(self, key: PageKey) -> float:
+        return self.cost[key]
+
+    def removed(self, key: PageKey) -> None:
+        del self.priority[key], self.uses[key], self.cost[key]
+
+    def victim(self, pinned: Pinned) -> PageKey | None:
+        skipped, found = [], None
+        while self.heap:
+            entry = heapq.heappop(self.heap)
+            priority, _, key = entry
+            if self.priority.get(key) != priority:
+                continue  # stale
+            if pinned(key):
+                skipped.append(entry)
+                continue
+            found = key
+            self.clock = priority
+            heapq.heappush(self.heap, entry)  # still live until the tier removes it
+            break
+        for entry in skipped:
+            heapq.heappush(self.heap, entry)
+        return found
+
+    def _compact(self) -> None:
+        self.heap = [e for e in self.heap if self.priority.get(e[2]) == e[0]]
+        heapq.heapify(self.heap)
+
+
+def make_policy(name: str) -> EvictionPolicy:
+    policies = {"lru": EvictionPolicy, "cost": CostPolicy}
+    if name not in policies:
+        raise ValueError(f"unknown eviction policy {name!r}; expected one of {', '.join(POLICIES)}")
+    return policies[name]()
+
+
+class L3Admission:
+    """Which pages may be written to L3.
+
+    ``second-use`` remembers how often recent keys were seen (at most ``memory`` keys,
+    the least recently seen forgotten first) and admits a key seen twice.
+    ``rejected`` counts refused writes.
+    """
+
+    def __init__(self, mode: str = "always", memory: int = 1 << 18) -> None:
+        if mode not in ADMISSIONS:
+            raise ValueError(f"unknown L3 admission {mode!r}; expected one of {', '.join(ADMISSIONS)}")
+        self.mode, self.memory = mode, memory
+        self.sightings: OrderedDict[PageKey, int] = OrderedDict()
+        self.rejected = 0
+
+    def seen(self, key: PageKey) -> None:
+        """A page was published or restored."""
+        if self.mode == "always":
+            return
+        self.sightings[key] = min(self.sightings.pop(key, 0) + 1, 2)
+        if len(self.sightings) > self.memory:
+            self.sightings.popitem(last=False)
+
+    def admits(self, key: PageKey) -> bool:
+        """Whether a write of ``key`` may go to L3 now (a key admitted is forgotten:
+        L3 has it, and once it is evicted it must earn its place again)."""
+        if self.mode == "always":
+            return True
+        if self.sightings.get(key, 0) >= 2:
+            del self.sightings[key]
+            return True
+        self.rejected += 1
+        return False
