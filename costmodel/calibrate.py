@@ -124,7 +124,7 @@ def prefill_samples(model: nn.Module, tick: Tick, prefill_tokens: Iterable[int] 
     """(new tokens, cached tokens, seconds) of forward passes."""
     prefill_tokens, contexts = tuple(prefill_tokens), tuple(contexts)
     tokens = mx.array([[(i * 31) % 200 + 32 for i in range(max(contexts) + max(prefill_tokens))]])
-    model(tokens[:, :8])  # warm-up: kernels
+    mx.eval(model(tokens[:, :8]))  # warm-up: kernels (mlx is lazy: unevaluated, nothing would run)
     samples = []
     for p in contexts:
         cache = make_prompt_cache(model)
