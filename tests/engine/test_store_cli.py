@@ -14,13 +14,14 @@ import pytest
 
 from kvtier.costmodel.plan import Profile
 from kvtier.tiers.disk import DiskTier
+from .conftest import on_tiny_model
 
 PROMPT = "the system prompt of an agent with tools " * 3  # ~120 tokens: 7 pages of 16
 
 
 def kvtier(*args: str, check: bool = True, stdin: str | None = None, env: dict | None = None) -> subprocess.CompletedProcess:
-    done = subprocess.run([sys.executable, "-m", "kvtier.engine.cli", *args], capture_output=True, text=True,
-                          timeout=300, input=stdin, env=env)
+    done = subprocess.run([sys.executable, "-m", "kvtier.engine.cli", *on_tiny_model(args)], capture_output=True,
+                          text=True, timeout=300, input=stdin, env=env)
     if check:
         assert done.returncode == 0, done.stderr
     return done
@@ -246,8 +247,9 @@ def test_stats_reset(tmp_path):
 def test_ctrl_c_streams_then_keeps_pages_and_exits_130(tmp_path):
     """Tokens appear while the request runs; Ctrl-C ends it with one line, exit 130, and
     the prompt's pages safely in the store."""
-    proc = subprocess.Popen([sys.executable, "-m", "kvtier.engine.cli", "run", "--store", str(tmp_path),
-                             "--page-size", "16", "--max-tokens", "20000", "--prompt", PROMPT],
+    proc = subprocess.Popen([sys.executable, "-m", "kvtier.engine.cli", *on_tiny_model([
+                             "run", "--store", str(tmp_path), "--page-size", "16", "--max-tokens", "20000",
+                             "--prompt", PROMPT])],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert proc.stdout.readline().startswith("── request 0")
@@ -314,7 +316,8 @@ def test_every_flag_in_help_is_in_the_readme_flag_list():
     from kvtier.engine.cli import build_parser
 
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    flags = readme[readme.index("## Flags"):readme.index("## Using a real model")]
+    start = readme.index("## Flags")
+    flags = readme[start:readme.index("\n## ", start)]  # up to the next section
     for command in _commands(build_parser()):
         text = kvtier(*command, "--help").stdout
         for flag in set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]+", text)) - {"--help"}:
@@ -324,8 +327,8 @@ def test_every_flag_in_help_is_in_the_readme_flag_list():
 def test_ctrl_c_in_bench_removes_its_scratch_store_and_exits_130(tmp_path):
     import time
 
-    proc = subprocess.Popen([sys.executable, "-m", "kvtier.engine.cli", "bench", "restore", "--store", str(tmp_path),
-                             "--page-size", "16"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-m", "kvtier.engine.cli", *on_tiny_model([
+                             "bench", "restore", "--store", str(tmp_path), "--page-size", "16"])], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 120
         while not list(tmp_path.glob("calibration-*")) and time.monotonic() < deadline:

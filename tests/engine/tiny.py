@@ -35,7 +35,7 @@ def tiny_model(eos_token_ids: tuple[int, ...] = ()) -> LoadedModel:
     # Larger than the default init, so each output depends on the whole context.
     model.update(tree_map_with_path(lambda name, w: w if "norm" in name else 4 * w, model.parameters()))
     mx.eval(model.parameters())
-    return LoadedModel("tiny", Path("tiny"), model, ByteTokenizer(eos_token_ids), "tiny-fingerprint")
+    return LoadedModel("tiny", Path("tiny"), "tiny", model, ByteTokenizer(eos_token_ids), "tiny-fingerprint")
 
 
 def greedy(loaded: LoadedModel, prompt: list[int], max_tokens: int) -> list[int]:
