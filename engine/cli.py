@@ -14,7 +14,7 @@ import signal
 import sys
 import threading
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from kvtier import __version__
 from kvtier.tiers.disk import DEFAULT_CAPACITY, format_bytes
@@ -24,6 +24,9 @@ from kvtier.tiers.policy import ADMISSIONS, DEFAULT_POLICY, POLICIES
 from .blas import blas_in_use
 from .paths import default_store_dir
 from .report import format_engine_totals, format_last_run, format_namespaces, format_prometheus, format_tier_table
+
+if TYPE_CHECKING:
+    from .engine import Engine
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": 10**6, "mb": 10**6,
           "mib": 1 << 20, "g": 10**9, "gb": 10**9, "gib": 1 << 30, "t": 10**12, "tb": 10**12, "tib": 1 << 40}
@@ -456,7 +459,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if store_dir is not None and not (args.no_auto_calibrate or os.environ.get("KVTIER_NO_AUTO_CALIBRATE")):
         _calibrate_on_first_use(loaded, geometry, store_dir)
     store = StoreConfig(args.l1_bytes, args.l2_bytes, args.l3_bytes, store_dir, args.codec,
-                        throttle=dict(args.throttle), label=loaded.name)
+                        throttle=dict(args.throttle), label=loaded.label)
     config = EngineConfig(page_size=args.page_size, offload=store_dir is not None, store=store,
                           cache_salt=args.cache_salt, single_flight=args.single_flight,
                           refresh_window=args.refresh_window, policy=args.policy)
@@ -465,7 +468,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     except (ModelError, ValueError) as err:
         raise UsageError(str(err)) from None
     printer = None if args.json else _Printer(loaded.tokenizer, engine.result)
-    requests = []
+    requests, ended = [], False
     try:
         for batch in ([[p] for p in prompts] if args.sequential else [prompts]):
             submitted = [engine.submit(p, params) for p in batch]
@@ -473,10 +476,11 @@ def cmd_run(args: argparse.Namespace) -> int:
                 printer.add(request)
             requests += submitted
             engine.run()
+        ended = True
     except InputError as err:
         raise UsageError(str(err)) from None
     finally:
-        _close_uninterrupted(engine.close)
+        _close_uninterrupted(engine, cancel=not ended)
     if args.json:
         for request in requests:
             print(json.dumps(engine.result(request)))
@@ -487,11 +491,15 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _close_uninterrupted(close: Callable[[], None]) -> None:
-    """Close with Ctrl-C held off, so a second one cannot cut the store's flush short."""
+def _close_uninterrupted(engine: Engine, cancel: bool) -> None:
+    """Close with Ctrl-C held off, so a second one cannot cut the store's flush short;
+    after an interruption, the requests still running are cancelled first (their
+    published pages stay), instead of being run to the end."""
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
-        close()
+        if cancel:
+            engine.stop(cancel=True)
+        engine.close()
     finally:
         signal.signal(signal.SIGINT, previous)
 

@@ -196,9 +196,9 @@ def test_store_ls_clear_resize_compact(tmp_path):
     listing = json.loads(kvtier("store", "ls", "--json", "--store", str(tmp_path)).stdout)
     assert listing["pages"] == 14 and len(listing["namespaces"]) == 2
     for ns in listing["namespaces"]:
-        assert (ns["pages"], ns["tokens"], ns["page_size"], ns["model"]) == (7, 112, 16, "kvtier-default")
+        assert (ns["pages"], ns["tokens"], ns["page_size"], ns["model"]) == (7, 112, 16, "kvtier-tiny")
         assert ns["bytes"] > 7 * 16 * 24576 and ns["last_use"] > 0
-    assert "kvtier-default" in kvtier("store", "ls", "--store", str(tmp_path)).stdout
+    assert "kvtier-tiny" in kvtier("store", "ls", "--store", str(tmp_path)).stdout
 
     salted = next(ns for ns in listing["namespaces"] if ns["salted"])["namespace"]
     done = kvtier("store", "clear", "--namespace", salted[:8], "--store", str(tmp_path))
