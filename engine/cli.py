@@ -7,6 +7,7 @@ import json
 import logging
 import re
 import signal
+import socket
 import sys
 from pathlib import Path
 from typing import Sequence
@@ -54,34 +55,50 @@ def parse_throttle(text: str) -> tuple[str, float]:
     return tier, float(bytes_per_s)
 
 
+def add_engine_flags(parser: argparse.ArgumentParser) -> None:
+    """The model, engine and store flags that ``run`` and ``serve`` share."""
+    parser.add_argument("--model", help="mlx-lm model directory or hub id (default: embedded model)")
+    parser.add_argument("--store", type=Path, default=None, help="L3 directory (default: user cache)")
+    parser.add_argument("--l1-bytes", type=parse_size, default=parse_size("1GiB"))
+    parser.add_argument("--l2-bytes", type=parse_size, default=parse_size("4GiB"))
+    parser.add_argument("--l3-bytes", type=parse_size, default=parse_size("32GiB"))
+    parser.add_argument("--page-size", type=positive_int, default=128)
+    parser.add_argument("--codec", choices=["raw", "zstd"], default="raw", help="L3 payload codec")
+    parser.add_argument("--cache-salt", default="", help="isolate this tenant's pages")
+    parser.add_argument("--throttle", type=parse_throttle, action="append", default=[], metavar="TIER=RATE",
+                        help="cap a tier's read bandwidth, e.g. L3=2MiB/s (tests and demos)")
+    parser.add_argument("--single-flight", choices=["off", "after-prefill", "at-completion"],
+                        default="after-prefill", help="identical concurrent prompts: compute once, release "
+                        "followers after the leader's prefill (default) or completion")
+    parser.add_argument("--refresh-window", type=int, default=128, metavar="N",
+                        help="touch the L1 pages of the first N waiting requests before each admission")
+    parser.add_argument("--no-offload", action="store_true", help="no store: recompute every prompt")
+
+
+def engine_config(args: argparse.Namespace):
+    """The EngineConfig that ``add_engine_flags``' flags describe."""
+    from .engine import EngineConfig
+
+    store = StoreConfig(args.l1_bytes, args.l2_bytes, args.l3_bytes,
+                        args.store or default_store_dir(), args.codec, throttle=dict(args.throttle))
+    return EngineConfig(page_size=args.page_size, offload=not args.no_offload, store=store,
+                        cache_salt=args.cache_salt, single_flight=args.single_flight,
+                        refresh_window=max(args.refresh_window, 0))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="kvtier", description="Tiered KV-cache offload for MLX inference.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log what the engine does")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     run = sub.add_parser("run", help="generate with a tiered KV cache")
-    run.add_argument("--model", help="mlx-lm model directory or hub id (default: embedded model)")
     src = run.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", action="append", help="raw completion prompt (repeat for a burst)")
     src.add_argument("--prompts-file", type=Path, help="JSONL: {\"prompt\": text} or {\"tokens\": [ids]}")
     run.add_argument("--max-tokens", type=positive_int, default=32)
     run.add_argument("--temperature", type=float, default=0.0)
     run.add_argument("--top-p", type=float, default=1.0)
-    run.add_argument("--store", type=Path, default=None, help="L3 directory (default: user cache)")
-    run.add_argument("--l1-bytes", type=parse_size, default=parse_size("1GiB"))
-    run.add_argument("--l2-bytes", type=parse_size, default=parse_size("4GiB"))
-    run.add_argument("--l3-bytes", type=parse_size, default=parse_size("32GiB"))
-    run.add_argument("--page-size", type=positive_int, default=128)
-    run.add_argument("--codec", choices=["raw", "zstd"], default="raw", help="L3 payload codec")
-    run.add_argument("--cache-salt", default="", help="isolate this tenant's pages")
-    run.add_argument("--throttle", type=parse_throttle, action="append", default=[], metavar="TIER=RATE",
-                     help="cap a tier's read bandwidth, e.g. L3=2MiB/s (tests and demos)")
-    run.add_argument("--single-flight", choices=["off", "after-prefill", "at-completion"], default="after-prefill",
-                     help="identical concurrent prompts: compute once, release followers after the "
-                          "leader's prefill (default) or completion")
-    run.add_argument("--refresh-window", type=int, default=128, metavar="N",
-                     help="touch the L1 pages of the first N waiting requests before each admission")
-    run.add_argument("--no-offload", action="store_true", help="no store: recompute every prompt")
+    add_engine_flags(run)
     run.add_argument("--sequential", action="store_true", help="submit each prompt after the previous finishes")
     run.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
     run.add_argument("--json", action="store_true", help="one JSON object per request, then counters")
@@ -100,6 +117,19 @@ def build_parser() -> argparse.ArgumentParser:
     restore.add_argument("--json", action="store_true")
     restore.add_argument("--plot", type=Path, metavar="FILE.png", help="draw bandwidth against size (needs matplotlib)")
 
+    serve = sub.add_parser("serve", help="OpenAI- and Anthropic-compatible HTTP server on the engine")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    add_engine_flags(serve)
+    serve.add_argument("--served-model-name", help="the model id clients send (default: --model as given)")
+    serve.add_argument("--max-tokens", type=positive_int, default=512,
+                       help="tokens to generate when a request names no limit")
+    serve.add_argument("--max-running", type=positive_int, default=32, help="requests decoded together")
+    serve.add_argument("--max-waiting", type=positive_int, default=64,
+                       help="requests queued for a batch slot; more answer 429")
+    serve.add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS",
+                       help="on SIGTERM/SIGINT, let requests in flight finish this long, then cancel them")
+
     stats = sub.add_parser("stats", help="counters persisted in a store")
     stats.add_argument("--store", type=Path, default=None)
     fmt = stats.add_mutually_exclusive_group()
@@ -115,7 +145,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
         logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                             format="kvtier: %(levelname)s: %(message)s")
-        commands = {"run": cmd_run, "stats": cmd_stats, "calibrate": cmd_calibrate, "bench": cmd_bench}
+        commands = {"run": cmd_run, "serve": cmd_serve, "stats": cmd_stats, "calibrate": cmd_calibrate, "bench": cmd_bench}
         return commands[args.command](args)
     except UsageError as err:
         print(f"kvtier: error: {err}", file=sys.stderr)
@@ -173,18 +203,13 @@ def _load_model(name: str | None):
 
 def cmd_run(args: argparse.Namespace) -> int:
     # Imported here so that `kvtier --help` and bad arguments answer at once.
-    from .engine import Engine, EngineConfig, InputError
+    from .engine import Engine, InputError
     from .request import SamplingParams
 
     loaded = _load_model(args.model)
     prompts = _read_prompts(args, loaded.tokenizer)
-    store = StoreConfig(args.l1_bytes, args.l2_bytes, args.l3_bytes,
-                        args.store or default_store_dir(), args.codec, throttle=dict(args.throttle))
-    config = EngineConfig(page_size=args.page_size, offload=not args.no_offload, store=store,
-                          cache_salt=args.cache_salt, single_flight=args.single_flight,
-                          refresh_window=max(args.refresh_window, 0))
     params = SamplingParams(args.max_tokens, args.temperature, args.top_p)
-    engine = Engine(loaded, config)
+    engine = Engine(loaded, engine_config(args))
     try:
         requests = [engine.submit(p, params) for p in ([] if args.sequential else prompts)]
         engine.run()
@@ -202,6 +227,40 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(json.dumps({"counters": engine.stats()}))
     else:
         _print_human(results, engine.stats())
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    import uvicorn
+
+    from .engine import Engine
+    from .server import KVTierServer, ServerConfig
+
+    family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
+    try:  # bound before the model loads: a busy port fails at once; --port 0 takes a free one
+        sock = socket.create_server((args.host, args.port), family=family)
+    except OSError as err:
+        raise UsageError(f"cannot listen on {args.host}:{args.port}: {err.strerror or err}") from None
+    loaded = _load_model(args.model)
+    config = dataclasses.replace(engine_config(args), max_running=args.max_running)
+    server = KVTierServer(Engine(loaded, config),
+                          ServerConfig(args.served_model_name or loaded.name, args.max_waiting, args.max_tokens))
+    uv = uvicorn.Server(uvicorn.Config(server.app, lifespan="on", log_level="info" if args.verbose else "warning",
+                                       timeout_graceful_shutdown=args.drain_timeout))
+    # uvicorn handles SIGTERM/SIGINT (stop accepting, drain), then raises the signal again
+    # once it has shut down; these handlers take that second delivery, so the store is
+    # flushed below and the exit status is 0.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
+    server.start()
+    port = sock.getsockname()[1]
+    print(f"kvtier: serving {server.config.model_name} on http://{args.host}:{port}", file=sys.stderr, flush=True)
+    try:
+        uv.run(sockets=[sock])
+    finally:
+        server.close()
     return 0
 
 
