@@ -97,7 +97,7 @@ class KVTierServer:
         self.tokenizer = engine.loaded.tokenizer
         self.context = _context_length(engine)
         self.created = int(time.time())
-        self._live: set[Request] = set()
+        self._live: dict[int, Request] = {}  # by rid
         self.metrics = ServerMetrics(engine.stats, self._gauges)
         self.app = Starlette(
             routes=[
@@ -121,7 +121,7 @@ class KVTierServer:
 
     def close(self) -> None:
         """Cancel what is still running, stop the engine and flush the store to L3 (idempotent)."""
-        for request in list(self._live):
+        for request in list(self._live.values()):
             request.cancel()
         self.engine.close()
 
@@ -267,7 +267,7 @@ class KVTierServer:
             request = await anyio.to_thread.run_sync(self.engine.submit, tokens, params)
         except InputError as err:
             raise api.invalid(str(err), param) from None
-        self._live.add(request)
+        self._live[request.rid] = request
         return Generation(request, OutputText(self.tokenizer.detokenizer, stops), self.engine.config.page_size)
 
     async def _collect(self, gen: Generation, http: HTTPRequest) -> Finished:
@@ -291,7 +291,7 @@ class KVTierServer:
         """The server is done with a request: cancel it (nothing happens to a finished one),
         forget it, and count its latencies once."""
         request.cancel()
-        self._live.discard(request)
+        self._live.pop(request.rid, None)
         if request.t_first_token is not None:
             self.metrics.ttft.observe(request.t_first_token - request.t_submit)
         if request.t_admit is not None:

@@ -1,0 +1,269 @@
+"""``kvtier serve`` as a real process on 127.0.0.1, through the official ``openai`` and
+``anthropic`` clients and plain HTTP (the small generated model: text is gibberish,
+but tokens, usage and cache sources are exact)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import anthropic
+import httpx
+import openai
+import pytest
+
+PAGE = 16  # small pages: short prompts span several
+
+
+class ServerProcess:
+    """``kvtier serve --port 0`` in a child process; knows its URL once it is listening."""
+
+    def __init__(self, store: Path, *flags: str) -> None:
+        cmd = [sys.executable, "-m", "kvtier.engine.cli", "serve", "--port", "0", "--store", str(store),
+               "--page-size", str(PAGE), *flags]
+        self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=dict(os.environ))
+        self.log: list[str] = []
+        deadline = time.monotonic() + 120
+        for line in self.proc.stderr:
+            self.log.append(line)
+            if " on http://" in line:
+                self.url = line.split(" on ")[-1].strip()
+                break
+            assert time.monotonic() < deadline, "server did not start"
+        else:
+            raise AssertionError("server exited: " + "".join(self.log))
+        threading.Thread(target=lambda: self.log.extend(self.proc.stderr), daemon=True).start()
+        self.http = httpx.Client(base_url=self.url, timeout=60)
+        self.openai = openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0)
+        self.anthropic = anthropic.Anthropic(base_url=self.url, api_key="none", max_retries=0)
+
+    def stop(self, sig: int = signal.SIGTERM) -> int:
+        self.http.close()
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            return self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            raise
+
+    def stats(self) -> dict:
+        return self.http.get("/v1/kvtier/stats").json()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    srv = ServerProcess(tmp_path_factory.mktemp("store"), "--max-running", "2", "--max-waiting", "2")
+    yield srv
+    assert srv.stop() == 0, "".join(srv.log)
+
+
+@pytest.fixture(scope="module")
+def model(server):
+    return server.openai.models.list().data[0].id
+
+
+def _chat(server, model, messages, max_tokens=24, **kw):
+    return server.openai.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens,
+                                                 temperature=0, **kw)
+
+
+def _sum_usage(usage) -> None:
+    details = usage.prompt_tokens_details
+    sources = details.model_extra["sources"] if hasattr(details, "model_extra") else details["sources"]
+    assert sum(sources.values()) == usage.prompt_tokens
+    assert details.cached_tokens == sources["L1"] + sources["L2"] + sources["L3"]
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+
+
+# -- endpoints -----------------------------------------------------------------
+
+
+def test_ops_endpoints(server, model):
+    assert server.http.get("/health").json()["status"] == "ok"
+    assert [m.id for m in server.openai.models.list().data] == [model]
+    _chat(server, model, [{"role": "user", "content": "warm the metrics up " * 3}], max_tokens=2)
+    metrics = server.http.get("/metrics").text
+    for name in ('kvtier_tier_capacity{tier="L1"}', 'kvtier_link_bytes_total{link="L2->L1"}',
+                 'kvtier_prompt_tokens_total{source="recomputed"}', "kvtier_ttft_seconds_bucket",
+                 "kvtier_queue_seconds_count", 'kvtier_costmodel_predictions_checked_total{part="prefill"}',
+                 "kvtier_server_waiting"):
+        assert name in metrics, name
+    stats = server.stats()
+    assert set(stats["tiers"]) == {"L1", "L2", "L3"} and stats["engine"]["requests"] >= 1
+    assert stats["server"] == {"waiting": 0, "running": 0}
+
+
+def test_chat_stream_equals_non_stream_with_usage(server, model):
+    messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "page tier " * 8}]
+    full = _chat(server, model, messages)
+    _sum_usage(full.usage)
+    assert full.usage.completion_tokens == 24 and full.choices[0].finish_reason == "length"
+    chunks = list(_chat(server, model, messages, stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content
+    assert chunks[-1].choices == [] and chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens
+    _sum_usage(chunks[-1].usage)
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == (full.usage.prompt_tokens - 1) // PAGE * PAGE
+
+
+def test_completions_take_text_or_token_ids(server, model, loaded):
+    text = "restore the prefix from the disk tier " * 2
+    ids = loaded.tokenizer.encode(text)
+    by_text = server.openai.completions.create(model=model, prompt=text, max_tokens=12, temperature=0)
+    by_ids = server.openai.completions.create(model=model, prompt=ids, max_tokens=12, temperature=0)
+    assert by_text.choices[0].text == by_ids.choices[0].text
+    assert by_ids.usage.prompt_tokens == len(ids)
+    _sum_usage(by_ids.usage)
+    stop = by_text.choices[0].text[5:8]
+    cut = server.openai.completions.create(model=model, prompt=text, max_tokens=12, temperature=0, stop=[stop])
+    assert cut.choices[0].text == by_text.choices[0].text.split(stop)[0]
+    assert cut.choices[0].finish_reason == "stop"
+
+
+def test_anthropic_messages_stream_and_usage(server, model, loaded):
+    kw = dict(model=model, max_tokens=20, extra_body={"temperature": 0}, system="Answer briefly.",
+              messages=[{"role": "user", "content": "which tier holds the page? " * 2}])
+    message = server.anthropic.messages.create(**kw)
+    with server.anthropic.messages.stream(**kw) as stream:
+        streamed = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert streamed == message.content[0].text and final.content[0].text == streamed
+    rendered = loaded.tokenizer.apply_chat_template(
+        [{"role": "system", "content": kw["system"]}, *kw["messages"]], add_generation_prompt=True)
+    for usage in (message.usage, final.usage):
+        assert usage.input_tokens + usage.cache_read_input_tokens == len(rendered)
+        assert usage.output_tokens == 20
+    assert final.usage.cache_read_input_tokens == (len(rendered) - 1) // PAGE * PAGE
+    assert message.stop_reason == "max_tokens"
+
+
+def test_multi_turn_restores_previous_prompt_and_answer(server, model, loaded):
+    """Turn N+1's prompt holds turn N's prompt and answer: every full page of both comes back."""
+    messages = [{"role": "user", "content": "a new conversation about eviction"}]
+    for turn in range(3):
+        reply = _chat(server, model, messages, max_tokens=40)
+        prompt = loaded.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        if turn:
+            assert reply.usage.prompt_tokens_details.cached_tokens == shared // PAGE * PAGE  # noqa: F821
+        answer = reply.choices[0].message.content
+        shared = len(prompt) + len(loaded.tokenizer.encode(answer))  # prompt + answer, in the next prompt
+        messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": f"and turn {turn}?"}]
+
+
+# -- bad input -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path, body, status, param", [
+    ("/v1/completions", b"{oops", 400, None),
+    ("/v1/completions", b'{"prompt": 3}', 400, "prompt"),
+    ("/v1/completions", b'{"max_tokens": 3}', 400, "prompt"),
+    ("/v1/completions", b'{"prompt": "x", "temperature": -0.5}', 400, "temperature"),
+    ("/v1/completions", b'{"prompt": "x", "max_tokens": 0}', 400, "max_tokens"),
+    ("/v1/completions", b'{"prompt": [999999]}', 400, "prompt"),
+    ("/v1/chat/completions", b'{"messages": []}', 400, "messages"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "bot", "content": "x"}]}', 400, "messages.0.role"),
+    ("/v1/chat/completions", b'{"model": "gpt-9", "messages": [{"role": "user", "content": "x"}]}', 404, "model"),
+    ("/v1/messages", b'{"messages": [{"role": "user", "content": "x"}]}', 400, "max_tokens"),
+])
+def test_bad_requests_answer_an_error_object(server, path, body, status, param):
+    response = server.http.post(path, content=body, headers={"content-type": "application/json"})
+    assert response.status_code == status
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["param"] == param
+    assert "Traceback" not in response.text
+
+
+def test_prompt_past_the_context_and_oversized_bodies(server, model):
+    too_long = server.http.post("/v1/completions", json={"prompt": "x" * 33000, "max_tokens": 1})
+    assert too_long.status_code == 400 and "context" in too_long.json()["error"]["message"]
+    huge = server.http.post("/v1/completions", content=b" " * (9 << 20), headers={"content-type": "application/json"})
+    assert huge.status_code == 413 and huge.json()["error"]["code"] == "body_too_large"
+    assert server.http.get("/v1/nothing").status_code == 404
+    assert server.http.get("/health").status_code == 200
+    with pytest.raises(openai.NotFoundError):
+        server.openai.chat.completions.create(model="other", messages=[{"role": "user", "content": "x"}])
+    with pytest.raises(anthropic.BadRequestError):
+        server.anthropic.messages.create(model=model, max_tokens=-1, messages=[{"role": "user", "content": "x"}])
+
+
+# -- concurrency -------------------------------------------------------------------
+
+
+def _stream_in_background(server, model, max_tokens: int) -> tuple[threading.Thread, list]:
+    """A long streaming completion read chunk by chunk in a thread; chunks land in the list."""
+    chunks: list = []
+
+    def read() -> None:
+        with httpx.stream("POST", server.url + "/v1/completions", timeout=120,
+                          json={"model": model, "prompt": "stream me " * 3, "max_tokens": max_tokens,
+                                "temperature": 0, "stream": True}) as response:
+            chunks.append(response.status_code)
+            for line in filter(None, response.iter_lines()):
+                chunks.append(line)
+                if len(chunks) > 4 and max_tokens > 100:
+                    return  # hang up mid-stream
+
+    thread = threading.Thread(target=read, daemon=True)
+    thread.start()
+    return thread, chunks
+
+
+def _wait_for(predicate, what: str, timeout: float = 60):
+    deadline = time.monotonic() + timeout
+    while not (value := predicate()):
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+    return value
+
+
+def test_full_queue_answers_429_and_hung_up_streams_are_cancelled(server, model):
+    """Two running (--max-running 2), two waiting (--max-waiting 2): the fifth is refused.
+    Every client hangs up after a few chunks: the engine cancels all four long requests."""
+    before = server.stats()["engine"]
+    streams = [_stream_in_background(server, model, max_tokens=5000) for _ in range(4)]
+    _wait_for(lambda: server.stats()["server"]["waiting"] == 2, "two waiting requests")
+    refused = server.http.post("/v1/completions", json={"model": model, "prompt": "one more", "max_tokens": 1})
+    assert refused.status_code == 429 and refused.json()["error"]["code"] == "queue_full"
+    for thread, _ in streams:
+        thread.join(timeout=120)
+    after = _wait_for(lambda: (s := server.stats())["server"] == {"waiting": 0, "running": 0} and s, "cancellations")
+    assert after["engine"]["cancelled"] - before["cancelled"] == 4
+    assert after["engine"]["generated_tokens"] - before["generated_tokens"] < 4 * 100  # far from 4 * 5000
+    assert after["tiers"]["L1"]["pages"] >= 0 and all(c[0] == 200 for _, c in streams)
+
+
+# -- shutdown, restart, a shared store ---------------------------------------------------
+
+
+def test_sigterm_drains_flushes_to_l3_for_a_second_server_and_a_restart(tmp_path):
+    store = tmp_path / "shared"
+    first, second = ServerProcess(store), ServerProcess(store)
+    prompt = "the disk tier keeps pages across restarts " * 3
+    try:
+        model = first.openai.models.list().data[0].id
+        cold = first.openai.completions.create(model=model, prompt=prompt, max_tokens=4, temperature=0)
+        assert cold.usage.prompt_tokens_details.cached_tokens == 0
+        pages = (cold.usage.prompt_tokens - 1) // PAGE
+        thread, chunks = _stream_in_background(first, model, max_tokens=30)
+        _wait_for(lambda: len(chunks) > 3, "the stream to start")
+        assert first.stop() == 0, "".join(first.log)  # SIGTERM: the stream in flight is finished first
+        thread.join(timeout=60)
+        assert chunks[-1] == "data: [DONE]" and chunks[0] == 200
+        warm = second.openai.completions.create(model=model, prompt=prompt, max_tokens=4, temperature=0)
+        assert warm.usage.prompt_tokens_details.model_extra["sources"]["L3"] == pages * PAGE
+        assert warm.choices[0].text == cold.choices[0].text
+    finally:
+        second.stop()
+    restarted = ServerProcess(store)
+    try:
+        again = restarted.openai.completions.create(model=model, prompt=prompt, max_tokens=4, temperature=0)
+        assert again.usage.prompt_tokens_details.model_extra["sources"]["L3"] == pages * PAGE
+    finally:
+        assert restarted.stop(signal.SIGINT) == 0
