@@ -114,7 +114,7 @@ def _timed(store: TieredStore, keys: list, tokens: list[int], link: str) -> tupl
 def prefill_samples(model: nn.Module, tick: Tick) -> list[tuple[int, int, float]]:
     """(new tokens, cached tokens, seconds) of forward passes."""
     tokens = mx.array([[(i * 31) % 200 + 32 for i in range(max(CONTEXTS) + max(PREFILL_TOKENS))]])
-    model(tokens[:, :8])  # warm-up: kernels
+    mx.eval(model(tokens[:, :8]))  # warm-up: kernels (mlx is lazy: unevaluated, nothing would run)
     samples = []
     for p in CONTEXTS:
         cache = make_prompt_cache(model)

@@ -145,18 +145,22 @@ def plan_restore(matched: Sequence[Source], prompt_tokens: int, page_size: int,
     overlapped one whose split balances computing the first pages against reading
     the others (the two times move in opposite directions, so a bisection finds it);
     the overlapped plan then joins what was read (see ``LoadCost.overlapped``).
+
+    The pages loaded beside the model never include an L1 page (its bytes are device
+    memory, read on the model's thread only), so a prefix with an L1 page after its
+    leading L1 pages is restored serially.
     """
     loads = LoadCost(matched, page_bytes, profile, codec)
     compute = profile.compute.predict
     l1 = [i for i, s in enumerate(matched) if s is Source.L1]
     lead = next((i for i, s in enumerate(matched) if s is not Source.L1), len(matched))
-    movable = next((i for i in l1 if i >= lead), len(matched)) - lead  # pages after the lead that are not L1
+    next_l1 = next((i for i in l1 if i >= lead), len(matched))  # the loads stop before it
     recompute = compute(prompt_tokens, 0)
     best = RestorePlan([s.value for s in matched], 0, float("inf"), recompute, 0, lead)
     for k in range(l1[-1] + 1 if l1 else 0, len(matched) + 1):
         rest = compute(prompt_tokens - k * page_size, k * page_size)
         options = [(loads.seconds(0, k) + rest, 0)]
-        most = min(movable, k - lead - 1)  # compute c pages while at least one loads
+        most = k - lead - 1 if k <= next_l1 else 0  # compute c pages while at least one loads
         if most >= 1:
             def front(c: int) -> float:
                 return compute(c * page_size, lead * page_size)

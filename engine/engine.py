@@ -4,6 +4,13 @@ A request's path (DESIGN §2): tokens -> page keys -> locate -> restore the
 stored prefix into a fresh mlx-lm KV cache -> ``BatchGenerator.insert`` with that
 cache and the remaining tokens -> after every step, publish the pages that became
 full -> decode -> finish -> release pins.
+
+Every request ends exactly once (``_end``): finished, cancelled (``Request.cancel``),
+or failed ("error": an exception while admitting, publishing or collecting it fails
+that request only; one inside mlx-lm's batch step fails the requests in the batch).
+Ending takes it out of the batch, releases its pins, withdraws it from single
+flight, counts it and ends its stream. All mlx work runs on the thread that steps
+(the serving thread after ``start``); other threads only submit, stream and cancel.
 """
 
 from __future__ import annotations
@@ -31,7 +38,7 @@ from kvtier.tiers.page import Source, page_keys, reusable_pages
 from .flights import FlightCoordinator
 from .metrics import RateWindow
 from .model import LoadedModel
-from .request import Request, SamplingParams
+from .request import CANCELLED, ERROR, Request, SamplingParams
 from .scheduler import Scheduler
 
 log = logging.getLogger(__name__)
@@ -82,9 +89,12 @@ class Engine:
         self._serving: threading.Thread | None = None
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="kvtier-restore")  # overlapped loads
         self._stop = threading.Event()
+        self._closed = False
+        # requests .. sources: of finished requests; cancelled, errors: the others.
         # store_seconds: time the step loop spent in the store (restore, publish): the offload overhead
         self.totals: dict = {"requests": 0, "prompt_tokens": 0, "generated_tokens": 0,
-                             "store_seconds": 0.0, "l1_hit_loss_tokens": 0, "sources": {}}
+                             "store_seconds": 0.0, "l1_hit_loss_tokens": 0, "sources": {},
+                             "cancelled": 0, "errors": 0}
 
     def _load_profile(self) -> Profile:
         """The calibrated cost model of this machine and model, else conservative defaults."""
@@ -98,7 +108,8 @@ class Engine:
     # -- submission ------------------------------------------------------------
 
     def submit(self, prompt: Sequence[int] | str, params: SamplingParams | None = None) -> Request:
-        """Queue a prompt (text is tokenized as ``tokenizer.encode`` does); thread-safe."""
+        """Queue a prompt (text is tokenized as ``tokenizer.encode`` does); thread-safe.
+        Refused (RuntimeError) once the engine is stopping or closed."""
         tokens = self.loaded.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self._check_prompt(tokens)
         keys = page_keys(self.namespace, tokens)[: reusable_pages(len(tokens), self.config.page_size)]
@@ -106,7 +117,10 @@ class Engine:
         request.l1_tokens_at_enqueue = self._l1_tokens(self.store.locate(keys, tokens)) if self.store else 0
         flight_key = hashlib.blake2b(np.asarray(tokens, "<u4").tobytes(), digest_size=16,
                                      key=self.namespace.digest()).digest()
-        self.scheduler.add(request, flight_key)
+        with self.scheduler.arrived:  # the lock under which the serving loop decides to exit
+            if self._stop.is_set():
+                raise RuntimeError("the engine is stopped: submit before stop() or close()")
+            self.scheduler.add(request, flight_key)
         return request
 
     def _l1_tokens(self, matched: Sequence[Source]) -> int:
@@ -133,44 +147,77 @@ class Engine:
         return requests
 
     def start(self) -> None:
-        """Serve in a background thread: ``submit`` from anywhere, read ``Request.stream``."""
-        self._stop.clear()
+        """Serve in a background thread: ``submit`` from anywhere, read ``Request.stream``.
+        An engine serves once: a second ``start`` is refused."""
+        if self._serving is not None or self._stop.is_set():
+            raise RuntimeError("the engine was already started (or stopped): an Engine serves once")
         self._serving = threading.Thread(target=self._serve, name="kvtier-engine", daemon=True)
         self._serving.start()
 
-    def stop(self) -> None:
-        """Finish the requests already admitted or queued, then stop serving."""
-        self._stop.set()
+    def stop(self, cancel: bool = False) -> None:
+        """Stop taking requests and end those already queued or running: finished (or,
+        with ``cancel``, cancelled at the next step); then join the serving thread.
+        Without one, the requests are run here."""
+        if cancel:
+            for request in [*self.scheduler.queued(), *self._running.values()]:
+                request.cancel()
         with self.scheduler.arrived:
+            self._stop.set()
             self.scheduler.arrived.notify_all()
         if self._serving is not None:
             self._serving.join()
-            self._serving = None
+        self.run()  # drained already by the serving thread, if there was one
 
     def _serve(self) -> None:
         while True:
             with self.scheduler.arrived:
                 while not (self.scheduler.pending() or self._running or self._stop.is_set()):
                     self.scheduler.arrived.wait()
-            if not (self.scheduler.pending() or self._running):
-                return  # stopped and drained
-            self.step()
+                if not (self.scheduler.pending() or self._running):
+                    return  # stopped and drained
+            try:
+                self.step()
+            except Exception as exc:  # a fault outside any one request: fail those in the batch, go on
+                log.error("engine step failed: %s", _one_line(exc), exc_info=log.isEnabledFor(logging.DEBUG))
+                for request in list(self._running.values()):
+                    self._end(request, ERROR, exc)
 
     def step(self) -> None:
-        """Refresh and admit waiting requests, run one BatchGenerator step, publish and collect."""
+        """End cancelled requests, refresh and admit waiting ones, run one BatchGenerator
+        step, publish and collect."""
+        for request in self.scheduler.cancelled():
+            self._end(request, CANCELLED)
         if self.store is not None:
             for request in self.scheduler.refresh_candidates():
                 self.store.touch(request.keys)
         for request in self.scheduler.admit(len(self._running)):
-            self._admit(request)
+            self._guarded(request, self._admit)
+        for request in [r for r in self._running.values() if r.cancelled]:
+            self._end(request, CANCELLED)
         if not self._running:
             return  # everyone left is a held follower; their leader is done
         t0 = time.perf_counter()
-        prompt_responses, generation_responses = self.generator.next()
+        try:
+            prompt_responses, generation_responses = self.generator.next()
+        except Exception as exc:  # the batch's state is unknown: every request in it fails
+            for request in list(self._running.values()):
+                self._end(request, ERROR, exc)
+            return
         self._observe_prefill(prompt_responses, generation_responses, time.perf_counter() - t0)
-        self._publish_new_pages(prompt_responses)
+        for response in prompt_responses:
+            self._guarded(self._running[response.uid], self._on_prefill, response)
         for response in generation_responses:
-            self._on_token(self._running[response.uid], response)
+            if (request := self._running.get(response.uid)) is not None:  # not failed in this step
+                self._guarded(request, self._on_token, response)
+
+    def _guarded(self, request: Request, work, *args) -> None:
+        """``work(request, *args)``; an exception ends that request with an error."""
+        try:
+            work(request, *args)
+        except Exception as exc:
+            log.warning("request %d failed: %s", request.rid, _one_line(exc),
+                        exc_info=log.isEnabledFor(logging.DEBUG))
+            self._end(request, ERROR, exc)
 
     def _admit(self, request: Request) -> None:
         """Plan, bring in the chosen prefix (matched now, not at enqueue), hand it to mlx-lm."""
@@ -212,16 +259,19 @@ class Engine:
         plan, size, keys = request.plan, self.config.page_size, request.keys
         if not plan.overlap_pages:
             request.restored = self.store.restore(keys[: plan.restore_pages], request.prompt)
+            request.pinned = list(request.restored.keys)
             request.prefix_tokens = request.restored.num_pages * size
             return self._cache_from(request.restored.layers, request.prefix_tokens)
         head = self.store.restore(keys[: plan.l1_pages], request.prompt)
+        request.pinned = list(head.keys)
         loading = self._loader.submit(self.store.begin, keys[: plan.restore_pages], request.prompt,
                                       plan.first_loaded, ahead=True)
-        cache = self._cache_from(head.layers, head.num_pages * size) or make_prompt_cache(self.loaded.model)
         try:
+            cache = self._cache_from(head.layers, head.num_pages * size) or make_prompt_cache(self.loaded.model)
             self._prefill(cache, request.prompt[head.num_pages * size : plan.first_loaded * size])
-        finally:
+        finally:  # the loaded pages are pinned even when computing failed: they are released with the others
             tail = self.store.finish(loading.result())
+            request.pinned += tail.keys
         request.restored = RestoredPrefix(head.keys + tail.keys, head.sources + tail.sources, [])
         request.prefix_tokens = (plan.first_loaded + tail.num_pages) * size
         for c, (k, v) in zip(cache, tail.layers):  # the computed tokens (its buffers run past them), then the loaded
@@ -266,22 +316,20 @@ class Engine:
             c.state = (keys, values, num_tokens)
         return cache
 
-    def _publish_new_pages(self, prompt_responses: list) -> None:
-        """Publish every page that became full in this step (DESIGN §7); at the end of a
-        leader's prompt, release its single-flight followers."""
+    def _on_prefill(self, request: Request, response) -> None:
+        """Publish every page of the request that became full in this step (DESIGN §7);
+        at the end of a leader's prompt, release its single-flight followers."""
         if self.store is None:
             return
-        for response in prompt_responses:
-            request = self._running[response.uid]
-            early = response.end_of_prompt and self.scheduler.flights.is_leader(request.rid)
-            if self.config.publish == "incremental" or early:
-                in_cache = request.prefix_tokens + response.progress[0]
-                ready = min(len(request.keys), in_cache // self.config.page_size)
-                if ready > request.published:
-                    caches, _ = self.generator.extract_cache([request.uid])[request.uid]
-                    self._publish(request, caches, ready)
-            if response.end_of_prompt:
-                self.scheduler.prefilled(request.rid)
+        early = response.end_of_prompt and self.scheduler.is_leader(request.rid)
+        if self.config.publish == "incremental" or early:
+            in_cache = request.prefix_tokens + response.progress[0]
+            ready = min(len(request.keys), in_cache // self.config.page_size)
+            if ready > request.published:
+                caches, _ = self.generator.extract_cache([request.uid])[request.uid]
+                self._publish(request, caches, ready)
+        if response.end_of_prompt:
+            self.scheduler.prefilled(request.rid)
 
     def _publish(self, request: Request, caches: list, ready: int) -> None:
         """Store pages ``published .. ready`` of a request from its mlx-lm cache."""
@@ -309,19 +357,34 @@ class Engine:
             request._tokens.put(response.token)
         if response.finish_reason is None:
             return
-        request.finish_reason = response.finish_reason
-        request.t_done = now
-        del self._running[request.uid]
-        if self.store is not None:
-            if request.published < len(request.keys):  # publication at completion
-                self._publish(request, response.prompt_cache, len(request.keys))
-            if request.restored:
-                self.store.release(request.restored.keys)
-        self.scheduler.finished(request.rid)
+        if self.store is not None and request.published < len(request.keys):  # publication at completion
+            self._publish(request, response.prompt_cache, len(request.keys))
+        self._end(request, response.finish_reason)
+
+    def _end(self, request: Request, reason: str, exc: BaseException | None = None) -> None:
+        """End a request once: out of the batch (mlx-lm drops a finished one itself),
+        its pins released, out of its flight, counted, its stream ended."""
+        if request.done:
+            return
+        if self._running.pop(request.uid, None) is not None and reason in (CANCELLED, ERROR):
+            self.generator.remove([request.uid])
+        if request.pinned:
+            pinned, request.pinned = request.pinned, []
+            self.store.release(pinned)
+        if reason in (CANCELLED, ERROR):
+            self.scheduler.withdraw(request)
+        else:
+            self.scheduler.finished(request.rid)
+        request.error = _one_line(exc) if exc is not None else None
+        request.t_done = time.perf_counter()
+        request.finish_reason = reason
         self._count(request)
         request._tokens.put(None)
 
     def _count(self, request: Request) -> None:
+        if request.finish_reason in (CANCELLED, ERROR):
+            self.totals["cancelled" if request.finish_reason == CANCELLED else "errors"] += 1
+            return
         add_into(self.totals, {
             "requests": 1,
             "prompt_tokens": len(request.prompt),
@@ -343,12 +406,13 @@ class Engine:
             "output_token_ids": request.output,
             "text": self.loaded.tokenizer.decode(request.output),
             "finish_reason": request.finish_reason,
+            "error": request.error,
             "plan": request.plan.to_dict() if request.plan else None,
             "l1_tokens_at_enqueue": request.l1_tokens_at_enqueue,
             "l1_tokens_at_admission": request.l1_tokens_at_admission,
             "l1_hit_loss": request.l1_tokens_at_enqueue - request.l1_tokens_at_admission,
-            "ttft_s": round(request.t_first_token - request.t_submit, 6),
-            "latency_s": round(request.t_done - request.t_submit, 6),
+            "ttft_s": None if request.t_first_token is None else round(request.t_first_token - request.t_submit, 6),
+            "latency_s": None if request.t_done is None else round(request.t_done - request.t_submit, 6),
         }
 
     def stats(self) -> dict:
@@ -360,7 +424,13 @@ class Engine:
         return stats
 
     def close(self) -> None:
-        """Flush the store to L3 and persist counters; the engine is unusable after."""
+        """Stop serving (``stop``: the requests already submitted finish first), then
+        flush the store to L3 and persist counters; the engine is unusable after.
+        Closing twice does nothing."""
+        if self._closed:
+            return
+        self.stop()
+        self._closed = True
         if self.store is not None:
             if self.store.disk is not None:  # keep what online refinement learned, and the last window
                 self.store.disk.put_meta(self.loaded.profile_key(self.geometry), self.profile.to_dict())
@@ -370,3 +440,13 @@ class Engine:
             self.store.close(extra_counters={"engine": self.totals})
         self._loader.shutdown()
         self.generator.close()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(f"{type(exc).__name__}: {exc}".split())

@@ -10,7 +10,13 @@ Invariants (tested in tests/engine/test_flights.py):
 - an input has at most one flight; a request is in at most one flight;
 - a released flight is removed at once, so a later identical request starts a new one;
 - the ids of released, unfinished requests are kept only to validate their
-  termination; terminating an id that is neither a leader nor released is an error.
+  termination; terminating an id that is neither a leader nor released is an error;
+- a request that ends without finishing (cancelled, failed) is withdrawn in whatever
+  state it is: a held follower leaves its flight, a leader hands its flight to its
+  first follower, a released one is forgotten. Nothing of it remains.
+
+Not thread-safe: the caller serialises every call (``engine.scheduler`` holds one
+lock around each).
 """
 
 from __future__ import annotations
@@ -73,6 +79,29 @@ class FlightCoordinator:
             raise KeyError(f"single flight: unknown request id {rid}")
         self._released.remove(rid)
         return released
+
+    def withdraw(self, rid: int) -> list[int]:
+        """``rid`` ended without finishing; returns the follower released to lead its
+        flight in its place, if it led one (that follower then computes the prompt)."""
+        if self.policy == "off":
+            return []
+        if rid in self._released:
+            self._released.remove(rid)
+            return []
+        key = self._key_of_leader.pop(rid, None)
+        if key is not None:
+            flight = self._flights[key]
+            if not flight.followers:
+                del self._flights[key]
+                return []
+            flight.leader = flight.followers.pop(0)
+            self._key_of_leader[flight.leader] = key
+            return [flight.leader]
+        for flight in self._flights.values():
+            if rid in flight.followers:
+                flight.followers.remove(rid)
+                return []
+        raise KeyError(f"single flight: unknown request id {rid}")
 
     def waiting(self) -> int:
         """Followers still held back."""

@@ -8,7 +8,11 @@ from collections import deque
 
 
 class RateWindow:
-    """Amounts recorded in the last ``window_s`` seconds, as a per-second rate."""
+    """Amounts recorded in the last ``window_s`` seconds, as a per-second rate.
+
+    Holds only the events of the last window: older ones are dropped as new ones
+    arrive (and when the rate is read), so a long-running engine stays flat.
+    """
 
     def __init__(self, window_s: float = 30.0) -> None:
         self.window_s = window_s
@@ -16,12 +20,17 @@ class RateWindow:
         self._lock = threading.Lock()
 
     def add(self, amount: float, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
         with self._lock:
-            self._events.append((time.monotonic() if now is None else now, amount))
+            self._events.append((now, amount))
+            self._prune(now)
 
     def rate(self, now: float | None = None) -> float:
         now = time.monotonic() if now is None else now
         with self._lock:
-            while self._events and self._events[0][0] < now - self.window_s:
-                self._events.popleft()
+            self._prune(now)
             return sum(amount for _, amount in self._events) / self.window_s
+
+    def _prune(self, now: float) -> None:
+        while self._events and self._events[0][0] < now - self.window_s:
+            self._events.popleft()

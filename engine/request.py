@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import queue
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Iterator
@@ -10,6 +11,9 @@ from typing import Iterator
 from kvtier.costmodel.plan import RestorePlan
 from kvtier.tiers.hierarchy import RestoredPrefix
 from kvtier.tiers.page import PageKey, Source
+
+# How a request ended: mlx-lm's two (an EOS or stop token, max_tokens), and ours.
+CANCELLED, ERROR = "cancelled", "error"
 
 
 @dataclass
@@ -19,13 +23,17 @@ class SamplingParams:
     top_p: float = 1.0
 
 
-@dataclass
+@dataclass(eq=False)  # a request is itself: compared and hashed by identity
 class Request:
     """One prompt in the engine.
 
     ``sources`` always sums to ``len(prompt)``: restored pages count by the tier
     they came from, every other token (the last one always) as recomputed (pages
     computed while others load, in an overlapped plan, too).
+
+    Every request ends exactly once, with a ``finish_reason`` ("stop", "length",
+    "cancelled" or "error", then with ``error`` saying why), its pins released and
+    its stream ended.
     """
 
     rid: int
@@ -36,6 +44,7 @@ class Request:
     uid: int | None = None  # BatchGenerator's id once admitted
     plan: RestorePlan | None = None
     restored: RestoredPrefix | None = None
+    pinned: list[PageKey] = field(default_factory=list)  # store pins held, released when it ends
     prefix_tokens: int = 0  # tokens in the cache handed to mlx-lm: restored, or computed while loading
     published: int = 0  # leading pages known to be in the store
     prefilled: int = 0  # tokens mlx-lm has prefilled after the restored prefix
@@ -43,15 +52,27 @@ class Request:
     l1_tokens_at_admission: int = 0  # ... and when admitted (pages may move meanwhile)
     output: list[int] = field(default_factory=list)
     finish_reason: str | None = None
+    error: str | None = None  # one line, when finish_reason is "error"
     t_submit: float = field(default_factory=time.perf_counter)
     t_first_token: float | None = None
     t_done: float | None = None
     _tokens: queue.Queue = field(default_factory=queue.Queue, repr=False)
+    _cancel: threading.Event = field(default_factory=threading.Event, repr=False)
 
     def stream(self) -> Iterator[int]:
         """Output tokens as they are generated (from any thread), until the request ends."""
         while (token := self._tokens.get()) is not None:
             yield token
+
+    def cancel(self) -> None:
+        """Ask the engine to end this request at its next step (from any thread); a
+        request that already ended is left as it is."""
+        self._cancel.set()
+
+    @property
+    def cancelled(self) -> bool:
+        """Whether ``cancel`` was asked for (the request may not have ended yet)."""
+        return self._cancel.is_set()
 
     @property
     def done(self) -> bool:

@@ -1,15 +1,17 @@
 """Who waits and who is admitted next: the waiting queue, held followers, admission.
 
 Thread-safe: ``submit`` may come from any thread; the step loop takes admissions.
-Followers held by single flight (``engine.flights``) join the front of the queue
-when released, so they are admitted before later arrivals.
+Every call into the flight coordinator (``engine.flights``, not thread-safe) is made
+under this scheduler's one lock, so joining a flight and releasing it never
+interleave. Followers held by single flight join the front of the queue when
+released, so they are admitted before later arrivals.
 """
 
 from __future__ import annotations
 
 import threading
 from collections import deque
-from itertools import islice
+from itertools import chain, islice
 
 from .flights import FlightCoordinator
 from .request import Request
@@ -46,18 +48,41 @@ class Scheduler:
         with self._lock:
             return list(islice(self._waiting, self.refresh_window))[::-1]
 
+    def cancelled(self) -> list[Request]:
+        """Waiting or held requests whose cancellation was asked for."""
+        with self._lock:
+            return [r for r in chain(self._waiting, self._held.values()) if r.cancelled]
+
+    def queued(self) -> list[Request]:
+        """Every request not yet admitted, held ones included."""
+        with self._lock:
+            return [*self._waiting, *self._held.values()]
+
+    def is_leader(self, rid: int) -> bool:
+        with self._lock:
+            return self.flights.is_leader(rid)
+
     def prefilled(self, rid: int) -> None:
         """A request published its prompt pages (may release its followers)."""
-        self._release(self.flights.prefilled(rid))
+        with self._lock:
+            self._release(self.flights.prefilled(rid))
 
     def finished(self, rid: int) -> None:
         """A request finished (may release its followers)."""
-        self._release(self.flights.terminate(rid))
+        with self._lock:
+            self._release(self.flights.terminate(rid))
+
+    def withdraw(self, request: Request) -> None:
+        """A request ended without finishing (cancelled, failed), admitted or not: it
+        leaves the queue and its flight (a follower may take over as leader)."""
+        with self._lock:
+            if self._held.pop(request.rid, None) is None and request in self._waiting:
+                self._waiting.remove(request)
+            self._release(self.flights.withdraw(request.rid))
 
     def _release(self, rids: list[int]) -> None:
-        with self._lock:
-            for rid in reversed(rids):
-                self._waiting.appendleft(self._held.pop(rid))
+        for rid in reversed(rids):
+            self._waiting.appendleft(self._held.pop(rid))
 
     def pending(self) -> int:
         """Requests not yet admitted, held ones included."""

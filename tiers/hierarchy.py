@@ -74,7 +74,8 @@ class _Page:
     key: PageKey
     tokens: tuple[int, ...]
     source: Source
-    data: np.ndarray | None = None  # geometry.shape; None until an L3 page is verified
+    data: np.ndarray | None = None  # geometry.shape; None until an L3 page is verified (an L1 page: joined)
+    kv: mx.array | None = None  # an L1 page's device array: read on the joining thread
     record: StoredRecord | None = None  # an L3 page's record, in the restore's snapshot
     slot: int | None = None  # the L2 slot a compressed L3 page is decoded into
 
@@ -190,44 +191,60 @@ class TieredStore:
         held until ``finish``), decode compressed L3 pages, wait out an L3 throttle.
         With ``ahead`` the raw L3 pages are also checked now, so ``finish`` only
         copies; without, the join hashes them as it copies them. Touches no mlx
-        array: safe on another thread while the model runs."""
+        array (an L1 page is read by ``finish``): safe on another thread while the
+        model runs. On an error nothing stays pinned."""
         with self._lock, ExitStack() as stack:
             t0 = time.perf_counter()
             snap = stack.enter_context(self._snapshot())
             pages = self._plan(keys, tokens, snap, first)
-            t1 = time.perf_counter()
-            pages = self._decode_compressed(pages)
-            digests = self._hash_raw_l3(pages) if ahead else [None] * len(pages)
-            l3_bytes = sum(p.stored for p in pages)
-            host_s = self._throttled("L3", l3_bytes, time.perf_counter() - t1) if l3_bytes else 0.0
+            try:
+                t1 = time.perf_counter()
+                pages = self._decode_compressed(pages)
+                digests = self._hash_raw_l3(pages) if ahead else [None] * len(pages)
+                l3_bytes = sum(p.stored for p in pages)
+                host_s = self._throttled("L3", l3_bytes, time.perf_counter() - t1) if l3_bytes else 0.0
+            except BaseException:
+                self.release([p.key for p in pages])
+                raise
             return PendingRestore(pages, digests, t1 - t0, host_s, stack.pop_all())
 
     def finish(self, pending: PendingRestore) -> RestoredPrefix:
-        """Join a begun restore's pages into per-layer device arrays and end its snapshot."""
+        """Join a begun restore's pages into per-layer device arrays and end its snapshot;
+        on an error its pages are unpinned."""
         with self._lock, pending.snapshot:
-            pages = pending.pages
-            if not pages:
-                return RestoredPrefix([], [], [])
-            t0 = time.perf_counter()
-            hash_now = [p.raw_l3 and d is None for p, d in zip(pages, pending.digests)]
-            joined = join_pages([p.data for p in pages], self.geometry, hash_now)
-            digests = [a if a is not None else b for a, b in zip(pending.digests, joined.digests)]
-            good = self._cut(pages, self._first_bad(pages, digests))
-            self._record_restore(good, pending.host_s, pending.find_s + time.perf_counter() - t0)
-            kept = len(good) * self.geometry.page_size
-            layers = joined.layers if len(good) == len(pages) else \
-                [(k[:, :, :kept], v[:, :, :kept]) for k, v in joined.layers]
-            return RestoredPrefix([p.key for p in good], [p.source for p in good], layers)
+            try:
+                return self._join(pending)
+            except BaseException:
+                self.release([p.key for p in pending.pages])
+                raise
+
+    def _join(self, pending: PendingRestore) -> RestoredPrefix:
+        pages = pending.pages
+        if not pages:
+            return RestoredPrefix([], [], [])
+        t0 = time.perf_counter()
+        for page in pages:
+            if page.kv is not None:
+                page.data = self._shaped(kv_to_host(page.kv))
+        hash_now = [p.raw_l3 and d is None for p, d in zip(pages, pending.digests)]
+        joined = join_pages([p.data for p in pages], self.geometry, hash_now)
+        digests = [a if a is not None else b for a, b in zip(pending.digests, joined.digests)]
+        good = self._cut(pages, self._first_bad(pages, digests))
+        self._record_restore(good, pending.host_s, pending.find_s + time.perf_counter() - t0)
+        kept = len(good) * self.geometry.page_size
+        layers = joined.layers if len(good) == len(pages) else \
+            [(k[:, :, :kept], v[:, :, :kept]) for k, v in joined.layers]
+        return RestoredPrefix([p.key for p in good], [p.source for p in good], layers)
 
     def _snapshot(self) -> ContextManager[Snapshot | None]:
         return self.disk.snapshot() if self.disk is not None else nullcontext()
 
     def _plan(self, keys: Sequence[PageKey], tokens: Sequence[int], snap: Snapshot | None,
               first: int = 0) -> list[_Page]:
-        """The longest stored run from page ``first``, every page pinned: L1/L2 pages with
-        host views of their bytes, L3 pages with their record (header checked) and a
-        view of the map (raw) or an L2 slot reserved to decode into (compressed; None
-        when L2 has no room).
+        """The longest stored run from page ``first``, every page pinned: L1 pages with
+        their device array (not read here), L2 pages with host views of their bytes,
+        L3 pages with their record (header checked) and a view of the map (raw) or an
+        L2 slot reserved to decode into (compressed; None when L2 has no room).
 
         Pages are pinned before any slot is reserved, so making room in L2 never
         evicts a page of this run. Lookups and hits count here for L1 and L2, in the
@@ -260,8 +277,9 @@ class TieredStore:
                 self._pins[key] += 1
                 tier.counters.hit_pages += 1
                 tier.counters.hit_tokens += self.geometry.page_size
-                data = kv_to_host(entry.kv) if tier is self.l1 else self.l2.read(key)
-                return _Page(key, page_tokens, Source(tier.name), self._shaped(data))
+                if tier is self.l1:  # its bytes are read at the join, on the joining thread
+                    return _Page(key, page_tokens, Source.L1, kv=entry.kv)
+                return _Page(key, page_tokens, Source.L2, self._shaped(self.l2.read(key)))
         return None
 
     def _decode_compressed(self, pages: list[_Page]) -> list[_Page]:
@@ -277,7 +295,7 @@ class TieredStore:
                     self.l2.fill(page.key, page.tokens, page.slot)
                 else:
                     self.l2.give_back(page.slot)
-        return self._cut(pages, next((i for i, p in enumerate(pages) if p.data is None), len(pages)))
+        return self._cut(pages, next((i for i, p in enumerate(pages) if p.compressed and p.data is None), len(pages)))
 
     def _decode_pages(self, pages: list[_Page]) -> None:
         """One thread's share of the decodes, in order; stops at its first failure."""
@@ -440,6 +458,12 @@ class TieredStore:
             for key in self.l2:
                 self._write_l3(key, self.l2.entries[key].tokens, self.l2.read(key), "L2->L3", wait=True)
             self.disk.flush()
+
+    def __enter__(self) -> TieredStore:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
     def close(self, extra_counters: dict | None = None) -> None:
         """Flush to L3, add this process's counters to the store's, close L3 (once)."""

@@ -135,7 +135,8 @@ class _JoinedPages:
     Why a file: ``mx.load`` allocates the array and hands its memory to ``readinto``,
     the one way mlx's Python API lets us fill a fresh mlx buffer in a single pass
     (``mx.array`` copies a finished host buffer, ``mx.zeros``/``mx.empty`` write the
-    whole buffer first). mlx calls ``readinto`` on one of its own I/O threads, which
+    whole buffer first). That is mlx's private behaviour, not its API: pyproject pins
+    the mlx versions whose behaviour tests/tiers/test_hierarchy.py checks directly. mlx calls ``readinto`` on one of its own I/O threads, which
     takes the GIL; CPython 3.11's tracemalloc is not safe with threads made outside
     Python (it can crash), so do not trace allocations around restores.
 

@@ -1,14 +1,17 @@
 """Concurrent requests: single flight, streams from threads, pins under pressure, refresh, metrics."""
 
 import threading
+import time
 
 import pytest
 
 from kvtier.engine.engine import Engine, EngineConfig
+from kvtier.engine.flights import FlightCoordinator
 from kvtier.engine.request import SamplingParams
 from kvtier.tiers.hierarchy import StoreConfig
 
 from .conftest import mlx_lm_greedy, text_prompt
+from .tiny import greedy, tiny_model
 
 PAGE = 64
 GREEDY = SamplingParams(max_tokens=6)
@@ -121,3 +124,63 @@ def test_hit_loss_between_enqueue_and_admission(loaded):
     assert engine.stats()["engine"]["l1_hit_loss_tokens"] == 4 * PAGE
     assert engine.stats()["windowed"]["cached_tokens_per_s"] > 0
     assert evicter.done
+
+
+class SerialCheckedFlights(FlightCoordinator):
+    """A coordinator that counts calls made while another thread is inside it; each
+    call lingers a little so that unlocked calls really do overlap."""
+
+    def __init__(self, policy: str) -> None:
+        super().__init__(policy)
+        self._inside, self._owner, self.overlaps = threading.Lock(), None, 0
+
+
+def _serial_checked(method):
+    def call(self, *args):
+        if self._owner == threading.get_ident():  # a nested call on the same thread
+            return method(self, *args)
+        if not self._inside.acquire(blocking=False):
+            self.overlaps += 1
+            self._inside.acquire()
+        self._owner = threading.get_ident()
+        try:
+            time.sleep(0.0002)
+            return method(self, *args)
+        finally:
+            self._owner = None
+            self._inside.release()
+    return call
+
+
+for _name in ("join", "is_leader", "release", "prefilled", "terminate", "withdraw", "waiting"):
+    setattr(SerialCheckedFlights, _name, _serial_checked(getattr(FlightCoordinator, _name)))
+
+
+def test_many_submitters_never_overlap_inside_the_flight_coordinator():
+    """8 threads submit identical and distinct prompts to a serving engine: every call
+    into the coordinator is made under one lock, every request ends exactly."""
+    loaded = tiny_model()
+    engine = Engine(loaded, EngineConfig(page_size=16, store=StoreConfig(store_dir=None)))
+    engine.scheduler.flights = flights = SerialCheckedFlights("after-prefill")
+    shared = [[40 + (s * 13 + i * 5) % 150 for i in range(50)] for s in range(3)]
+    prompts = [shared[i % 3] if i % 2 else [40 + (i * 17 + j) % 150 for j in range(30)] for i in range(96)]
+    expected = {tuple(p): greedy(loaded, p, 4) for p in prompts}
+    outputs = []
+    engine.start()
+
+    def submitter(share):
+        for prompt in share:
+            request = engine.submit(prompt, SamplingParams(max_tokens=4))
+            outputs.append((prompt, list(request.stream()), request))
+
+    threads = [threading.Thread(target=submitter, args=(prompts[i::8],), daemon=True) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not any(t.is_alive() for t in threads), "a stream never ended"
+    engine.close()
+    assert flights.overlaps == 0
+    assert len(outputs) == 96
+    assert all(r.finish_reason == "length" and tokens == expected[tuple(p)] for p, tokens, r in outputs)
+    assert not (flights._flights or flights._key_of_leader or flights._released)

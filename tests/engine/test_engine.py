@@ -1,5 +1,7 @@
 """Engine behaviour against the outside oracle (mlx_lm's own greedy generation)."""
 
+import dataclasses
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -59,15 +61,35 @@ def test_restored_output_equals_mlx_lm_from_l2(loaded):
     assert again.output == mlx_lm_greedy(loaded, prompt, GREEDY.max_tokens)
 
 
-def test_sources_sum_to_prompt_length_and_last_token_is_computed(loaded):
-    engine = make_engine(loaded)
+class CountingModel:
+    """The model, counting the tokens it is run over (every forward pass, whoever calls it)."""
+
+    def __init__(self, model) -> None:
+        self.model, self.tokens = model, 0
+
+    def __call__(self, inputs, *args, **kwargs):
+        self.tokens += inputs.size
+        return self.model(inputs, *args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+
+def test_recomputed_tokens_are_the_tokens_run_through_the_model(loaded):
+    """The ``recomputed`` label equals the prompt tokens the model really ran over: a
+    run's forward tokens minus those of decoding (measured on a cold run, whose prompt
+    is all computed). The last prompt token is always among them."""
+    counting = CountingModel(loaded.model)
+    engine = make_engine(dataclasses.replace(loaded, model=counting))
     for n in (1, PAGE, PAGE + 1, 2 * PAGE, 2 * PAGE + 5):
         prompt = text_prompt(loaded, n, seed=n)
+        counting.tokens = 0
         run_one(engine, prompt)
-        request = run_one(engine, prompt)
-        sources = request.sources()
+        decoding = counting.tokens - n
+        counting.tokens = 0
+        sources = run_one(engine, prompt).sources()
+        assert sources["recomputed"] == counting.tokens - decoding >= 1
         assert sum(sources.values()) == n
-        assert sources["recomputed"] >= 1
 
 
 def test_next_token_logits_after_restore_match_full_recompute(loaded):
@@ -81,8 +103,9 @@ def test_next_token_logits_after_restore_match_full_recompute(loaded):
     after_restore = loaded.model(mx.array([prompt[cut:]]), cache=cache)[0, -1]
     full = loaded.model(mx.array([prompt]))[0, -1]
     assert cut == 6 * PAGE
-    np.testing.assert_allclose(np.array(after_restore.astype(mx.float32)),
-                               np.array(full.astype(mx.float32)), atol=0.05, rtol=0.05)
+    # float32; the two differ only in how attention is chunked: measured max 4e-4 on logits of magnitude ~1
+    np.testing.assert_allclose(np.array(after_restore), np.array(full), atol=2e-3, rtol=0)
+    assert mx.argmax(after_restore).item() == mx.argmax(full).item()
 
 
 def test_pages_are_published_after_every_prefill_step(loaded):

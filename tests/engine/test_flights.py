@@ -58,3 +58,35 @@ def test_off_coordinates_nothing():
 def test_unknown_policy_is_refused():
     with pytest.raises(ValueError):
         FlightCoordinator("sometimes")
+
+
+def test_a_withdrawn_leader_hands_its_flight_to_its_first_follower():
+    flights = FlightCoordinator("after-prefill")
+    flights.join(1, b"A")
+    flights.join(2, b"A")
+    flights.join(3, b"A")
+    assert flights.withdraw(1) == [2], "the first follower is released to lead"
+    assert flights.is_leader(2) and not flights.is_leader(1)
+    assert flights.prefilled(2) == [3]
+    assert flights.terminate(3) == [] and flights.terminate(2) == []
+    assert not (flights._flights or flights._key_of_leader or flights._released)
+
+
+@pytest.mark.parametrize("policy", ["after-prefill", "at-completion"])
+def test_withdrawing_in_every_state_leaves_nothing(policy):
+    flights = FlightCoordinator(policy)
+    flights.join(1, b"A")
+    flights.join(2, b"A")
+    flights.join(3, b"A")
+    assert flights.withdraw(3) == []  # a held follower leaves
+    assert flights.waiting() == 1
+    released = flights.prefilled(1) or flights.terminate(1)  # the leader prefilled or finished
+    assert released == [2]
+    assert flights.withdraw(2) == []  # a released follower is forgotten
+    if policy == "after-prefill":
+        assert flights.withdraw(1) == []  # a released leader too
+    flights.join(4, b"B")
+    assert flights.withdraw(4) == []  # a leader without followers: its flight is gone
+    assert not (flights._flights or flights._key_of_leader or flights._released)
+    with pytest.raises(KeyError):
+        flights.withdraw(4)

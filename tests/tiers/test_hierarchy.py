@@ -1,6 +1,8 @@
 """The tier invariants of tiers/hierarchy.py, one test (or more) each."""
 
 import io
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import lmdb
 import mlx.core as mx
@@ -11,6 +13,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+import kvtier.tiers.hierarchy as hierarchy
 import kvtier.tiers.join as join
 from kvtier.tiers.hierarchy import StoreConfig, TieredStore
 from kvtier.tiers.page import Namespace, PageGeometry, Source, page_keys
@@ -133,6 +136,44 @@ def test_joined_pages_serve_any_read_pattern(layers):
         assert np.array_equal(np.load(io.BytesIO(bytes(data))), expected)
 
 
+def test_mx_load_reads_the_payload_in_one_call_into_the_arrays_own_memory():
+    """The private mlx behaviour ``join_pages`` is built on (pyproject pins mlx to the
+    versions checked): ``mx.load`` of a file-like ``.npy`` reads the header in small
+    reads, then the whole payload with ONE ``readinto`` whose buffer is the new
+    array's own memory, and the array holds exactly those bytes."""
+    data = np.arange(3 * 100 * 64, dtype=np.float32).reshape(3, 100, 64)
+    npy = io.BytesIO()
+    np.save(npy, data)
+    raw = npy.getvalue()
+    header = len(raw) - data.nbytes
+    reads = []
+
+    class File:
+        closed, pos = False, 0
+
+        def seek(self, offset, whence=0):
+            self.pos = {0: 0, 1: self.pos, 2: len(raw)}[whence] + offset
+            return self.pos
+
+        def tell(self):
+            return self.pos
+
+        def readinto(self, buffer):
+            out = memoryview(buffer).cast("B")
+            n = min(len(out), len(raw) - self.pos)
+            out[:n] = raw[self.pos : self.pos + n]
+            reads.append((self.pos, len(out), np.frombuffer(out, np.uint8).ctypes.data))
+            self.pos += n
+            return n
+
+    array = mx.load(File(), format="npy")
+    mx.eval(array)
+    assert np.array_equal(np.array(array), data)
+    payload = [(at, n) for at, n, _ in reads if at + n > header]
+    assert payload == [(header, data.nbytes)], "the payload must come in one read"
+    assert reads[-1][2] == np.asarray(array).ctypes.data, "read straight into the array's memory"
+
+
 @pytest.mark.parametrize("pages, groups, pieces", [(1, 1, False), (3, 1, False), (3, 2, False), (3, 2, True)])
 def test_join_hashes_the_flagged_pages_as_it_copies(monkeypatch, pages, groups, pieces):
     """Digests of the flagged pages equal their xxh3 whichever way the join runs: one
@@ -150,8 +191,15 @@ def test_join_hashes_the_flagged_pages_as_it_copies(monkeypatch, pages, groups, 
     assert np.array_equal(kv_to_host(joined(result)), kv_to_host(mx.concatenate(KV[:pages], axis=3)))
 
 
+def restore(store: TieredStore, keys, ahead: bool):
+    """A restore in one call, or begun with the raw L3 pages checked ahead (as an
+    overlapped restore does on its loader thread) and then finished."""
+    return store.finish(store.begin(keys, TOKENS, ahead=True)) if ahead else store.restore(keys, TOKENS)
+
+
+@pytest.mark.parametrize("ahead", [False, True])
 @pytest.mark.parametrize("codec", ["raw", "zstd"])
-def test_a_bad_l3_page_ends_the_prefix_and_frees_what_it_held(tmp_path, many_threads, codec):
+def test_a_bad_l3_page_ends_the_prefix_and_frees_what_it_held(tmp_path, many_threads, codec, ahead):
     store = make_store(0, 0, tmp_path, codec=codec)
     publish(store, *range(6), data=SMALL)
     store.close()
@@ -163,13 +211,13 @@ def test_a_bad_l3_page_ends_the_prefix_and_frees_what_it_held(tmp_path, many_thr
         txn.put(KEYS[2], bytes(value), db=pages)
     env.close()
     store = make_store(0, 8, tmp_path, codec=codec)
-    restored = store.restore(KEYS[:6], TOKENS)
+    restored = restore(store, KEYS[:6], ahead)
     assert restored.sources == [Source.L3] * 2
     assert same_bytes(joined(restored), mx.concatenate(SMALL[:2], axis=3))
     assert store.disk.counters.checksum_failures == 1
     assert KEYS[2] not in store.l2
-    if codec == "raw":  # read from the map: nothing kept in L2
-        assert not store.l2.entries
+    if codec == "raw":  # read from the map: nothing kept in L2, a hit counted per page checked good
+        assert not store.l2.entries and store.disk.counters.hit_pages == 2
     else:
         assert KEYS[0] in store.l2 and KEYS[1] in store.l2
     for key in store.l2:  # pages past the cut that a thread decoded whole are kept, intact
@@ -197,6 +245,44 @@ def test_l3_hit_placement(tmp_path):
         store.release(restored.keys)
         assert store.restore(KEYS[:1], TOKENS).sources == [again]
         store.close()
+
+
+def test_begin_leaves_l1_pages_to_the_joining_thread(tmp_path):
+    """``begin`` runs beside the model (an overlapped restore's loader): it must not read
+    device arrays. An L1 page's bytes are read by ``finish``, on the model's thread."""
+    store = make_store(4, 4, tmp_path)
+    publish(store, 0, 1)  # in L1
+    store.flush()
+    reads = []
+    real = hierarchy.kv_to_host
+    hierarchy.kv_to_host = lambda kv: reads.append(threading.current_thread()) or real(kv)
+    try:
+        with ThreadPoolExecutor(1) as loader:
+            pending = loader.submit(store.begin, KEYS[:2], TOKENS, 0, True).result()
+        assert reads == []
+        restored = store.finish(pending)
+    finally:
+        hierarchy.kv_to_host = real
+    assert reads == [threading.current_thread()] * 2
+    assert restored.sources == [Source.L1] * 2
+    assert same_bytes(joined(restored), mx.concatenate(KV[:2], axis=3))
+    store.release(restored.keys)
+    store.close()
+
+
+@pytest.mark.parametrize("stage", ["begin", "finish"])
+def test_a_failing_restore_leaves_nothing_pinned(tmp_path, monkeypatch, stage):
+    store = make_store(4, 4, tmp_path)
+    publish(store, 0, 1, 2)
+
+    def broken(*args, **kwargs):
+        raise OSError("injected")
+
+    monkeypatch.setattr(store, "_decode_compressed" if stage == "begin" else "_first_bad", broken)
+    with pytest.raises(OSError):
+        store.restore(KEYS[:3], TOKENS)
+    assert not store._pins
+    store.close()
 
 
 def test_pins_block_eviction():
