@@ -233,10 +233,11 @@ def test_full_queue_answers_429_and_hung_up_streams_are_cancelled(server, model)
     assert refused.status_code == 429 and refused.json()["error"]["code"] == "queue_full"
     for thread, _ in streams:
         thread.join(timeout=120)
-    after = _wait_for(lambda: (s := server.stats())["server"] == {"waiting": 0, "running": 0} and s, "cancellations")
-    assert after["engine"]["cancelled"] - before["cancelled"] == 4
-    assert after["engine"]["generated_tokens"] - before["generated_tokens"] < 4 * 100  # far from 4 * 5000
-    assert after["tiers"]["L1"]["pages"] >= 0 and all(c[0] == 200 for _, c in streams)
+    _wait_for(lambda: server.stats()["engine"]["cancelled"] - before["cancelled"] == 4, "four cancellations")
+    after = server.stats()
+    assert after["server"] == {"waiting": 0, "running": 0}
+    assert after["engine"]["requests"] == before["requests"]  # none ran to its end
+    assert all(chunks[0] == 200 for _, chunks in streams)
 
 
 # -- shutdown, restart, a shared store ---------------------------------------------------
