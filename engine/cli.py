@@ -244,7 +244,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except OSError as err:
         raise UsageError(f"cannot listen on {args.host}:{args.port}: {err.strerror or err}") from None
     loaded = _load_model(args.model)
-    config = dataclasses.replace(engine_config(args), max_running=args.max_running)
+    config = dataclasses.replace(engine_config(args), max_running=args.max_running, publish_answers=True)
     server = KVTierServer(Engine(loaded, config),
                           ServerConfig(args.served_model_name or loaded.name, args.max_waiting, args.max_tokens))
     uv = uvicorn.Server(uvicorn.Config(server.app, lifespan="on", log_level="info" if args.verbose else "warning",

@@ -57,6 +57,7 @@ class EngineConfig:
     cache_salt: str = ""
     single_flight: str = "after-prefill"  # "off" | "after-prefill" | "at-completion"
     publish: str = "incremental"  # after every step, or "at-completion" only
+    publish_answers: bool = False  # at the end, also the pages the answer filled (a server's next turn)
     max_running: int = 32  # requests in the BatchGenerator at once; the rest wait
     refresh_window: int = 128  # waiting requests whose L1 pages are touched before admission
     window_s: float = 30.0  # cached tokens per second are measured over this window
@@ -350,12 +351,16 @@ class Engine:
         request.published = ready
         self.totals["store_seconds"] += time.perf_counter() - t0
 
-    def _publish_answer(self, request: Request, response) -> None:
-        """At the end, publish every full page the cache holds: the prompt's not yet
-        published, and those filled while answering, keyed by the generated tokens, so
-        that a next turn whose prompt holds this prompt and this answer restores both
-        (DESIGN §8a). mlx-lm feeds every token it reports back into the cache, the last
-        one too, so the cache holds exactly ``all_tokens``: prompt and output (EOS included)."""
+    def _publish_at_end(self, request: Request, response) -> None:
+        """At the end, publish the prompt's pages not published yet and, with
+        ``publish_answers``, the pages filled while answering, keyed by the generated
+        tokens, so that a next turn whose prompt holds this prompt and this answer
+        restores both (DESIGN §8a). mlx-lm feeds every token it reports back into the
+        cache, the last one too: the cache holds ``all_tokens``, prompt and output (EOS included)."""
+        if not self.config.publish_answers:
+            if request.published < len(request.keys):
+                self._publish(request, response.prompt_cache, len(request.keys))
+            return
         caches, tokens = response.prompt_cache, list(response.all_tokens)
         ready = min(len(tokens), caches[0].offset) // self.config.page_size
         if ready > request.published:
@@ -371,7 +376,7 @@ class Engine:
         if response.finish_reason is None:
             return
         if self.store is not None:
-            self._publish_answer(request, response)
+            self._publish_at_end(request, response)
         self._end(request, response.finish_reason)
 
     def _end(self, request: Request, reason: str, exc: BaseException | None = None) -> None:

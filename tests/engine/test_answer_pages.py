@@ -11,6 +11,7 @@ PAGE = 16
 
 
 def make_engine(loaded, **config) -> Engine:
+    config = {"publish_answers": True, **config}
     return Engine(loaded, EngineConfig(page_size=PAGE, store=StoreConfig(store_dir=None), **config))
 
 
@@ -23,6 +24,14 @@ def test_the_next_turn_restores_prompt_and_answer_exactly(loaded):
         (second,) = engine.generate([follow_up], SamplingParams(max_tokens=6))
     assert second.sources()["L1"] == len(history) // PAGE * PAGE  # past the prompt's 3 pages
     assert second.output == mlx_lm_greedy(loaded, follow_up, 6)  # the answer's pages hold its exact KV
+
+
+def test_without_publish_answers_only_prompt_pages_are_stored(loaded):
+    prompt = text_prompt(loaded, 2 * PAGE + 3, seed=2)
+    with make_engine(loaded, publish_answers=False) as engine:
+        (first,) = engine.generate([prompt], SamplingParams(max_tokens=PAGE))
+        (second,) = engine.generate([prompt + first.output + [65]], SamplingParams(max_tokens=1))
+    assert second.sources()["L1"] == 2 * PAGE
 
 
 def test_answer_pages_wait_for_the_end_when_publication_does(loaded):
