@@ -196,13 +196,15 @@ def test_prompt_past_the_context_and_oversized_bodies(server, model):
 # -- concurrency -------------------------------------------------------------------
 
 
-def _stream_in_background(server, model, max_tokens: int) -> tuple[threading.Thread, list]:
-    """A long streaming completion read chunk by chunk in a thread; chunks land in the list."""
+def _stream_in_background(server, model, max_tokens: int, prompt: str = "stream me " * 3
+                          ) -> tuple[threading.Thread, list]:
+    """A streaming completion read line by line in a thread (status first, then the lines);
+    past 100 tokens the client hangs up after a few lines."""
     chunks: list = []
 
     def read() -> None:
         with httpx.stream("POST", server.url + "/v1/completions", timeout=120,
-                          json={"model": model, "prompt": "stream me " * 3, "max_tokens": max_tokens,
+                          json={"model": model, "prompt": prompt, "max_tokens": max_tokens,
                                 "temperature": 0, "stream": True}) as response:
             chunks.append(response.status_code)
             for line in filter(None, response.iter_lines()):
@@ -227,8 +229,10 @@ def test_full_queue_answers_429_and_hung_up_streams_are_cancelled(server, model)
     """Two running (--max-running 2), two waiting (--max-waiting 2): the fifth is refused.
     Every client hangs up after a few chunks: the engine cancels all four long requests."""
     before = server.stats()["engine"]
-    streams = [_stream_in_background(server, model, max_tokens=5000) for _ in range(4)]
-    _wait_for(lambda: server.stats()["server"]["waiting"] == 2, "two waiting requests")
+    streams = []  # distinct prompts: identical ones would wait behind one another (single flight)
+    for group, state in (((0, 1), {"waiting": 0, "running": 2}), ((2, 3), {"waiting": 2, "running": 2})):
+        streams += [_stream_in_background(server, model, 5000, prompt=f"stream number {i} " * 3) for i in group]
+        _wait_for(lambda: server.stats()["server"] == state, str(state))
     refused = server.http.post("/v1/completions", json={"model": model, "prompt": "one more", "max_tokens": 1})
     assert refused.status_code == 429 and refused.json()["error"]["code"] == "queue_full"
     for thread, _ in streams:
