@@ -30,7 +30,7 @@ class Server:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited: {self.log.read_text()[-2000:]}")
+                raise RuntimeError(f"{self.name} exited ({self.proc.returncode}): {self.log.read_text()[-2000:]}")
             try:
                 if httpx.get(self.url + "/v1/models", timeout=2).status_code == 200:
                     return self
@@ -66,6 +66,7 @@ class Reply:
     ttft_s: float
     total_s: float
     tokens: int
+    finish_reason: str | None = None
     usage: dict = field(default_factory=dict)
 
 
@@ -74,7 +75,7 @@ def stream_chat(client: httpx.Client, server: Server, messages: list[dict], max_
     body = {"model": server.model, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
             "stream": True, "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
-    ttft, pieces, usage = None, [], {}
+    ttft, pieces, usage, finish = None, [], {}, None
     with client.stream("POST", server.url + "/v1/chat/completions", json=body) as response:
         response.raise_for_status()
         for line in response.iter_lines():
@@ -83,13 +84,14 @@ def stream_chat(client: httpx.Client, server: Server, messages: list[dict], max_
             chunk = json.loads(line[len("data: "):])
             usage = chunk.get("usage") or usage
             for choice in chunk.get("choices", []):
+                finish = choice.get("finish_reason") or finish
                 text = (choice.get("delta") or {}).get("content") or ""
                 if text and ttft is None:
                     ttft = time.perf_counter() - t0
                 pieces.append(text)
     total = time.perf_counter() - t0
     return Reply("".join(pieces), ttft if ttft is not None else total, total,
-                 usage.get("completion_tokens", 0), usage)
+                 usage.get("completion_tokens", 0), finish, usage)
 
 
 def percentile(values: list[float], q: float) -> float:

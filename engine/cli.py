@@ -254,6 +254,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # flushed below and the exit status is 0.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
+    if hasattr(signal, "SIGPIPE"):  # a client gone before its answer is written is an error, not our end
+        signal.signal(signal.SIGPIPE, signal.SIG_IGN)
     server.start()
     port = sock.getsockname()[1]
     print(f"kvtier: serving {server.config.model_name} on http://{args.host}:{port}", file=sys.stderr, flush=True)

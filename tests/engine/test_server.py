@@ -272,3 +272,32 @@ def test_sigterm_drains_flushes_to_l3_for_a_second_server_and_a_restart(tmp_path
         assert again.usage.prompt_tokens_details.model_extra["sources"]["L3"] == pages * PAGE
     finally:
         assert restarted.stop(signal.SIGINT) == 0
+
+
+def test_clients_that_vanish_never_kill_the_server(server, model):
+    """Clients that close before reading their answer, or reset the connection while it
+    streams, leave the server serving: a write to a dead socket is an error there, never
+    a SIGPIPE that ends the process."""
+    import socket
+    import struct
+
+    host, port = server.url.removeprefix("http://").split(":")
+    body = json.dumps({"model": model, "prompt": "vanish", "max_tokens": 40, "stream": True}).encode()
+    for i in range(20):
+        sock = socket.create_connection((host, int(port)))
+        if i % 2:
+            sock.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+        else:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n" % len(body) + body)
+            sock.recv(1)  # the stream has begun
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # a reset
+        sock.close()
+    time.sleep(1)
+    assert server.proc.poll() is None, server.proc.returncode
+    assert server.http.get("/health").status_code == 200
+    # The race above is narrow; what makes the server safe is that it ignores SIGPIPE
+    # (the CLI restores the default for `kvtier ... | head`): read the process's mask.
+    status = Path(f"/proc/{server.proc.pid}/status").read_text()
+    ignored = int(next(line for line in status.splitlines() if line.startswith("SigIgn:")).split()[1], 16)
+    assert ignored & (1 << (signal.SIGPIPE - 1))
