@@ -56,7 +56,7 @@ def kvtier_server(model: str | None, port: int, store: Path, *flags: str) -> Ser
 
 
 def mlx_lm_server(model: str, port: int) -> Server:
-    cmd = [sys.executable, "-m", "mlx_lm.server", "--model", model, "--port", str(port), "--log-level", "WARNING"]
+    cmd = [sys.executable, "-m", "mlx_lm", "server", "--model", model, "--port", str(port), "--log-level", "WARNING"]
     return Server("mlx_lm.server", cmd, f"http://127.0.0.1:{port}", model)
 
 

@@ -43,7 +43,7 @@ TOOLS = [
 SYSTEM = ("You are a coding agent working in a Python repository. Think step by step, call one tool "
           "at a time by answering with a JSON object {\"tool\": name, \"arguments\": {...}}, and explain "
           "briefly what you do. Keep changes small and run the tests after each one.\n\nTools:\n"
-          + "\n".join(json.dumps(tool) for tool in TOOLS) * 2)
+          + "\n".join(json.dumps(tool) for tool in TOOLS))
 TASKS = ["Fix the failing test in tests/test_cache.py.", "Add a --verbose flag to the CLI.",
          "Why is the restore slow for long prompts?", "Rename Page to KVPage everywhere.",
          "Write a docstring for the eviction policy.", "Find where the LMDB environment is opened.",

@@ -147,13 +147,13 @@ def test_anthropic_messages_stream_and_usage(server, model, loaded):
 def test_multi_turn_restores_previous_prompt_and_answer(server, model, loaded):
     """Turn N+1's prompt holds turn N's prompt and answer: every full page of both comes back."""
     messages = [{"role": "user", "content": "a new conversation about eviction"}]
+    shared = 0  # tokens this turn's prompt shares with the previous turn's prompt and answer
     for turn in range(3):
         reply = _chat(server, model, messages, max_tokens=40)
+        assert reply.usage.prompt_tokens_details.cached_tokens == shared // PAGE * PAGE
         prompt = loaded.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        if turn:
-            assert reply.usage.prompt_tokens_details.cached_tokens == shared // PAGE * PAGE  # noqa: F821
         answer = reply.choices[0].message.content
-        shared = len(prompt) + len(loaded.tokenizer.encode(answer))  # prompt + answer, in the next prompt
+        shared = len(prompt) + len(loaded.tokenizer.encode(answer))
         messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": f"and turn {turn}?"}]
 
 
