@@ -55,8 +55,13 @@ def kvtier_server(model: str | None, port: int, store: Path, *flags: str) -> Ser
     return Server("kvtier", cmd, f"http://127.0.0.1:{port}", model or "kvtier-default")
 
 
+# mlx_lm.server with the BLAS kvtier uses: ``import kvtier`` preloads the system OpenBLAS
+# (about 10x faster prefill on Linux CPUs than mlx's bundled BLAS), so neither side is handicapped.
+_MLX_LM_SERVER = "import kvtier, runpy, sys; sys.argv[0] = 'mlx_lm.server'; runpy.run_module('mlx_lm.server', run_name='__main__')"
+
+
 def mlx_lm_server(model: str, port: int) -> Server:
-    cmd = [sys.executable, "-m", "mlx_lm", "server", "--model", model, "--port", str(port), "--log-level", "WARNING"]
+    cmd = [sys.executable, "-c", _MLX_LM_SERVER, "--model", model, "--port", str(port), "--log-level", "WARNING"]
     return Server("mlx_lm.server", cmd, f"http://127.0.0.1:{port}", model)
 
 
