@@ -119,7 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="OpenAI- and Anthropic-compatible HTTP server on the engine")
     serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--port", type=port_number, default=8000, help="0 takes a free port (printed)")
     add_engine_flags(serve)
     serve.add_argument("--served-model-name", help="the model id clients send (default: --model as given)")
     serve.add_argument("--max-tokens", type=positive_int, default=512,
@@ -228,6 +228,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     else:
         _print_human(results, engine.stats())
     return 0
+
+
+def port_number(text: str) -> int:
+    if not text.isdigit() or int(text) > 65535:
+        raise argparse.ArgumentTypeError(f"expected a port number 0..65535, got {text!r}")
+    return int(text)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

@@ -301,3 +301,15 @@ def test_clients_that_vanish_never_kill_the_server(server, model):
     status = Path(f"/proc/{server.proc.pid}/status").read_text()
     ignored = int(next(line for line in status.splitlines() if line.startswith("SigIgn:")).split()[1], 16)
     assert ignored & (1 << (signal.SIGPIPE - 1))
+
+
+@pytest.mark.parametrize("port", ["99999", "busy"])
+def test_a_port_that_cannot_be_used_is_one_line_and_exit_2(port):
+    import socket
+
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = str(taken.getsockname()[1]) if port == "busy" else port
+        done = subprocess.run([sys.executable, "-m", "kvtier.engine.cli", "serve", "--port", port],
+                              capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert port in done.stderr
