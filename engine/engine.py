@@ -22,7 +22,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -90,6 +90,7 @@ class Engine:
         self._serving: threading.Thread | None = None
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="kvtier-restore")  # overlapped loads
         self._stop = threading.Event()
+        self._cancel_all = False  # set by stop(cancel=True); the stepping thread cancels
         self._closed = False
         # requests .. sources: of finished requests; cancelled, errors: the others.
         # store_seconds: time the step loop spent in the store (restore, publish): the offload overhead
@@ -137,7 +138,7 @@ class Engine:
     # -- the step loop ---------------------------------------------------------
 
     def run(self) -> None:
-        """Step until every submitted request has finished."""
+        """Step until every submitted request has ended."""
         while self.scheduler.pending() or self._running:
             self.step()
 
@@ -159,10 +160,8 @@ class Engine:
         """Stop taking requests and end those already queued or running: finished (or,
         with ``cancel``, cancelled at the next step); then join the serving thread.
         Without one, the requests are run here."""
-        if cancel:
-            for request in [*self.scheduler.queued(), *self._running.values()]:
-                request.cancel()
         with self.scheduler.arrived:
+            self._cancel_all = self._cancel_all or cancel
             self._stop.set()
             self.scheduler.arrived.notify_all()
         if self._serving is not None:
@@ -179,13 +178,14 @@ class Engine:
             try:
                 self.step()
             except Exception as exc:  # a fault outside any one request: fail those in the batch, go on
-                log.error("engine step failed: %s", _one_line(exc), exc_info=log.isEnabledFor(logging.DEBUG))
-                for request in list(self._running.values()):
-                    self._end(request, ERROR, exc)
+                self._fail_batch(exc)
 
     def step(self) -> None:
         """End cancelled requests, refresh and admit waiting ones, run one BatchGenerator
         step, publish and collect."""
+        if self._cancel_all:
+            for request in [*self.scheduler.queued(), *self._running.values()]:
+                request.cancel()
         for request in self.scheduler.cancelled():
             self._end(request, CANCELLED)
         if self.store is not None:
@@ -200,9 +200,8 @@ class Engine:
         t0 = time.perf_counter()
         try:
             prompt_responses, generation_responses = self.generator.next()
-        except Exception as exc:  # the batch's state is unknown: every request in it fails
-            for request in list(self._running.values()):
-                self._end(request, ERROR, exc)
+        except Exception as exc:
+            self._fail_batch(exc)
             return
         self._observe_prefill(prompt_responses, generation_responses, time.perf_counter() - t0)
         for response in prompt_responses:
@@ -211,7 +210,13 @@ class Engine:
             if (request := self._running.get(response.uid)) is not None:  # not failed in this step
                 self._guarded(request, self._on_token, response)
 
-    def _guarded(self, request: Request, work, *args) -> None:
+    def _fail_batch(self, exc: Exception) -> None:
+        """A fault in the batch as a whole (its state is unknown): every request in it fails."""
+        log.error("engine step failed: %s", _one_line(exc), exc_info=log.isEnabledFor(logging.DEBUG))
+        for request in list(self._running.values()):
+            self._end(request, ERROR, exc)
+
+    def _guarded(self, request: Request, work: Callable[..., None], *args: object) -> None:
         """``work(request, *args)``; an exception ends that request with an error."""
         try:
             work(request, *args)
@@ -462,7 +467,10 @@ class Engine:
     def __enter__(self) -> Engine:
         return self
 
-    def __exit__(self, *exc_info: object) -> None:
+    def __exit__(self, exc_type: type | None, *exc_info: object) -> None:
+        """Close; leaving on an exception cancels the requests instead of finishing them."""
+        if exc_type is not None:
+            self.stop(cancel=True)
         self.close()
 
 

@@ -49,7 +49,7 @@ from xxhash import xxh3_64_intdigest
 from .counters import LINKS, LinkCounters, add_into
 from .disk import DiskTier, Snapshot, StoredRecord, StoreError
 from .page import Namespace, PageGeometry, PageKey, Source
-from .join import in_parallel, join_pages, keep_buffers_for_restores, shares
+from .join import Joined, in_parallel, join_pages, keep_buffers_for_restores, shares
 from .tier import DevicePage, HostTier, Tier, kv_to_host
 
 log = logging.getLogger(__name__)
@@ -210,31 +210,33 @@ class TieredStore:
 
     def finish(self, pending: PendingRestore) -> RestoredPrefix:
         """Join a begun restore's pages into per-layer device arrays and end its snapshot;
-        on an error its pages are unpinned."""
+        if the join fails its pages are unpinned."""
         with self._lock, pending.snapshot:
+            pages = pending.pages
+            if not pages:
+                return RestoredPrefix([], [], [])
+            t0 = time.perf_counter()
             try:
-                return self._join(pending)
+                joined = self._join(pending)
             except BaseException:
-                self.release([p.key for p in pending.pages])
+                self.release([p.key for p in pages])
                 raise
+            digests = [a if a is not None else b for a, b in zip(pending.digests, joined.digests)]
+            good = self._cut(pages, self._first_bad(pages, digests))
+            self._record_restore(good, pending.host_s, pending.find_s + time.perf_counter() - t0)
+            kept = len(good) * self.geometry.page_size
+            layers = joined.layers if len(good) == len(pages) else \
+                [(k[:, :, :kept], v[:, :, :kept]) for k, v in joined.layers]
+            return RestoredPrefix([p.key for p in good], [p.source for p in good], layers)
 
-    def _join(self, pending: PendingRestore) -> RestoredPrefix:
-        pages = pending.pages
-        if not pages:
-            return RestoredPrefix([], [], [])
-        t0 = time.perf_counter()
-        for page in pages:
+    def _join(self, pending: PendingRestore) -> Joined:
+        """The pages joined (L1 pages read from the device here), raw L3 pages not
+        checked ahead hashed on the way."""
+        for page in pending.pages:
             if page.kv is not None:
                 page.data = self._shaped(kv_to_host(page.kv))
-        hash_now = [p.raw_l3 and d is None for p, d in zip(pages, pending.digests)]
-        joined = join_pages([p.data for p in pages], self.geometry, hash_now)
-        digests = [a if a is not None else b for a, b in zip(pending.digests, joined.digests)]
-        good = self._cut(pages, self._first_bad(pages, digests))
-        self._record_restore(good, pending.host_s, pending.find_s + time.perf_counter() - t0)
-        kept = len(good) * self.geometry.page_size
-        layers = joined.layers if len(good) == len(pages) else \
-            [(k[:, :, :kept], v[:, :, :kept]) for k, v in joined.layers]
-        return RestoredPrefix([p.key for p in good], [p.source for p in good], layers)
+        hash_now = [p.raw_l3 and d is None for p, d in zip(pending.pages, pending.digests)]
+        return join_pages([p.data for p in pending.pages], self.geometry, hash_now)
 
     def _snapshot(self) -> ContextManager[Snapshot | None]:
         return self.disk.snapshot() if self.disk is not None else nullcontext()

@@ -14,14 +14,17 @@ import random
 import threading
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
+
+import mlx.core as mx
 
 from kvtier.engine.engine import Engine
 from kvtier.engine.request import SamplingParams
 
 from .tiny import greedy
 
-FAIL_ADMIT, FAIL_PUBLISH = 1, 2  # a prompt starting with this token fails there
-ACTIONS = ("keep", "keep", "keep", "cancel_early", "cancel_late", FAIL_ADMIT, FAIL_PUBLISH)
+MARKERS = {"fail_admit": 1, "fail_publish": 2}  # a prompt starting with this token fails there
+ACTIONS = ("keep", "keep", "keep", "cancel_early", "cancel_late", *MARKERS)
 
 
 @dataclass
@@ -32,6 +35,7 @@ class SoakReport:
     over_cap: list[str] = field(default_factory=list)
     totals: dict = field(default_factory=dict)  # the engine's, at the end
     sizes: list[dict[str, int]] = field(default_factory=list)  # after each round
+    memory: list[tuple[float, float]] = field(default_factory=list)  # (RSS, mlx active) MiB after each round
 
     @property
     def grown(self) -> dict[str, tuple[int, ...]]:
@@ -41,7 +45,7 @@ class SoakReport:
 
 
 def inject_faults(engine: Engine) -> None:
-    """Requests whose prompt starts with FAIL_ADMIT / FAIL_PUBLISH fail there."""
+    """Requests whose prompt starts with a marker (``MARKERS``) fail there."""
     admit, on_prefill = engine._admit, engine._on_prefill
 
     def failing(real, marker):
@@ -51,8 +55,8 @@ def inject_faults(engine: Engine) -> None:
             return real(request, *args)
         return work
 
-    engine._admit = failing(admit, FAIL_ADMIT)
-    engine._on_prefill = failing(on_prefill, FAIL_PUBLISH)
+    engine._admit = failing(admit, MARKERS["fail_admit"])
+    engine._on_prefill = failing(on_prefill, MARKERS["fail_publish"])
 
 
 def structure_sizes(engine: Engine) -> dict[str, int]:
@@ -69,15 +73,21 @@ def structure_sizes(engine: Engine) -> dict[str, int]:
     return sizes
 
 
+def rss_mib() -> float:
+    """This process's resident memory (Linux; elsewhere 0)."""
+    status = Path("/proc/self/status")
+    lines = status.read_text().splitlines() if status.exists() else []
+    return next((int(line.split()[1]) / 1024 for line in lines if line.startswith("VmRSS:")), 0.0)
+
+
 def soak(engine: Engine, rounds: int = 2, per_round: int = 200, threads: int = 8,
          max_tokens: int = 4, seed: int = 0) -> SoakReport:
     """Serve ``rounds * per_round`` requests from ``threads`` submitters (the engine is
     started here and stopped at the end); checks as in the module docstring."""
     rng = random.Random(seed)
-    params = SamplingParams(max_tokens=max_tokens)
     page = engine.config.page_size
     shared = [[32 + (s * 37 + i * 11) % 200 for i in range(3 * page + 5)] for s in range(4)]
-    expected: dict[tuple[int, ...], list[int]] = {}
+    expected = {tuple(p): greedy(engine.loaded, p, max_tokens) for p in shared}  # distinct ones: not kept
     report = SoakReport()
     inject_faults(engine)
     engine.start()
@@ -87,40 +97,17 @@ def soak(engine: Engine, rounds: int = 2, per_round: int = 200, threads: int = 8
             action = rng.choice(ACTIONS)
             prompt = list(rng.choice(shared)) if rng.random() < 0.5 else \
                 [32 + rng.randrange(200) for _ in range(rng.randrange(page // 2, 4 * page))]
-            if action in (FAIL_ADMIT, FAIL_PUBLISH):
-                prompt[0] = action
+            if action in MARKERS:
+                prompt[0] = MARKERS[action]
             work.append((action, prompt))
-        ended: list = []
-        lock = threading.Lock()
-
-        def submitter(share):
-            for action, prompt in share:
-                request = engine.submit(prompt, params)
-                if action == "cancel_early":
-                    request.cancel()
-                streamed = []
-                for token in request.stream():
-                    streamed.append(token)
-                    if action == "cancel_late" and len(streamed) == 1:
-                        request.cancel()
-                with lock:
-                    ended.append((action, request, streamed))
-
-        pool = [threading.Thread(target=submitter, args=(work[i::threads],), daemon=True) for i in range(threads)]
-        for t in pool:
-            t.start()
-        for t in pool:
-            t.join(600)
-        assert not any(t.is_alive() for t in pool), "a request never ended"
-        for action, request, streamed in ended:
-            report.outcomes[(str(action), request.finish_reason)] += 1
-            key = tuple(request.prompt)
+        for action, request, streamed in _serve_round(engine, work, threads, SamplingParams(max_tokens=max_tokens)):
+            report.outcomes[(action, request.finish_reason)] += 1
             if request.finish_reason in ("length", "cancelled"):
-                if key not in expected:
-                    expected[key] = greedy(engine.loaded, request.prompt, max_tokens)
-                want = expected[key][: len(request.output)] if request.finish_reason == "cancelled" else expected[key]
+                want = expected.get(tuple(request.prompt)) or greedy(engine.loaded, request.prompt, max_tokens)
+                want = want[: len(request.output)] if request.finish_reason == "cancelled" else want
                 report.wrong_outputs += request.output != want or streamed != request.output
         report.sizes.append(structure_sizes(engine))
+        report.memory.append((rss_mib(), mx.get_active_memory() / 2**20))
     engine.stop()
     report.totals = dict(engine.totals)
     if engine.store is not None:
@@ -130,3 +117,30 @@ def soak(engine: Engine, rounds: int = 2, per_round: int = 200, threads: int = 8
         tiers.update({"L3": store.disk.counters} if store.disk is not None else {})
         report.over_cap = [name for name, t in tiers.items() if t.bytes_used > t.capacity]
     return report
+
+
+def _serve_round(engine: Engine, work: list, threads: int, params: SamplingParams) -> list:
+    """Submit ``work`` ((action, prompt) pairs) from ``threads`` threads, each streaming
+    its requests to the end (cancelling as told); (action, request, streamed tokens)."""
+    ended, lock = [], threading.Lock()
+
+    def submitter(share):
+        for action, prompt in share:
+            request = engine.submit(prompt, params)
+            if action == "cancel_early":
+                request.cancel()
+            streamed = []
+            for token in request.stream():
+                streamed.append(token)
+                if action == "cancel_late" and len(streamed) == 1:
+                    request.cancel()
+            with lock:
+                ended.append((action, request, streamed))
+
+    pool = [threading.Thread(target=submitter, args=(work[i::threads],), daemon=True) for i in range(threads)]
+    for t in pool:
+        t.start()
+    for t in pool:
+        t.join(600)
+    assert not any(t.is_alive() for t in pool), "a request never ended"
+    return ended

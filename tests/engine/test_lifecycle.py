@@ -7,6 +7,8 @@ import threading
 
 import pytest
 
+from kvtier.costmodel.models import ComputeModel, LinkModel
+from kvtier.costmodel.plan import Profile
 from kvtier.engine.engine import Engine, EngineConfig
 from kvtier.engine.request import SamplingParams
 from kvtier.tiers.hierarchy import StoreConfig, TieredStore
@@ -17,6 +19,7 @@ from .tiny import greedy, tiny_model
 PAGE = 16
 GREEDY = SamplingParams(max_tokens=6)
 LONG = SamplingParams(max_tokens=200)
+ENDLESS = SamplingParams(max_tokens=100_000)  # ends only by cancellation, in these tests
 
 
 @pytest.fixture(scope="module")
@@ -93,12 +96,28 @@ def test_engine_and_store_are_context_managers(loaded, tmp_path):
     assert store._closed
 
 
-def test_stop_with_cancel_ends_everything_at_the_next_step(loaded):
+def test_leaving_the_engine_on_an_exception_cancels_its_requests(loaded):
+    with pytest.raises(KeyboardInterrupt):
+        with make_engine(loaded) as engine:
+            engine.start()
+            request = engine.submit(text_prompt(loaded, 30), ENDLESS)
+            raise KeyboardInterrupt
+    assert request.finish_reason == "cancelled" and not engine._serving.is_alive()
+
+
+@pytest.mark.parametrize("serving", [False, True])
+def test_stop_with_cancel_ends_everything_at_the_next_step(loaded, serving):
     engine = make_engine(loaded, max_running=1)
-    requests = [engine.submit(text_prompt(loaded, 40, seed=i), LONG) for i in range(3)]
-    engine.step()  # the first is running, the others wait
+    requests = [engine.submit(text_prompt(loaded, 40, seed=i), ENDLESS) for i in range(3)]
+    if serving:
+        engine.start()
+        while not requests[0].output:  # the first is running, the others wait
+            threading.Event().wait(0.001)
+    else:
+        engine.step()
     engine.stop(cancel=True)
     assert [r.finish_reason for r in requests] == ["cancelled"] * 3
+    assert [len(drained(r)) < ENDLESS.max_tokens for r in requests] == [True] * 3
     assert_clean(engine)
 
 
@@ -263,3 +282,24 @@ def test_an_eos_token_stops_generation_and_is_not_output(loaded):
     (request,) = engine.generate([prompt], SamplingParams(max_tokens=12))
     assert request.finish_reason == "stop"
     assert request.output == expected[:stops_at]
+
+
+def test_a_fault_while_computing_beside_an_overlapped_restore_releases_every_pin(loaded, tmp_path):
+    """An overlapped plan pins the loaded pages on the loader thread while the model
+    computes the front; the compute fails: every pin (the loader's too) is released."""
+    prompt = text_prompt(loaded, 12 * PAGE + 7, seed=30)
+    with make_engine(loaded, tmp_path) as first:
+        first.generate([prompt], GREEDY)
+    per_page = 0.05
+    page_bytes = loaded.geometry(PAGE).nbytes
+    store = StoreConfig(l1_bytes=1 << 30, l2_bytes=1 << 30, l3_bytes=1 << 30, store_dir=tmp_path,
+                        throttle={"L3": 1.5 * page_bytes / per_page})
+    engine = Engine(loaded, EngineConfig(page_size=PAGE, store=store))
+    engine.profile = Profile({**Profile.defaults().links, "L3->L1": LinkModel.of(0.0, 1 << 40)},
+                             ComputeModel([0.0, per_page / PAGE, 0.0]))
+    engine._prefill = lambda cache, tokens: (_ for _ in ()).throw(RuntimeError("injected fault"))
+    (request,) = engine.generate([prompt], GREEDY)
+    assert request.plan.overlap_pages > 0 and request.finish_reason == "error"
+    assert engine.store.links["L3->L1"].pages > 0, "the loader restored pages"
+    assert_clean(engine)
+    engine.close()

@@ -9,7 +9,7 @@ from kvtier.engine.metrics import RateWindow
 from kvtier.engine.request import Request, SamplingParams
 from kvtier.tiers.hierarchy import StoreConfig
 
-from .soak import ACTIONS, soak, structure_sizes
+from .soak import soak, structure_sizes
 from .tiny import tiny_model
 
 PAGE = 16
@@ -27,13 +27,13 @@ def test_threaded_soak_every_request_ends_and_nothing_is_left(tmp_path):
     assert sum(outcomes.values()) == 360
     assert {reason for _, reason in outcomes} <= {"length", "cancelled", "error"}
     assert outcomes[("keep", "length")] > 0 and outcomes[("cancel_early", "cancelled")] > 0
-    assert outcomes[("1", "error")] > 0 and outcomes[("2", "error")] > 0
-    assert not [k for k in outcomes if k[0] in ("1", "2") and k[1] != "error"], "an injected fault was missed"
+    assert outcomes[("fail_admit", "error")] > 0 and outcomes[("fail_publish", "error")] > 0
+    assert not [k for k in outcomes if k[0].startswith("fail") and k[1] != "error"], "an injected fault was missed"
     assert not [k for k in outcomes if k[0] == "keep" and k[1] != "length"]
     assert report.wrong_outputs == 0
     totals = report.totals
     assert totals["requests"] + totals["cancelled"] + totals["errors"] == 360
-    assert totals["errors"] == outcomes[("1", "error")] + outcomes[("2", "error")]
+    assert totals["errors"] == outcomes[("fail_admit", "error")] + outcomes[("fail_publish", "error")]
     assert report.pins == 0 and report.over_cap == []
     assert report.grown == {}, "an engine structure grew between rounds"
 

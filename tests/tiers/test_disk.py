@@ -23,7 +23,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvtier.tiers.disk import FORMAT_VERSION, DiskTier, StoreError
+from xxhash import xxh3_64_intdigest
+
+from kvtier.tiers.disk import FORMAT_VERSION, DiskTier, RecordHeader, StoreError, _Corrupt, decode_record
 
 REPO = Path(__file__).resolve().parents[2]
 NS = b"N" * 16
@@ -197,9 +199,10 @@ def test_full_queue_drops_and_counts(store: Path) -> None:
 def test_map_full_never_reaches_the_caller(store: Path) -> None:
     tier = DiskTier(store, 8 << 20, map_size=1 << 20)  # the map is far smaller than capacity
     for i in range(64):
-        assert tier.put(key(i), NS, TOKENS, payload(i, 64 * 1024)) in (True, False)
+        assert tier.put(key(i), NS, TOKENS, payload(i, 64 * 1024)) is True  # queued: the flush emptied the queue
         tier.flush()
     assert tier.counters.evictions + tier.counters.writes_dropped > 0
+    assert tier.counters.inserts + tier.counters.writes_dropped == 64  # each put committed or dropped
     got = tier.get(key(63), NS, TOKENS, 64 * 1024)
     assert got is None or got[0] == payload(63, 64 * 1024)
     tier.close()
@@ -258,6 +261,25 @@ def test_namespace_token_or_length_mismatch_is_a_miss(store: Path) -> None:
     assert tier.counters.checksum_failures == 3
     tier.flush()
     assert tier.counters.pages == 0
+    tier.close()
+
+
+def test_a_raw_payload_of_the_wrong_length_is_refused_at_every_layer(store: Path) -> None:
+    """A raw record whose header is right for the page (raw length 4096, checksum of
+    its own payload) but whose payload is 4000 bytes: only a length check catches it.
+    The snapshot lookup refuses it (the restore would shape the map's bytes as a
+    page), and so does the record decoder, with or without a buffer to decode into."""
+    short = payload(0)[:4000]
+    tokens = np.asarray(TOKENS, "<u4").tobytes()
+    value = RecordHeader(FORMAT_VERSION, NS, tokens, "raw", 4096, xxh3_64_intdigest(short)).pack() + short
+    for out in (None, np.empty(4096, np.uint8)):
+        with pytest.raises(_Corrupt):
+            decode_record(memoryview(value), NS, tokens, 4096, out)
+    tier = DiskTier(store, 1 << 20)
+    _poke(tier, key(0), value)
+    with tier.snapshot() as snap:
+        assert snap.find(key(0), NS, TOKENS, 4096) is None
+    assert tier.counters.checksum_failures == 1
     tier.close()
 
 
@@ -440,11 +462,25 @@ def test_writer_killed_mid_write_leaves_no_partial_page(store: Path) -> None:
     _assert_consistent(store, 1 << 26)
 
 
-def test_read_through_touches_every_stored_byte(tmp_path):
-    from kvtier.tiers.disk import DiskTier
+def test_read_through_touches_every_stored_byte(tmp_path, monkeypatch):
+    """It hashes each stored record whole (header and payload), as it is in the map."""
+    import kvtier.tiers.disk as disk_module
 
     disk = DiskTier(tmp_path, 1 << 20)
-    disk.put(b"k" * 16, b"n" * 16, [1, 2], b"x" * 1000)
+    for i in range(2):
+        disk.put(key(i), NS, TOKENS, payload(i, 1000))
     disk.flush()
-    assert disk.read_through([b"k" * 16, b"missing-key-0000"]) == disk.counters.bytes_used
+    hashed = []
+    monkeypatch.setattr(disk_module, "xxh3_64_intdigest", lambda data: hashed.append(bytes(data)) or 0)
+    assert disk.read_through([key(0), b"missing-key-0000", key(1)]) == disk.counters.bytes_used
+    with _raw_env_of(disk) as stored:
+        assert hashed == [stored[key(0)], stored[key(1)]]
+        assert all(record.endswith(payload(i, 1000)) for i, record in enumerate(hashed))
     disk.close()
+
+
+@contextlib.contextmanager
+def _raw_env_of(tier: DiskTier):
+    """The stored values, read through the tier's own env handle."""
+    with tier._env.begin(db=tier._pages) as txn:
+        yield {bytes(k): bytes(v) for k, v in txn.cursor()}

@@ -278,7 +278,7 @@ def test_a_failing_restore_leaves_nothing_pinned(tmp_path, monkeypatch, stage):
     def broken(*args, **kwargs):
         raise OSError("injected")
 
-    monkeypatch.setattr(store, "_decode_compressed" if stage == "begin" else "_first_bad", broken)
+    monkeypatch.setattr(store, "_decode_compressed" if stage == "begin" else "_join", broken)
     with pytest.raises(OSError):
         store.restore(KEYS[:3], TOKENS)
     assert not store._pins
