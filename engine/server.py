@@ -121,8 +121,7 @@ class KVTierServer:
 
     def close(self) -> None:
         """Cancel what is still running, stop the engine and flush the store to L3 (idempotent)."""
-        for request in list(self._live.values()):
-            request.cancel()
+        self.engine.stop(cancel=True)
         self.engine.close()
 
     @asynccontextmanager
