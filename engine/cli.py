@@ -11,6 +11,7 @@ import queue
 import re
 import shutil
 import signal
+import socket
 import sys
 import threading
 from pathlib import Path
@@ -155,8 +156,34 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="log what the engine does")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
+    def engine_flags(parser: argparse.ArgumentParser) -> None:
+        """The model, engine and store flags that ``run`` and ``serve`` share."""
+        parser.add_argument("--model", help=model_help)
+        parser.add_argument("--store", type=Path, default=None, metavar="DIR", help=store_help)
+        parser.add_argument("--l1-bytes", type=parse_size, default="1GiB", metavar="S",
+                         help="L1 (device) capacity; more than the machine's memory is refused")
+        parser.add_argument("--l2-bytes", type=parse_size, default="4GiB", metavar="S",
+                         help="L2 (host RAM) capacity; more than the machine's memory is refused")
+        parser.add_argument("--l3-bytes", type=parse_size, default=None, metavar="S",
+                         help=f"L3 cap of a new store (default: {format_bytes(DEFAULT_CAPACITY)}); an existing "
+                              "store keeps its own (`kvtier store resize` changes it)")
+        parser.add_argument("--page-size", type=positive_int, default=128, metavar="N", help="tokens per KV page")
+        parser.add_argument("--codec", choices=["raw", "zstd"], default="raw", help="L3 payload codec")
+        parser.add_argument("--cache-salt", default="", help="isolate this tenant's pages")
+        parser.add_argument("--throttle", type=parse_throttle, action="append", default=[], metavar="TIER=RATE",
+                         help="cap a tier's read bandwidth, e.g. L3=2MiB/s (tests and demos)")
+        parser.add_argument("--single-flight", choices=["off", "after-prefill", "at-completion"], default="after-prefill",
+                         help="identical concurrent prompts: compute once, release followers after the "
+                              "leader's prefill or its completion")
+        parser.add_argument("--refresh-window", type=non_negative_int, default=128, metavar="N",
+                         help="touch the L1 pages of the first N waiting requests before each admission")
+        parser.add_argument("--no-offload", action="store_true", help="no store: recompute every prompt")
+        parser.add_argument("--policy", choices=POLICIES, default=DEFAULT_POLICY, help="eviction policy of every tier")
+        parser.add_argument("--no-auto-calibrate", action="store_true",
+                         help="use the default cost model on a store without a profile for this model, "
+                              "instead of calibrating first")
+
     run = command(sub, "run", "generate with a tiered KV cache")
-    run.add_argument("--model", help=model_help)
     src = run.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", action="append", metavar="TEXT",
                      help="raw completion prompt; '-' reads it from stdin (repeat for a burst)")
@@ -168,29 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="tokens to generate per prompt (prompt + N must fit the model's context)")
     run.add_argument("--temperature", type=temperature, default=0.0, metavar="T", help="0 is greedy")
     run.add_argument("--top-p", type=top_p, default=1.0, metavar="P", help="nucleus sampling, in (0, 1]")
-    run.add_argument("--store", type=Path, default=None, metavar="DIR", help=store_help)
-    run.add_argument("--l1-bytes", type=parse_size, default="1GiB", metavar="S",
-                     help="L1 (device) capacity; more than the machine's memory is refused")
-    run.add_argument("--l2-bytes", type=parse_size, default="4GiB", metavar="S",
-                     help="L2 (host RAM) capacity; more than the machine's memory is refused")
-    run.add_argument("--l3-bytes", type=parse_size, default=None, metavar="S",
-                     help=f"L3 cap of a new store (default: {format_bytes(DEFAULT_CAPACITY)}); an existing "
-                          "store keeps its own (`kvtier store resize` changes it)")
-    run.add_argument("--page-size", type=positive_int, default=128, metavar="N", help="tokens per KV page")
-    run.add_argument("--codec", choices=["raw", "zstd"], default="raw", help="L3 payload codec")
-    run.add_argument("--cache-salt", default="", help="isolate this tenant's pages")
-    run.add_argument("--throttle", type=parse_throttle, action="append", default=[], metavar="TIER=RATE",
-                     help="cap a tier's read bandwidth, e.g. L3=2MiB/s (tests and demos)")
-    run.add_argument("--single-flight", choices=["off", "after-prefill", "at-completion"], default="after-prefill",
-                     help="identical concurrent prompts: compute once, release followers after the "
-                          "leader's prefill or its completion")
-    run.add_argument("--refresh-window", type=non_negative_int, default=128, metavar="N",
-                     help="touch the L1 pages of the first N waiting requests before each admission")
-    run.add_argument("--no-offload", action="store_true", help="no store: recompute every prompt")
-    run.add_argument("--policy", choices=POLICIES, default=DEFAULT_POLICY, help="eviction policy of every tier")
-    run.add_argument("--no-auto-calibrate", action="store_true",
-                     help="use the default cost model on a store without a profile for this model, "
-                          "instead of calibrating first")
+    engine_flags(run)
     run.add_argument("--sequential", action="store_true", help="submit each prompt after the previous finishes")
     run.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
     run.add_argument("--json", action="store_true", help="one JSON object per request, then counters")
@@ -242,6 +247,18 @@ def build_parser() -> argparse.ArgumentParser:
                      help="dequantize to this type, or keep the quantized matrices (default: float32, "
                           "fastest on CPU)")
 
+    serve = command(sub, "serve", "OpenAI- and Anthropic-compatible HTTP server on the engine")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=port_number, default=8000, help="0 takes a free port (printed)")
+    engine_flags(serve)
+    serve.add_argument("--served-model-name", help="the model id clients send (default: --model as given)")
+    serve.add_argument("--max-tokens", type=positive_int, default=512,
+                       help="tokens to generate when a request names no limit")
+    serve.add_argument("--max-running", type=positive_int, default=32, help="requests decoded together")
+    serve.add_argument("--max-waiting", type=positive_int, default=64,
+                       help="requests queued for a batch slot; more answer 429")
+    serve.add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS",
+                       help="on SIGTERM/SIGINT, let requests in flight finish this long, then cancel them")
 
     stats = command(sub, "stats", "counters persisted in a store (read-only unless --reset)")
     stats.add_argument("--store", type=Path, default=None, metavar="DIR", help=store_help)
@@ -273,10 +290,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
         logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                             format="kvtier: %(levelname)s: %(message)s")
-        commands = {"run": cmd_run, "stats": cmd_stats, "calibrate": cmd_calibrate, "bench": cmd_bench,
-                    "replay": cmd_replay,
-                    "store": cmd_store,
-                    "import-gguf": cmd_import_gguf}
+        commands = {"run": cmd_run, "serve": cmd_serve, "stats": cmd_stats, "calibrate": cmd_calibrate,
+                    "bench": cmd_bench, "replay": cmd_replay, "store": cmd_store, "import-gguf": cmd_import_gguf}
         return commands[args.command](args)
     except UsageError as err:
         print(f"kvtier: error: {err}", file=sys.stderr)
@@ -439,10 +454,28 @@ def _geometry(loaded, page_size: int):
 # -- run -------------------------------------------------------------------------
 
 
+def _open_engine(args: argparse.Namespace, loaded, store_dir: Path | None, **config) -> Engine:
+    """The engine and store that the shared engine flags describe (``run``, ``serve``):
+    the store calibrated on its first use, every construction error one line."""
+    from .engine import Engine, EngineConfig
+    from .model import ModelError
+
+    geometry = _geometry(loaded, args.page_size)
+    if store_dir is not None and not (args.no_auto_calibrate or os.environ.get("KVTIER_NO_AUTO_CALIBRATE")):
+        _calibrate_on_first_use(loaded, geometry, store_dir)
+    store = StoreConfig(args.l1_bytes, args.l2_bytes, args.l3_bytes, store_dir, args.codec,
+                        throttle=dict(args.throttle), label=loaded.label)
+    try:
+        return Engine(loaded, EngineConfig(page_size=args.page_size, offload=store_dir is not None, store=store,
+                                           cache_salt=args.cache_salt, single_flight=args.single_flight,
+                                           refresh_window=args.refresh_window, policy=args.policy, **config))
+    except (ModelError, ValueError) as err:
+        raise UsageError(str(err)) from None
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     # Imported here so that `kvtier --help` and bad arguments answer at once.
-    from .engine import Engine, EngineConfig, InputError, check_prompt
-    from .model import ModelError
+    from .engine import InputError, check_prompt
     from .request import SamplingParams
 
     store_dir = None if args.no_offload else _usable_store(args.store)
@@ -455,18 +488,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             check_prompt(loaded, prompt, params)
     except InputError as err:
         raise UsageError(str(err)) from None
-    geometry = _geometry(loaded, args.page_size)
-    if store_dir is not None and not (args.no_auto_calibrate or os.environ.get("KVTIER_NO_AUTO_CALIBRATE")):
-        _calibrate_on_first_use(loaded, geometry, store_dir)
-    store = StoreConfig(args.l1_bytes, args.l2_bytes, args.l3_bytes, store_dir, args.codec,
-                        throttle=dict(args.throttle), label=loaded.label)
-    config = EngineConfig(page_size=args.page_size, offload=store_dir is not None, store=store,
-                          cache_salt=args.cache_salt, single_flight=args.single_flight,
-                          refresh_window=args.refresh_window, policy=args.policy)
-    try:
-        engine = Engine(loaded, config)
-    except (ModelError, ValueError) as err:
-        raise UsageError(str(err)) from None
+    engine = _open_engine(args, loaded, store_dir)
     printer = None if args.json else _Printer(loaded.tokenizer, engine.result)
     requests, ended = [], False
     try:
@@ -536,6 +558,47 @@ class _Printer:
             print(detokenizer.last_segment)
             print(f"   ttft {r['ttft_s'] * 1000:.0f} ms, {len(r['output_token_ids'])} tokens out; sources: "
                   + "  ".join(f"{k}={v}" for k, v in r["sources"].items()), flush=True)
+
+
+def port_number(text: str) -> int:
+    if not text.isdigit() or int(text) > 65535:
+        raise argparse.ArgumentTypeError(f"expected a port number 0..65535, got {text!r}")
+    return int(text)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from .server import KVTierServer, ServerConfig
+
+    family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
+    try:  # bound before the model loads: a busy port fails at once; --port 0 takes a free one
+        sock = socket.create_server((args.host, args.port), family=family)
+    except OSError as err:
+        raise UsageError(f"cannot listen on {args.host}:{args.port}: {err.strerror or err}") from None
+    store_dir = None if args.no_offload else _usable_store(args.store)
+    _check_sizes(args, store_dir)
+    loaded = _load_model(args.model)
+    engine = _open_engine(args, loaded, store_dir, max_running=args.max_running, publish_answers=True)
+    server = KVTierServer(engine,
+                          ServerConfig(args.served_model_name or loaded.label, args.max_waiting, args.max_tokens))
+    uv = uvicorn.Server(uvicorn.Config(server.app, lifespan="on", log_level="info" if args.verbose else "warning",
+                                       timeout_graceful_shutdown=args.drain_timeout))
+    # uvicorn handles SIGTERM/SIGINT (stop accepting, drain), then raises the signal again
+    # once it has shut down; these handlers take that second delivery, so the store is
+    # flushed below and the exit status is 0.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
+    if hasattr(signal, "SIGPIPE"):  # a client gone before its answer is written is an error, not our end
+        signal.signal(signal.SIGPIPE, signal.SIG_IGN)
+    server.start()
+    port = sock.getsockname()[1]
+    print(f"kvtier: serving {server.config.model_name} on http://{args.host}:{port}", file=sys.stderr, flush=True)
+    try:
+        uv.run(sockets=[sock])
+    finally:
+        server.close()
+    return 0
 
 
 def _print_summary(stats: dict) -> None:

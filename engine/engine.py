@@ -28,13 +28,13 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import make_prompt_cache
-from mlx_lm.sample_utils import make_sampler
+from mlx_lm.sample_utils import apply_top_p, make_sampler
 
 from kvtier.costmodel.plan import READ_LINKS, Profile, plan_restore
 from kvtier.tiers.counters import add_into
 from kvtier.tiers.hierarchy import RestoredPrefix, StoreConfig, TieredStore
 from kvtier.tiers.policy import DEFAULT_POLICY
-from kvtier.tiers.page import Source, page_keys, reusable_pages
+from kvtier.tiers.page import PageKey, Source, page_keys, reusable_pages
 
 from .flights import FlightCoordinator
 from .metrics import RateWindow
@@ -73,6 +73,7 @@ class EngineConfig:
     cache_salt: str = ""
     single_flight: str = "after-prefill"  # "off" | "after-prefill" | "at-completion"
     publish: str = "incremental"  # after every step, or "at-completion" only
+    publish_answers: bool = False  # at the end, also the pages the answer filled (a server's next turn)
     max_running: int = 32  # requests in the BatchGenerator at once; the rest wait
     refresh_window: int = 128  # waiting requests whose L1 pages are touched before admission
     window_s: float = 30.0  # cached tokens per second are measured over this window
@@ -250,15 +251,14 @@ class Engine:
             request.published = request.prefix_tokens // self.config.page_size
             self.cached_tokens.add(request.restored.num_pages * self.config.page_size)
             self.totals["store_seconds"] += time.perf_counter() - t0
-        params = request.params
-        sampler = make_sampler(params.temperature, params.top_p)
+        request.t_admit = time.perf_counter()
         done = request.prefix_tokens
         (request.uid,) = self.generator.insert(
             [request.prompt[done:]],
-            max_tokens=[params.max_tokens],
+            max_tokens=[request.params.max_tokens],
             caches=[cache],
             all_tokens=[request.prompt[:done]],
-            samplers=[sampler],
+            samplers=[_sampler(request.params)],
         )
         self._running[request.uid] = request
 
@@ -346,22 +346,40 @@ class Engine:
         if response.end_of_prompt:
             self.scheduler.prefilled(request.rid)
 
-    def _publish(self, request: Request, caches: list, ready: int) -> None:
-        """Store pages ``published .. ready`` of a request from its mlx-lm cache."""
+    def _publish(self, request: Request, caches: list, ready: int,
+                 keys: Sequence[PageKey] | None = None, tokens: Sequence[int] | None = None) -> None:
+        """Store pages ``published .. ready`` of a request from its mlx-lm cache: pages of
+        its prompt, or of ``tokens`` (with their ``keys``), the sequence the cache holds."""
         t0 = time.perf_counter()
         size = self.config.page_size
+        keys, tokens = keys or request.keys, tokens or request.prompt
         pages = []
         for i in range(request.published, ready):
-            if self.store.has(request.keys[i]):  # recomputed over a stored page: nothing to copy out
+            if self.store.has(keys[i]):  # recomputed over a stored page: nothing to copy out
                 continue
             a, b = i * size, (i + 1) * size
             kv = mx.stack([mx.stack([c.keys[0, :, a:b], c.values[0, :, a:b]]) for c in caches])
             pages.append((i, kv))
         mx.eval([kv for _, kv in pages])
         for i, kv in pages:
-            self.store.publish(request.keys[i], request.prompt[i * size : (i + 1) * size], kv)
+            self.store.publish(keys[i], tokens[i * size : (i + 1) * size], kv)
         request.published = ready
         self.totals["store_seconds"] += time.perf_counter() - t0
+
+    def _publish_at_end(self, request: Request, response) -> None:
+        """At the end, publish the prompt's pages not published yet and, with
+        ``publish_answers``, the pages filled while answering, keyed by the generated
+        tokens, so that a next turn whose prompt holds this prompt and this answer
+        restores both (DESIGN §8a). mlx-lm feeds every token it reports back into the
+        cache, the last one too: the cache holds ``all_tokens``, prompt and output (EOS included)."""
+        if not self.config.publish_answers:
+            if request.published < len(request.keys):
+                self._publish(request, response.prompt_cache, len(request.keys))
+            return
+        caches, tokens = response.prompt_cache, list(response.all_tokens)
+        ready = min(len(tokens), caches[0].offset) // self.config.page_size
+        if ready > request.published:
+            self._publish(request, caches, ready, page_keys(self.namespace, tokens), tokens)
 
     def _on_token(self, request: Request, response) -> None:
         now = time.perf_counter()
@@ -372,8 +390,8 @@ class Engine:
             request._tokens.put(response.token)
         if response.finish_reason is None:
             return
-        if self.store is not None and request.published < len(request.keys):  # publication at completion
-            self._publish(request, response.prompt_cache, len(request.keys))
+        if self.store is not None:
+            self._publish_at_end(request, response)
         self._end(request, response.finish_reason)
 
     def _end(self, request: Request, reason: str, exc: BaseException | None = None) -> None:
@@ -465,6 +483,23 @@ class Engine:
         if exc_type is not None:
             self.stop(cancel=True)
         self.close()
+
+
+def _sampler(params: SamplingParams):
+    """mlx-lm's sampler for these settings. With a seed, the request draws from its own
+    random key, so the same seed samples the same tokens whatever else runs in the batch."""
+    if params.seed is None or params.temperature == 0:
+        return make_sampler(params.temperature, params.top_p)
+    key = mx.random.key(params.seed)
+
+    def sample(logprobs: mx.array) -> mx.array:
+        nonlocal key
+        key, draw = mx.random.split(key)
+        if params.top_p < 1.0:
+            logprobs = apply_top_p(logprobs, params.top_p)
+        return mx.random.categorical(logprobs * (1 / params.temperature), key=draw)
+
+    return sample
 
 
 def _one_line(exc: BaseException) -> str:

@@ -21,6 +21,7 @@ class SamplingParams:
     max_tokens: int = 64
     temperature: float = 0.0  # 0 is greedy
     top_p: float = 1.0
+    seed: int | None = None  # its own random stream (temperature > 0)
 
 
 @dataclass(eq=False)  # a request is itself: compared and hashed by identity
@@ -54,6 +55,7 @@ class Request:
     finish_reason: str | None = None
     error: str | None = None  # one line, when finish_reason is "error"
     t_submit: float = field(default_factory=time.perf_counter)
+    t_admit: float | None = None  # when it joined the batch
     t_first_token: float | None = None
     t_done: float | None = None
     _tokens: queue.Queue = field(default_factory=queue.Queue, repr=False)

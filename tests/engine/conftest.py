@@ -6,7 +6,7 @@ from mlx_lm.generate import stream_generate
 from kvtier.engine.default_model import REAL_MODEL, REAL_MODEL_DISTRIBUTION, TINY_MODEL, packaged_gguf
 from kvtier.engine.model import load_model
 
-_TAKES_MODEL = {"run", "calibrate", "bench"}
+_TAKES_MODEL = {"run", "calibrate", "bench", "serve"}
 
 
 @pytest.fixture(scope="session")

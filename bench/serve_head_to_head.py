@@ -1,0 +1,121 @@
+"""kvtier serve against mlx_lm.server on the same model, over HTTP, with an agent-like
+workload: 8 conversations share a long system prompt with tool definitions, 6 turns
+each, every answer appended to its history, the conversations interleaved (turn t of
+every conversation before turn t+1 of any). Then both servers restart and the same
+workload runs again: mlx_lm.server's prompt cache lived in its RAM; kvtier's pages were
+flushed to L3 on SIGTERM.
+
+    python bench/serve_head_to_head.py [--model DIR] [--conversations 8] [--turns 6] [--json]
+
+Reports TTFT p50 / p95 and total time per server and pass, and the ratios kvtier /
+mlx_lm.server (the goal: <= 1 on the first pass, <= 0.2 after the restart).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).parent))
+from serve_common import Server, default_model_dir, kvtier_server, mlx_lm_server, percentile, stream_chat  # noqa: E402
+
+TOOLS = [
+    {"name": name, "description": f"{what} Use it whenever the task needs it; never guess its output.",
+     "parameters": {"type": "object", "properties": {arg: {"type": "string", "description": f"the {arg}"}
+                                                     for arg in args}, "required": list(args)}}
+    for name, what, args in [
+        ("read_file", "Read a file of the repository and return its text.", ["path"]),
+        ("write_file", "Write text to a file of the repository, replacing it.", ["path", "text"]),
+        ("list_dir", "List the entries of a directory of the repository.", ["path"]),
+        ("run_tests", "Run the test suite, or the tests matching a pattern, and return the report.", ["pattern"]),
+        ("grep", "Search the repository for a regular expression; return matching lines.", ["pattern", "path"]),
+        ("git_diff", "Show the uncommitted changes of the repository.", ["path"]),
+        ("web_search", "Search the documentation of the libraries the project uses.", ["query"]),
+        ("ask_user", "Ask the user a question and wait for the answer.", ["question"]),
+    ]
+]
+SYSTEM = ("You are a coding agent working in a Python repository. Think step by step, call one tool "
+          "at a time by answering with a JSON object {\"tool\": name, \"arguments\": {...}}, and explain "
+          "briefly what you do. Keep changes small and run the tests after each one.\n\nTools:\n"
+          + "\n".join(json.dumps(tool) for tool in TOOLS))
+TASKS = ["Fix the failing test in tests/test_cache.py.", "Add a --verbose flag to the CLI.",
+         "Why is the restore slow for long prompts?", "Rename Page to KVPage everywhere.",
+         "Write a docstring for the eviction policy.", "Find where the LMDB environment is opened.",
+         "Add a test for an empty prompt.", "Summarise what the scheduler does."]
+FOLLOW_UPS = ["Go on.", "The tool returned: OK. What next?", "Run the tests now.",
+              "The tests pass. Anything else?", "Commit it with a short message."]
+
+
+def run_pass(server: Server, conversations: int, turns: int, max_tokens: int) -> dict:
+    histories = [[{"role": "system", "content": SYSTEM}, {"role": "user", "content": TASKS[c % len(TASKS)]}]
+                 for c in range(conversations)]
+    ttfts, cached, prompt = [], 0, 0
+    t0 = time.perf_counter()
+    with httpx.Client(timeout=600) as client:
+        for turn in range(turns):
+            for history in histories:
+                reply = stream_chat(client, server, history, max_tokens)
+                ttfts.append(reply.ttft_s)
+                details = reply.usage.get("prompt_tokens_details") or {}
+                cached += details.get("cached_tokens") or 0
+                prompt += reply.usage.get("prompt_tokens", 0)
+                history += [{"role": "assistant", "content": reply.text},
+                            {"role": "user", "content": FOLLOW_UPS[turn % len(FOLLOW_UPS)]}]
+    return {"ttft_p50_s": percentile(ttfts, 50), "ttft_p95_s": percentile(ttfts, 95),
+            "total_s": time.perf_counter() - t0, "requests": len(ttfts),
+            "cached_fraction": cached / prompt if prompt else None}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", help="mlx-lm model directory (default: kvtier's default model)")
+    parser.add_argument("--conversations", type=int, default=8)
+    parser.add_argument("--turns", type=int, default=6)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--page-size", type=int, default=128)
+    parser.add_argument("--port", type=int, default=8711)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    model = args.model or default_model_dir()
+    store = Path(tempfile.mkdtemp(prefix="kvtier-h2h-"))
+    servers = {
+        "kvtier": lambda: kvtier_server(model, args.port, store, "--page-size", str(args.page_size)),
+        "mlx_lm.server": lambda: mlx_lm_server(model, args.port + 1),
+    }
+    results: dict = {}
+    for pass_name in ("first", "after_restart"):
+        for name, make in servers.items():
+            server = make().start()
+            try:
+                results.setdefault(name, {})[pass_name] = run_pass(server, args.conversations, args.turns,
+                                                                   args.max_tokens)
+            finally:
+                server.stop()
+    ratios = {p: {k: results["kvtier"][p][k] / results["mlx_lm.server"][p][k]
+                  for k in ("ttft_p50_s", "ttft_p95_s", "total_s")} for p in ("first", "after_restart")}
+    report = {"model": model, "page_size": args.page_size, "results": results, "kvtier_over_mlx_lm": ratios}
+    if args.json:
+        print(json.dumps(report))
+        return 0
+    print(f"model {model}, {args.conversations} conversations x {args.turns} turns, "
+          f"{args.max_tokens} tokens per answer, page size {args.page_size}")
+    print(f"{'server':<14} {'pass':<14} {'TTFT p50':>9} {'TTFT p95':>9} {'total':>8} {'cached':>7}")
+    for name, passes in results.items():
+        for pass_name, r in passes.items():
+            cached = f"{r['cached_fraction']:.0%}" if r["cached_fraction"] is not None else "-"
+            print(f"{name:<14} {pass_name:<14} {r['ttft_p50_s']:>8.3f}s {r['ttft_p95_s']:>8.3f}s "
+                  f"{r['total_s']:>7.1f}s {cached:>7}")
+    for pass_name, r in ratios.items():
+        print(f"kvtier / mlx_lm.server, {pass_name}: TTFT p50 {r['ttft_p50_s']:.2f}x, "
+              f"p95 {r['ttft_p95_s']:.2f}x, total {r['total_s']:.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,97 @@
+"""Prometheus metrics of a serving engine (DESIGN §5): read from ``Engine.stats()`` at
+every scrape, so they are never stale and never counted twice, plus the latency
+histograms that only the server sees (time to first token, time in the queue).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from kvtier.tiers.counters import GAUGES
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class StatsCollector(Collector):
+    """Turns one ``Engine.stats()`` dict into metric families, labelled by tier, link, source."""
+
+    def __init__(self, stats: Callable[[], dict]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._stats()
+        yield from _table("tier", stats.get("tiers", {}), gauges=GAUGES)
+        yield from _table("link", stats.get("links", {}), gauges=())
+        engine = stats["engine"]
+        sources = CounterMetricFamily("kvtier_prompt_tokens", "prompt tokens by where they came from",
+                                      labels=["source"])
+        for source, tokens in engine["sources"].items():
+            sources.add_metric([source], tokens)
+        yield sources
+        for name in ("requests", "generated_tokens", "l1_hit_loss_tokens", "store_seconds"):
+            yield CounterMetricFamily(f"kvtier_{name}", f"kvtier engine {name}", value=engine[name])
+        window = stats["windowed"]
+        yield GaugeMetricFamily("kvtier_cached_tokens_per_second",
+                                f"restored prompt tokens per second over the last {window['window_s']:.0f} s",
+                                value=window["cached_tokens_per_s"])
+        yield from _costmodel_errors(stats["costmodel"])
+
+
+def _table(label: str, rows: dict[str, dict], gauges: tuple[str, ...]) -> Iterator[Metric]:
+    """One family per field: ``kvtier_tier_pages{tier="L1"}``, ``kvtier_link_bytes_total{link="L3->L1"}``."""
+    families: dict[str, Metric] = {}
+    for row, fields in rows.items():
+        for name, value in fields.items():
+            if name not in families:
+                kind = GaugeMetricFamily if name in gauges else CounterMetricFamily
+                families[name] = kind(f"kvtier_{label}_{name}", f"kvtier {name} per {label}", labels=[label])
+            families[name].add_metric([row], value)
+    yield from families.values()
+
+
+def _costmodel_errors(summary: dict) -> Iterator[Metric]:
+    """Relative error of the cost model's predictions against measured times, per link and for prefill."""
+    parts = {**summary["links"], "prefill": summary["compute"]}
+    median = GaugeMetricFamily("kvtier_costmodel_error_median", "median relative prediction error", labels=["part"])
+    p90 = GaugeMetricFamily("kvtier_costmodel_error_p90", "90th percentile relative prediction error",
+                            labels=["part"])
+    checked = CounterMetricFamily("kvtier_costmodel_predictions_checked", "predictions checked against a measurement",
+                                  labels=["part"])
+    for part, fit in parts.items():
+        error = fit["error"]
+        if error.get("count"):
+            median.add_metric([part], error["median"])
+            p90.add_metric([part], error["p90"])
+        checked.add_metric([part], error.get("count", 0))
+    yield from (median, p90, checked)
+
+
+class ServerMetrics:
+    """The registry that ``GET /metrics`` renders."""
+
+    def __init__(self, stats: Callable[[], dict], server_gauges: Callable[[], dict[str, int]]) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(StatsCollector(stats))
+        self.registry.register(_Gauges(server_gauges))
+        self.ttft = Histogram("kvtier_ttft_seconds", "time from submission to the first token",
+                              buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.queue = Histogram("kvtier_queue_seconds", "time from submission to admission into the batch",
+                               buckets=_LATENCY_BUCKETS, registry=self.registry)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _Gauges(Collector):
+    """Server-side gauges read at scrape time (waiting and running requests)."""
+
+    def __init__(self, read: Callable[[], dict[str, int]]) -> None:
+        self._read = read
+
+    def collect(self) -> Iterator[Metric]:
+        for name, value in self._read().items():
+            yield GaugeMetricFamily(f"kvtier_server_{name}", f"requests {name}", value=value)

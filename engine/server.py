@@ -1,0 +1,325 @@
+"""``kvtier serve``: OpenAI- and Anthropic-compatible HTTP on one :class:`Engine` (DESIGN §8a).
+
+The engine keeps mlx on its one serving thread (``Engine.start``); handlers only
+tokenize, submit, read ``Request.stream`` and cancel. Blocking calls (submission
+takes the store's lock, a stream waits for the next token) run in worker threads,
+so the event loop never waits on the engine.
+
+A request's life here: read the body (413 past the limit), check it (``engine/api.py``:
+400 or 404), render and tokenize the prompt, check it against the context, refuse it
+with 429 if the waiting queue is full, submit, then stream or collect the text, cut at
+the first stop string. A client that goes away cancels its request (batch slot and
+pins released). On shutdown the live requests are cancelled and the engine closes,
+which flushes L1 and L2 to L3.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+import anyio
+from starlette.applications import Starlette
+from starlette.background import BackgroundTask
+from starlette.exceptions import HTTPException
+from starlette.requests import Request as HTTPRequest
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from . import api
+from .api import APIError, Finished, PromptUsage
+from .engine import Engine, InputError
+from .prometheus import ServerMetrics
+from .request import Request, SamplingParams
+from .text import OutputText
+
+log = logging.getLogger(__name__)
+
+ANTHROPIC_PATHS = ("/v1/messages",)
+
+
+@dataclass
+class ServerConfig:
+    model_name: str  # the id clients send as ``model`` and ``/v1/models`` lists
+    max_waiting: int = 64  # requests queued for a batch slot; past it, 429
+    default_max_tokens: int = 512  # when a request names none (capped by the context)
+    max_body_bytes: int = 8 << 20  # larger bodies answer 413
+
+
+class Generation:
+    """One submitted request as the server follows it: its text, cut at a stop string."""
+
+    def __init__(self, request: Request, text: OutputText, page_size: int) -> None:
+        self.request = request
+        self.text = text
+        self.page_size = page_size
+        self.tokens = 0  # generated tokens read, up to the one that completed a stop string
+
+    async def deltas(self) -> AsyncIterator[str]:
+        """Pieces of text as tokens arrive (may be empty); ends with the request or a stop string."""
+        stream = self.request.stream()
+        while (token := await anyio.to_thread.run_sync(next, stream, None, abandon_on_cancel=True)) is not None:
+            self.tokens += 1
+            yield self.text.add(token)
+            if self.text.stop_string is not None:
+                self.request.cancel()  # the engine ends it at its next step
+                return
+        yield self.text.finish()
+
+    def prompt_usage(self) -> PromptUsage:
+        """Where the prompt came from (known once the request was admitted)."""
+        request = self.request
+        plan = request.plan.to_dict() if request.plan else None
+        return PromptUsage(len(request.prompt), request.sources(), self.page_size, plan)
+
+    def finished(self) -> Finished:
+        """The outcome once ``deltas`` is exhausted; an engine failure is a 500."""
+        if self.text.stop_string is not None:
+            reason = "stop"
+        elif self.request.finish_reason in ("stop", "length"):
+            reason = self.request.finish_reason
+        elif self.request.finish_reason == "error":
+            raise APIError(500, f"generation failed: {self.request.error}", "server_error")
+        else:
+            raise APIError(503, "the request was cancelled (server shutting down)", "server_error")
+        return Finished(self.text.text, self.tokens, reason, self.text.stop_string, self.prompt_usage())
+
+
+class KVTierServer:
+    """The ASGI app and what it shares: the engine, its metrics, the requests in flight."""
+
+    def __init__(self, engine: Engine, config: ServerConfig) -> None:
+        self.engine = engine
+        self.config = config
+        self.tokenizer = engine.loaded.tokenizer
+        self.context = _context_length(engine)
+        self.created = int(time.time())
+        self._live: dict[int, Request] = {}  # by rid
+        self.metrics = ServerMetrics(engine.stats, self._gauges)
+        self.app = Starlette(
+            routes=[
+                Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+                Route("/v1/completions", self.completions, methods=["POST"]),
+                Route("/v1/messages", self.messages, methods=["POST"]),
+                Route("/v1/models", self.models, methods=["GET"]),
+                Route("/health", self.health, methods=["GET"]),
+                Route("/metrics", self.prometheus, methods=["GET"]),
+                Route("/v1/kvtier/stats", self.stats, methods=["GET"]),
+            ],
+            exception_handlers={APIError: self._api_error, HTTPException: self._http_error,
+                                Exception: self._internal_error},
+            lifespan=self._lifespan,
+        )
+
+    # -- lifecycle ---------------------------------------------------------------
+
+    def start(self) -> None:
+        self.engine.start()
+
+    def close(self) -> None:
+        """Cancel what is still running, stop the engine and flush the store to L3 (idempotent)."""
+        self.engine.stop(cancel=True)
+        self.engine.close()
+
+    @asynccontextmanager
+    async def _lifespan(self, app: Starlette):
+        # Every live stream holds a worker thread while it waits for a token.
+        limiter = anyio.to_thread.current_default_thread_limiter()
+        limiter.total_tokens = max(limiter.total_tokens, self.config.max_waiting + self.engine.config.max_running + 8)
+        yield
+
+    def _gauges(self) -> dict[str, int]:
+        live = len(self._live)
+        waiting = min(self.engine.scheduler.pending(), live)
+        return {"waiting": waiting, "running": live - waiting}
+
+    # -- OpenAI ------------------------------------------------------------------
+
+    async def completions(self, http: HTTPRequest) -> Response:
+        body = api.parse_body(await self._read(http), api.CompletionRequest)
+        prompt = body.prompt
+        tokens = await anyio.to_thread.run_sync(self.tokenizer.encode, prompt) if isinstance(prompt, str) else prompt
+        return await self._openai(http, body, list(tokens), chat=False)
+
+    async def chat_completions(self, http: HTTPRequest) -> Response:
+        body = api.parse_body(await self._read(http), api.ChatCompletionRequest)
+        tokens = await anyio.to_thread.run_sync(self._render, body.template_messages(), body.tools)
+        return await self._openai(http, body, tokens, chat=True)
+
+    async def _openai(self, http: HTTPRequest, body, tokens: list[int], chat: bool) -> Response:
+        shape = api.OpenAIShape(chat, self._model(body.model))
+        gen = await self._submit(tokens, body.max_tokens, body.temperature, body.top_p, body.seed,
+                                 body.stop_strings(), "prompt" if not chat else "messages")
+        if not body.stream:
+            return JSONResponse(shape.response(await self._collect(gen, http)))
+
+        async def events() -> AsyncIterator[str]:
+            yield shape.chunk("", first=True)
+            async for piece in gen.deltas():
+                if piece:
+                    yield shape.chunk(piece)
+            try:
+                done = gen.finished()
+            except APIError as err:
+                for chunk in shape.error_chunks(err):
+                    yield chunk
+                return
+            for chunk in shape.final_chunks(done, body.include_usage):
+                yield chunk
+
+        return self._sse(events(), gen.request)
+
+    # -- Anthropic ------------------------------------------------------------------
+
+    async def messages(self, http: HTTPRequest) -> Response:
+        body = api.parse_body(await self._read(http), api.MessagesRequest)
+        shape = api.AnthropicShape(self._model(body.model))
+        tokens = await anyio.to_thread.run_sync(self._render, body.template_messages(), body.tools)
+        gen = await self._submit(tokens, body.max_tokens, body.temperature, body.top_p, None,
+                                 body.stop_sequences, "messages")
+        if not body.stream:
+            return JSONResponse(shape.response(await self._collect(gen, http)))
+
+        async def events() -> AsyncIterator[str]:
+            started = False
+            async for piece in gen.deltas():
+                if not started:  # the first token: the request was admitted, its sources are known
+                    started = True
+                    for event in shape.start_events(gen.prompt_usage()):
+                        yield event
+                if piece:
+                    yield shape.delta_event(piece)
+            try:
+                done = gen.finished()
+            except APIError as err:
+                for event in shape.error_events(err):
+                    yield event
+                return
+            for event in (shape.start_events(done.prompt) if not started else []) + shape.final_events(done):
+                yield event
+
+        return self._sse(events(), gen.request)
+
+    # -- the rest of the API -----------------------------------------------------------
+
+    async def models(self, http: HTTPRequest) -> Response:
+        return JSONResponse(api.models_list(self.config.model_name, self.created))
+
+    async def health(self, http: HTTPRequest) -> Response:
+        return JSONResponse({"status": "ok", "model": self.config.model_name})
+
+    async def prometheus(self, http: HTTPRequest) -> Response:
+        text = await anyio.to_thread.run_sync(self.metrics.render)
+        return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    async def stats(self, http: HTTPRequest) -> Response:
+        stats = await anyio.to_thread.run_sync(self.engine.stats)
+        return JSONResponse({**stats, "server": self._gauges()})
+
+    # -- steps shared by the endpoints ------------------------------------------------
+
+    async def _read(self, http: HTTPRequest) -> bytes:
+        """The body, refused with 413 as soon as it passes the limit."""
+        limit = self.config.max_body_bytes
+        declared = http.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise APIError(413, f"body is {declared} bytes; the limit is {limit}", code="body_too_large")
+        chunks, size = [], 0
+        async for chunk in http.stream():
+            size += len(chunk)
+            if size > limit:
+                raise APIError(413, f"body is over the limit of {limit} bytes", code="body_too_large")
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    def _model(self, name: str | None) -> str:
+        if name is not None and name != self.config.model_name:
+            raise APIError(404, f"model {name!r} is not served here (this server has {self.config.model_name!r})",
+                           param="model", code="model_not_found")
+        return self.config.model_name
+
+    def _render(self, messages: list[dict], tools: list[dict] | None) -> list[int]:
+        """Chat messages through the model's chat template, ready for generation."""
+        try:
+            return list(self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True))
+        except Exception as err:  # jinja and template errors come in many types
+            raise api.invalid(f"the chat template cannot render these messages: {err}", "messages") from None
+
+    async def _submit(self, tokens: list[int], max_tokens: int | None, temperature: float, top_p: float,
+                      seed: int | None, stops: list[str], param: str) -> Generation:
+        if len(tokens) >= self.context:
+            raise api.invalid(f"the prompt is {len(tokens)} tokens; this model's context is {self.context}",
+                              param)
+        room = self.context - len(tokens)
+        if max_tokens is not None and max_tokens > room:
+            raise api.invalid(f"max_tokens is {max_tokens}, but the {len(tokens)}-token prompt leaves room "
+                              f"for {room} in this model's context of {self.context}", "max_tokens")
+        if self.engine.scheduler.pending() >= self.config.max_waiting:
+            raise APIError(429, f"{self.config.max_waiting} requests are already waiting; try again shortly",
+                           "rate_limit_error", code="queue_full")
+        params = SamplingParams(max_tokens or min(self.config.default_max_tokens, room), temperature, top_p,
+                                seed=seed)
+        try:
+            request = await anyio.to_thread.run_sync(self.engine.submit, tokens, params)
+        except InputError as err:
+            raise api.invalid(str(err), param) from None
+        self._live[request.rid] = request
+        return Generation(request, OutputText(self.tokenizer.detokenizer, stops), self.engine.config.page_size)
+
+    async def _collect(self, gen: Generation, http: HTTPRequest) -> Finished:
+        """Run a request to its end; cancel it if the client goes away first."""
+        try:
+            async with anyio.create_task_group() as group:
+                group.start_soon(_cancel_on_disconnect, http, gen.request)
+                async for _ in gen.deltas():
+                    pass
+                group.cancel_scope.cancel()
+            return gen.finished()
+        finally:
+            self._end(gen.request)
+
+    def _sse(self, events: AsyncIterator[str], request: Request) -> StreamingResponse:
+        """A server-sent event stream; however it ends (done, client gone, never started), ``_end`` runs."""
+        return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"},
+                                 background=BackgroundTask(self._end, request))
+
+    def _end(self, request: Request) -> None:
+        """The server is done with a request: cancel it (nothing happens to a finished one),
+        forget it, and count its latencies once."""
+        request.cancel()
+        self._live.pop(request.rid, None)
+        if request.t_first_token is not None:
+            self.metrics.ttft.observe(request.t_first_token - request.t_submit)
+        if request.t_admit is not None:
+            self.metrics.queue.observe(request.t_admit - request.t_submit)
+
+    # -- errors ---------------------------------------------------------------------
+
+    async def _api_error(self, http: HTTPRequest, err: APIError) -> Response:
+        return JSONResponse(err.body(anthropic=http.url.path in ANTHROPIC_PATHS), status_code=err.status)
+
+    async def _http_error(self, http: HTTPRequest, err: HTTPException) -> Response:
+        kind = "not_found_error" if err.status_code == 404 else "invalid_request_error"
+        return await self._api_error(http, APIError(err.status_code, f"{http.method} {http.url.path}: {err.detail}",
+                                                    kind))
+
+    async def _internal_error(self, http: HTTPRequest, err: Exception) -> Response:
+        log.exception("request to %s failed", http.url.path)
+        return await self._api_error(http, APIError(500, f"internal error: {type(err).__name__}", "server_error"))
+
+
+async def _cancel_on_disconnect(http: HTTPRequest, request: Request) -> None:
+    while (await http.receive())["type"] != "http.disconnect":
+        pass
+    request.cancel()
+
+
+def _context_length(engine: Engine) -> int:
+    """Tokens the model attends over: its config's ``max_position_embeddings``, else the tokenizer's limit."""
+    args = getattr(engine.loaded.model, "args", None)
+    length = getattr(args, "max_position_embeddings", None) or getattr(engine.loaded.tokenizer, "model_max_length", 0)
+    return int(length) if length and length < 10**9 else 32768
+

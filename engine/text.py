@@ -1,0 +1,48 @@
+"""Output text of one request, token by token, cut at the first stop string.
+
+Streaming must never send text that a stop string later claims, so the end of the
+text that could begin a stop string is held back until more text shows that it does
+not (or the request ends).
+"""
+
+from __future__ import annotations
+
+
+class OutputText:
+    def __init__(self, detokenizer, stops: list[str]) -> None:
+        self._detokenizer = detokenizer  # an mlx-lm StreamingDetokenizer of its own
+        self._stops = stops
+        self._pending = ""  # decoded, not yet handed out
+        self.text = ""  # everything handed out
+        self.stop_string: str | None = None  # the stop string that ended the text
+
+    def add(self, token: int) -> str:
+        """Feed one generated token; the text that is now safe to send."""
+        self._detokenizer.add_token(token)
+        return self._take(self._detokenizer.last_segment, final=False)
+
+    def finish(self) -> str:
+        """The generation ended: whatever text is still held back."""
+        self._detokenizer.finalize()
+        return self._take(self._detokenizer.last_segment, final=True)
+
+    def _take(self, segment: str, final: bool) -> str:
+        if self.stop_string is not None:
+            return ""
+        self._pending += segment
+        found = [(i, s) for s in self._stops if (i := self._pending.find(s)) >= 0]
+        if found:
+            cut, self.stop_string = min(found)
+            out, self._pending = self._pending[:cut], ""
+        else:
+            cut = len(self._pending) - (0 if final else self._could_start_stop())
+            out, self._pending = self._pending[:cut], self._pending[cut:]
+        self.text += out
+        return out
+
+    def _could_start_stop(self) -> int:
+        """Length of the longest end of the pending text that is the start of a stop string."""
+        for n in range(min(max(map(len, self._stops), default=0), len(self._pending)), 0, -1):
+            if any(stop.startswith(self._pending[-n:]) for stop in self._stops):
+                return n
+        return 0
