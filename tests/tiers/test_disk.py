@@ -23,7 +23,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvtier.tiers.disk import FORMAT_VERSION, DiskTier, StoreError, compact_store
+from kvtier.tiers.disk import DiskTier, StoreError, compact_store
+from kvtier.tiers.record import FORMAT_VERSION
 
 REPO = Path(__file__).resolve().parents[2]
 NS = b"N" * 16
