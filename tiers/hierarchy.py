@@ -499,7 +499,9 @@ class TieredStore:
             if self.disk is not None:
                 tiers["L3"] = asdict(self.disk.counters)
             links = {name: asdict(link) for name, link in self.links.items()}
-            return {"tiers": tiers, "links": links}
+            if self.disk is None:
+                return {"tiers": tiers, "links": links}
+            return {"tiers": tiers, "links": links, "l3": {"backend": self.disk.backend, "location": self.disk.location}}
 
 
 def _checked_throttle(throttle: dict[str, float]) -> dict[str, float]:

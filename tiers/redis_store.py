@@ -154,6 +154,7 @@ class RedisTier(L3Store):
         except (ValueError, redis.RedisError) as exc:
             raise StoreError(f"bad store URL {_shown(url)}: {one_line(exc)}") from None
         self._cluster = isinstance(self._client, RedisCluster)
+        self._all = {"target_nodes": RedisCluster.PRIMARIES} if self._cluster else {}  # server-wide numbers
         self._meta, self._counters_key, self._ns = (self._prefix + name for name in (b"meta", b"counters", b"ns"))
         self._down_until = 0.0
         self._backoff = 0.0
@@ -178,13 +179,11 @@ class RedisTier(L3Store):
         if stored is not None and int(stored) != FORMAT_VERSION:
             raise StoreError(f"store {self.location} has format version {int(stored)}, "
                              f"this kvtier reads version {FORMAT_VERSION}")
-        self._evicted_at_open = _total(self._client.info("stats"), "evicted_keys")
+        self._evicted_at_open = _total(self._client.info("stats", **self._all), "evicted_keys")
         try:
             config = self._client.config_get("maxmemory*")
         except redis.ResponseError:  # a managed server may refuse CONFIG: nothing to check
             return
-        if self._cluster and config and all(isinstance(v, dict) for v in config.values()):
-            config = next(iter(config.values()))
         cap, policy = int(config.get("maxmemory", 0)), config.get("maxmemory-policy", "?")
         if asked is not None:
             log.info("store %s: the Redis server's maxmemory (%s) is its cap; the %s asked for is ignored",
@@ -286,8 +285,8 @@ class RedisTier(L3Store):
 
     def refresh(self) -> None:
         def gauges() -> tuple[int, int, int, int]:
-            memory, stats = self._client.info("memory"), self._client.info("stats")
-            return (_total(memory, "maxmemory"), _total(memory, "used_memory"), int(self._client.dbsize()),
+            memory, stats = self._client.info("memory", **self._all), self._client.info("stats", **self._all)
+            return (_total(memory, "maxmemory"), _total(memory, "used_memory"), int(self._client.dbsize(**self._all)),
                     _total(stats, "evicted_keys"))
         numbers = self._call("meta read", gauges, None)
         if numbers is not None:
