@@ -27,7 +27,6 @@ import time
 from pathlib import Path
 
 import kvtier  # noqa: F401  (loads OpenBLAS before mlx, when installed)
-import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the tests' server helpers
 from restore_bandwidth import GEOMETRY, NS, Memcpy, make_pages  # noqa: E402
