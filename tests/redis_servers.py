@@ -75,12 +75,12 @@ class RedisServer:
 class RedisCluster:
     """Three masters, no replicas: the smallest Redis Cluster."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, *args: str) -> None:
         self.nodes = []
         for i in range(3):
             (directory / str(i)).mkdir()
-            self.nodes.append(RedisServer(directory / str(i), "--cluster-enabled", "yes",
-                                          "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", "2000"))
+            self.nodes.append(RedisServer(directory / str(i), "--cluster-enabled", "yes", "--cluster-config-file",
+                                          "nodes.conf", "--cluster-node-timeout", "2000", *args))
         subprocess.run(["redis-cli", "--cluster", "create", *(f"127.0.0.1:{n.port}" for n in self.nodes),
                         "--cluster-replicas", "0", "--cluster-yes"], check=True, capture_output=True, timeout=30)
         _wait_until(self._ok, "the cluster")
@@ -155,7 +155,7 @@ def redis_server():
 @pytest.fixture
 def redis_cluster():
     with tempfile.TemporaryDirectory(prefix="kvtier-redis-cluster-") as directory:
-        cluster = RedisCluster(Path(directory))
+        cluster = RedisCluster(Path(directory), "--maxmemory", "64mb", "--maxmemory-policy", "allkeys-lru")
         try:
             yield cluster
         finally:

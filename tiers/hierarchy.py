@@ -5,9 +5,10 @@ Invariants (DESIGN §4), each tested in ``tests/tiers/test_hierarchy.py``:
 1. A published page is immutable: a key is published once and every tier holds
    exactly the bytes that were computed (raw copies; L3 checks a checksum).
 2. A pinned page (being restored, or in use by a request) is never evicted from
-   L1 or L2. An L3 restore reads inside one LMDB read transaction (a snapshot no
-   writer changes), which keeps its bytes; L3 pages are pinned too, only so that
-   every restored key is released alike (and a decoded one stays in L2 meanwhile).
+   L1 or L2. An L3 restore reads inside one L3 snapshot (an LMDB read transaction
+   no writer changes; for Redis, the values it read), which keeps its bytes; L3
+   pages are pinned too, only so that every restored key is released alike (and a
+   decoded one stays in L2 meanwhile).
 3. Capacities are hard caps (see ``tiers.tier``); a page that finds no room in
    any tier is dropped and counted, never forced in.
 4. A page is written to L3 at most once: a page already there (or already
@@ -17,7 +18,9 @@ Placement is inclusive. L1 holds pages computed on this device. A restore copies
 pages into the request's own KV, so a page restored from L2 is not copied into L1
 as well (that would double device memory). A raw L3 page is read straight from
 LMDB's map into the request's KV (``L3->L1``) and not kept in L2: the OS page cache
-already holds it, and a copy into L2 would double the restore's work. A compressed
+already holds it, and a copy into L2 would double the restore's work. A raw Redis page
+takes the same path from the bytes its snapshot read (in a few batched round trips,
+counted in ``L3->L1``'s seconds). A compressed
 L3 page is decoded into an L2 slot and kept there (``L3->L2``, then ``L2->L1``):
 decoding costs more than a copy. A page leaving
 L1 is copied to L2 only if L2 lacks it; a page leaving L2 is queued for L3 only if
@@ -86,7 +89,8 @@ class _Page:
 
     @property
     def raw_l3(self) -> bool:
-        """Read from LMDB's map as it is: its checksum is taken from the map's bytes."""
+        """Joined from the record as stored (LMDB's map, or the bytes Redis sent): its
+        checksum is taken from those bytes as they are copied."""
         return self.record is not None and not self.record.compressed
 
     @property
