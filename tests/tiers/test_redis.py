@@ -84,6 +84,17 @@ def test_cluster_url_stores_and_restores(redis_cluster):
     assert all(np.array_equal(page, kv_to_host(KV[i])) for i, page in enumerate(pages))
     spread = [n.client().dbsize() for n in redis_cluster.nodes]
     assert sum(spread) >= 8 and sum(1 for n in spread if n) >= 2  # the pages went to several shards
+    with RedisTier(redis_cluster.url) as tier:
+        assert tier.clear()[0] == 8 and tier.stored_prefix(KEYS[:8]) == 0
+
+
+@pytest.mark.parametrize("setting", [("maxmemory", "0"), ("maxmemory-policy", "noeviction")])
+def test_a_server_that_will_not_evict_is_warned_about_once(redis_server, caplog, setting):
+    redis_server.client().config_set(*setting)
+    with caplog.at_level(logging.WARNING):
+        RedisTier(redis_server.url).close()
+        RedisTier(redis_server.url).close()
+    assert len([r for r in caplog.records if "maxmemory-policy allkeys-lru" in r.getMessage()]) == 1
 
 
 def test_a_restore_takes_a_bounded_number_of_round_trips(redis_server):
