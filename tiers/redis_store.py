@@ -26,6 +26,7 @@ What differs from LMDB, and why:
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import secrets
 import time
@@ -49,6 +50,7 @@ T = TypeVar("T")
 _TIMEOUT_S = 0.5  # connect and socket timeout, unless the URL sets them
 _BATCH_BYTES = 32 << 20  # a restore's MGET carries at most about this many bytes
 _MAX_BACKOFF_S = 5.0
+_warned: set[str] = set()  # servers already warned about their eviction settings (once a process)
 # Delete a key only while it still holds the bad value a read saw (by its SHA-1).
 _DELETE_IF_SAME = "if redis.sha1hex(redis.call('GET', KEYS[1]) or '') == ARGV[1] then " \
                   "return redis.call('DEL', KEYS[1]) end return 0"
@@ -188,7 +190,8 @@ class RedisTier(L3Store):
         if asked is not None:
             log.info("store %s: the Redis server's maxmemory (%s) is its cap; the %s asked for is ignored",
                         self.location, format_bytes(cap) if cap else "none", format_bytes(asked))
-        if not cap or policy == "noeviction":
+        if (not cap or policy == "noeviction") and urlsplit(self.url).netloc not in _warned:
+            _warned.add(urlsplit(self.url).netloc)
             log.warning("store %s: Redis has %s; set maxmemory and maxmemory-policy allkeys-lru so it "
                         "evicts old pages instead of filling up (writes are then dropped)", self.location,
                         "no maxmemory" if not cap else "maxmemory-policy noeviction")
@@ -241,8 +244,6 @@ class RedisTier(L3Store):
         yield _RedisSnapshot(self)
 
     def _fingerprint(self, value: memoryview | bytes) -> str:
-        import hashlib
-
         return hashlib.sha1(value).hexdigest()
 
     def read_through(self, keys: Sequence[bytes]) -> int:
@@ -350,13 +351,16 @@ class RedisTier(L3Store):
                              "supported (clear it all, or let maxmemory evict)")
         self.flush()
         pages = nbytes = 0
-        for keys in self._scan(self._prefix + b"p:*"):
-            pipe = self._client.pipeline(transaction=False)
-            for name in keys:
-                pipe.strlen(name)
-            nbytes += sum(pipe.execute())
-            self._client.delete(*keys) if not self._cluster else [self._client.delete(k) for k in keys]
-            pages += len(keys)
+        try:
+            for keys in self._scan(self._prefix + b"p:*"):
+                pipe = self._client.pipeline(transaction=False)
+                for name in keys:
+                    pipe.strlen(name)
+                nbytes += sum(pipe.execute())
+                self._client.delete(*keys)  # a cluster client splits it by slot
+                pages += len(keys)
+        except redis.RedisError as exc:
+            raise StoreError(f"cannot clear {self.location}: {one_line(exc)}") from None
         self.refresh()
         return pages, nbytes
 
@@ -377,8 +381,7 @@ class RedisTier(L3Store):
     def drop_everything(self) -> None:
         """Delete every key under this store's prefix, meta and counters too (a scratch store)."""
         for keys in self._scan(self._prefix + b"*"):
-            for name in keys:
-                self._client.delete(name)
+            self._client.delete(*keys)
 
 
 @contextmanager
