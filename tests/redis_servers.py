@@ -38,22 +38,31 @@ def _wait_until(ready, what: str, timeout: float = 10.0) -> None:
 class RedisServer:
     """One redis-server process; ``stop`` then ``start`` brings it back, empty, on the same port."""
 
-    def __init__(self, directory: Path, *args: str) -> None:
-        self.directory, self.args = directory, args
+    def __init__(self, directory: Path, *args: str, tls: bool = False) -> None:
+        self.directory, self.args, self.tls = directory, args, tls
         self.port = free_port()
         self.process: subprocess.Popen | None = None
         self.start()
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}"
+        return f"rediss://127.0.0.1:{self.port}?ssl_cert_reqs=none" if self.tls else f"redis://127.0.0.1:{self.port}"
 
     def client(self) -> redis.Redis:
-        return redis.Redis(port=self.port, socket_timeout=5)
+        return redis.Redis(port=self.port, socket_timeout=5, ssl=self.tls, ssl_cert_reqs="none")
 
     def start(self) -> None:
+        ports = ["--port", str(self.port)]
+        if self.tls:  # a self-signed certificate, made once per server
+            cert, key = self.directory / "cert.pem", self.directory / "key.pem"
+            if not cert.exists():
+                subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key),
+                                "-out", str(cert), "-days", "1", "-subj", "/CN=127.0.0.1"],
+                               check=True, capture_output=True, timeout=30)
+            ports = ["--port", "0", "--tls-port", str(self.port), "--tls-cert-file", str(cert),
+                     "--tls-key-file", str(key), "--tls-ca-cert-file", str(cert), "--tls-auth-clients", "no"]
         self.process = subprocess.Popen(
-            [REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.directory),
+            [REDIS_SERVER, *ports, "--bind", "127.0.0.1", "--dir", str(self.directory),
              "--save", "", "--appendonly", "no", "--loglevel", "warning", *self.args],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         _wait_until(self._answers, f"redis-server on port {self.port}")
@@ -146,6 +155,18 @@ class SlowProxy:
 def redis_server():
     with tempfile.TemporaryDirectory(prefix="kvtier-redis-") as directory:
         server = RedisServer(Path(directory), "--maxmemory", "256mb", "--maxmemory-policy", "allkeys-lru")
+        try:
+            yield server
+        finally:
+            server.stop()
+
+
+@pytest.fixture
+def redis_tls_server():
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed (it makes the test certificate)")
+    with tempfile.TemporaryDirectory(prefix="kvtier-redis-tls-") as directory:
+        server = RedisServer(Path(directory), "--maxmemory", "64mb", "--maxmemory-policy", "allkeys-lru", tls=True)
         try:
             yield server
         finally:

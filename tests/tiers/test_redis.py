@@ -24,7 +24,7 @@ from kvtier.tiers.record import FORMAT_VERSION, RecordHeader, token_bytes
 from kvtier.tiers.redis_store import RedisTier
 from kvtier.tiers.tier import kv_to_host
 
-from ..redis_servers import SlowProxy, free_port, needs_redis, redis_cluster, redis_server  # noqa: F401
+from ..redis_servers import SlowProxy, free_port, needs_redis, redis_cluster, redis_server, redis_tls_server  # noqa: F401
 from .test_hierarchy import GEOMETRY, KEYS, KV, NS, PAGE, TOKENS
 
 pytestmark = needs_redis
@@ -65,6 +65,12 @@ def test_a_second_store_restores_the_exact_pages_and_counters_and_meta_persist(r
         tier.put_meta("profile/x", {"a": [1, 2]})
     with RedisTier(redis_server.url, readonly=True) as tier:
         assert tier.get_meta("profile/x") == {"a": [1, 2]} and tier.backend == "redis"
+
+
+def test_a_tls_url_stores_and_restores(redis_tls_server):
+    fill(redis_tls_server.url, 2)
+    sources, pages = restored_pages(redis_tls_server.url, 2)
+    assert sources == [Source.L3] * 2 and all(np.array_equal(p, kv_to_host(KV[i])) for i, p in enumerate(pages))
 
 
 def test_write_once_keeps_the_first_value(redis_server):
