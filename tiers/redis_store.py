@@ -189,7 +189,7 @@ class RedisTier(L3Store):
         cap, policy = int(config.get("maxmemory", 0)), config.get("maxmemory-policy", "?")
         if asked is not None:
             log.info("store %s: the Redis server's maxmemory (%s) is its cap; the %s asked for is ignored",
-                        self.location, format_bytes(cap) if cap else "none", format_bytes(asked))
+                     self.location, format_bytes(cap) if cap else "none", format_bytes(asked))
         if (not cap or policy == "noeviction") and urlsplit(self.url).netloc not in _warned:
             _warned.add(urlsplit(self.url).netloc)
             log.warning("store %s: Redis has %s; set maxmemory and maxmemory-policy allkeys-lru so it "
