@@ -123,6 +123,22 @@ def test_a_restore_takes_a_bounded_number_of_round_trips(redis_server):
     store.close()
 
 
+def test_the_server_evicts_under_its_cap_and_an_evicted_page_is_a_miss(redis_server):
+    client = redis_server.client()
+    client.config_set("maxmemory", client.info("memory")["used_memory"] + (1 << 20))  # 1 MiB of room
+    keys = [bytes([i]) * 16 for i in range(40)]
+    with RedisTier(redis_server.url, queue_pages=40) as tier:
+        for i, key in enumerate(keys):  # 2.5 MiB of pages
+            tier.put(key, NS.digest(), [i], bytes([i]) * (64 << 10))
+        tier.flush()
+        got = [tier.get(key, NS.digest(), [i], 64 << 10) for i, key in enumerate(keys)]
+        kept = sum(g is not None for g in got)
+        assert 0 < kept < 40 and tier.counters.inserts == 40
+        assert all(g is None or g[0] == bytes([i]) * (64 << 10) for i, g in enumerate(got))
+        assert tier.counters.evictions >= 40 - kept  # the server's count (it may evict side keys too)
+        assert tier.counters.capacity == int(client.config_get("maxmemory")["maxmemory"])
+
+
 def test_redis_down_at_start_runs_without_l3(caplog):
     url = f"redis://127.0.0.1:{free_port()}"
     with caplog.at_level(logging.WARNING):
