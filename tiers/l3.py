@@ -21,6 +21,7 @@ Invariants kept here for every backend:
 from __future__ import annotations
 
 import logging
+import tempfile
 import threading
 from abc import ABC, abstractmethod
 from contextlib import contextmanager
@@ -417,8 +418,6 @@ class L3Store(ABC):
 def scratch_location(store: str | Path) -> Iterator[str | Path]:
     """A throwaway store beside ``store`` (same disk, same server) for measurements,
     removed afterwards: a directory inside it, or the same server under its own prefix."""
-    import tempfile
-
     if is_url(store):
         from .redis_store import scratch_url
 
