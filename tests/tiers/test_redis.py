@@ -266,7 +266,7 @@ def greedy(loaded, tokens: list[int]) -> list[int]:
 
 
 GREEDY = SamplingParams(max_tokens=8)
-PROMPT = " ".join(["the system prompt of an agent with tools and a long history"] * 4)
+PROMPT = " ".join(["the system prompt of an agent with tools and a long history"] * 12)  # pages in any tokenizer
 
 
 def test_two_hosts_share_one_redis_and_the_second_restores_what_the_first_computed(redis_server, tmp_path, loaded):
@@ -274,7 +274,7 @@ def test_two_hosts_share_one_redis_and_the_second_restores_what_the_first_comput
     (second,), counters, _ = kvtier(tmp_path / "host-b", "--prompt", PROMPT, store=redis_server.url)
     n = second["prompt_tokens"]
     assert first["sources"]["recomputed"] == n
-    assert second["sources"]["L3"] == (n - 1) // ENGINE_PAGE * ENGINE_PAGE
+    assert second["sources"]["L3"] == (n - 1) // ENGINE_PAGE * ENGINE_PAGE > 0
     assert second["output_token_ids"] == first["output_token_ids"] == greedy(loaded, loaded.tokenizer.encode(PROMPT))
     assert counters["l3"] == {"backend": "redis", "location": redis_server.url}
 
