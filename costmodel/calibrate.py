@@ -9,7 +9,6 @@ after ``p`` cached ones. Each sample is the median of ``REPEATS`` timings.
 from __future__ import annotations
 
 import statistics
-import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -21,6 +20,7 @@ import numpy as np
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
 from kvtier.tiers.hierarchy import StoreConfig, TieredStore
+from kvtier.tiers.l3 import scratch_location
 from kvtier.tiers.page import Namespace, PageGeometry, page_keys
 
 from .plan import Profile
@@ -60,18 +60,18 @@ def steps(page_counts: Iterable[int] = PAGE_COUNTS, quick: bool = False) -> int:
 
 
 @contextmanager
-def scratch_store(geometry: PageGeometry, store_dir: Path, pages: int,
+def scratch_store(geometry: PageGeometry, store_dir: Path | str, pages: int,
                   codec: str = "raw") -> Iterator[tuple[TieredStore, list, list[int]]]:
-    """A throwaway store beside ``store_dir`` (same filesystem) holding ``pages`` random
-    pages in L2 (and nothing in L1), with their keys and tokens; removed afterwards.
+    """A throwaway store beside ``store_dir`` (same filesystem, or the same Redis server:
+    the L3 link measured is the one in use) holding ``pages`` random pages in L2 (and
+    nothing in L1), with their keys and tokens; removed afterwards.
     Random values compress a little (~0.93 with zstd), as real KV does."""
     tokens = list(range(pages * geometry.page_size + 1))
     namespace = Namespace("kvtier-calibration", geometry.dtype, geometry.page_size)
     keys = page_keys(namespace, tokens)[:pages]
     room = (pages + 1) * geometry.nbytes
-    store_dir.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=store_dir, prefix="calibration-") as scratch:
-        config = StoreConfig(l1_bytes=0, l2_bytes=room, l3_bytes=4 * room, store_dir=Path(scratch), codec=codec)
+    with scratch_location(store_dir) as scratch:
+        config = StoreConfig(l1_bytes=0, l2_bytes=room, l3_bytes=4 * room, store_dir=scratch, codec=codec)
         store = TieredStore(geometry, namespace, config)
         rng = np.random.default_rng(0)
         for i, key in enumerate(keys):

@@ -136,11 +136,24 @@ def _sweep(text: str) -> list[int]:
     return [parse_size(size) for size in sizes.split(",")]
 
 
+def _store_arg(text: str) -> Path | str:
+    """A ``--store``: a Redis / Valkey URL as it is, anything else a directory."""
+    from kvtier.tiers.l3 import is_url
+
+    return text if is_url(text) else Path(text)
+
+
+def _no_data(store: Path | str) -> bool:
+    """An LMDB directory holding no store yet (a URL always names a store to ask)."""
+    return isinstance(store, Path) and not (store / "data.mdb").exists()
+
+
 def build_parser() -> argparse.ArgumentParser:
     from .paths import kvtier_home
 
     epilog = _EPILOG.format(home=kvtier_home())
-    store_help = f"L3 store directory (default: {default_store_dir()})"
+    store_help = (f"L3 store: a directory (LMDB, default: {default_store_dir()}), or a Redis / Valkey URL "
+                  "(redis://[user:pass@]host:port[/db], rediss://..., redis+cluster://host:port,host:port)")
     model_help = "mlx-lm model directory or hub id (default: the embedded model)"
     common = _Parser(add_help=False)  # -v after the subcommand too; SUPPRESS keeps one given before it
     common.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
@@ -159,7 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
     def engine_flags(parser: argparse.ArgumentParser) -> None:
         """The model, engine and store flags that ``run`` and ``serve`` share."""
         parser.add_argument("--model", help=model_help)
-        parser.add_argument("--store", type=Path, default=None, metavar="DIR", help=store_help)
+        parser.add_argument("--store", type=_store_arg, default=None, metavar="STORE", help=store_help)
         parser.add_argument("--l1-bytes", type=parse_size, default="1GiB", metavar="S",
                          help="L1 (device) capacity; more than the machine's memory is refused")
         parser.add_argument("--l2-bytes", type=parse_size, default="4GiB", metavar="S",
@@ -201,14 +214,14 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--json", action="store_true", help="one JSON object per request, then counters")
 
     calibrate = command(sub, "calibrate", "measure links and prefill; store the cost profile")
-    calibrate.add_argument("--store", type=Path, default=None, metavar="DIR", help=store_help)
+    calibrate.add_argument("--store", type=_store_arg, default=None, metavar="STORE", help=store_help)
     calibrate.add_argument("--model", help=model_help)
     calibrate.add_argument("--page-size", type=positive_int, default=128, metavar="N", help="tokens per KV page")
 
     bench = command(sub, "bench", "measure the store on this machine")
     bench_sub = bench.add_subparsers(dest="bench", required=True, parser_class=_Parser)
     restore = command(bench_sub, "restore", "restore bandwidth per link against size, beside memcpy")
-    restore.add_argument("--store", type=Path, default=None, metavar="DIR",
+    restore.add_argument("--store", type=_store_arg, default=None, metavar="DIR",
                          help=f"a scratch store is made inside DIR (default: {default_store_dir()})")
     restore.add_argument("--model", help=model_help)
     restore.add_argument("--page-size", type=positive_int, default=128, metavar="N", help="tokens per KV page")
@@ -223,7 +236,7 @@ def build_parser() -> argparse.ArgumentParser:
     geometry.add_argument("--kv-bytes-per-token", type=positive_int, metavar="N",
                           help="full-size KV bytes of one token (default: the model's)")
     geometry.add_argument("--model", help="take the KV size (and the calibrated profile) from this model")
-    replay.add_argument("--store", type=Path, default=None, help="where the model's calibrated profile is")
+    replay.add_argument("--store", type=_store_arg, default=None, help="where the model's calibrated profile is")
     replay.add_argument("--profile", type=Path, metavar="FILE.json", help="a saved cost profile to use")
     replay.add_argument("--l1-bytes", type=parse_size, default=parse_size("1GiB"))
     replay.add_argument("--l2-bytes", type=parse_size, default=parse_size("4GiB"))
@@ -261,7 +274,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="on SIGTERM/SIGINT, let requests in flight finish this long, then cancel them")
 
     stats = command(sub, "stats", "counters persisted in a store (read-only unless --reset)")
-    stats.add_argument("--store", type=Path, default=None, metavar="DIR", help=store_help)
+    stats.add_argument("--store", type=_store_arg, default=None, metavar="STORE", help=store_help)
     fmt = stats.add_mutually_exclusive_group()
     fmt.add_argument("--json", action="store_true", help="one JSON object")
     fmt.add_argument("--prometheus", action="store_true", help="Prometheus text format")
@@ -278,7 +291,7 @@ def build_parser() -> argparse.ArgumentParser:
     resize = command(store_sub, "resize", "change the store's L3 cap, evicting least-recently-used pages")
     resize.add_argument("--l3-bytes", type=parse_size, required=True, metavar="S", help="the new cap")
     for each in (ls, clear, resize, store_sub.choices["compact"]):
-        each.add_argument("--store", type=Path, default=None, metavar="DIR", help=store_help)
+        each.add_argument("--store", type=_store_arg, default=None, metavar="STORE", help=store_help)
     return parser
 
 
@@ -303,13 +316,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _pages_kept(args: argparse.Namespace | None) -> str:
     """What the store holds after an interrupted command (its writes were flushed)."""
-    from kvtier.tiers.disk import DiskTier, StoreError
+    from kvtier.tiers.l3 import StoreError, open_l3
 
     if args is None or not hasattr(args, "store") or getattr(args, "no_offload", False):
         return "no store in use"
     path = args.store or default_store_dir()
     try:
-        with DiskTier(path, readonly=True) as disk:
+        with open_l3(path, readonly=True) as disk:
             return f"{disk.counters.pages} pages kept in {path}"
     except StoreError:
         return f"0 pages kept in {path}"
@@ -368,6 +381,8 @@ def _usable_store(path: Path | None) -> Path:
     """The store directory the user named (or the default), created if missing; a file
     or a directory kvtier cannot write is the user's error, not a reason to run without L3."""
     path = path or default_store_dir()
+    if isinstance(path, str):  # a URL: the engine warns and runs without L3 if it cannot be reached
+        return path
     if path.exists() and not path.is_dir():
         raise UsageError(f"store {path} is not a directory")
     try:
@@ -386,7 +401,7 @@ def _check_sizes(args: argparse.Namespace, store_dir: Path | None) -> None:
     for flag, size in (("--l1-bytes", args.l1_bytes), ("--l2-bytes", args.l2_bytes)):
         if size > memory:
             raise UsageError(f"{flag} {format_bytes(size)} is more than this machine's memory ({format_bytes(memory)})")
-    if store_dir is not None and args.l3_bytes is not None:
+    if isinstance(store_dir, Path) and args.l3_bytes is not None:
         free = shutil.disk_usage(store_dir).free
         if args.l3_bytes > free:
             print(f"kvtier: warning: --l3-bytes {format_bytes(args.l3_bytes)} is more than the free space "
@@ -616,13 +631,13 @@ def _calibrate_into(loaded, geometry, store_dir: Path, quick: bool = False):
     from tqdm import tqdm
 
     from kvtier.costmodel.calibrate import calibrate, steps
-    from kvtier.tiers.disk import DiskTier, StoreError
+    from kvtier.tiers.l3 import StoreError, open_l3
 
     try:
         desc = "calibrating (quick, first use)" if quick else "calibrating"
         with tqdm(total=steps(quick=quick), desc=desc, unit="sample", file=sys.stderr) as bar:
             profile = calibrate(loaded.model, geometry, store_dir, bar.update, quick=quick)
-        with DiskTier(store_dir) as disk:
+        with open_l3(store_dir) as disk:
             disk.put_meta(loaded.profile_key(geometry), profile.to_dict())
     except (OSError, StoreError) as err:
         raise UsageError(f"cannot calibrate with store {store_dir}: {err}") from None
@@ -632,11 +647,11 @@ def _calibrate_into(loaded, geometry, store_dir: Path, quick: bool = False):
 def _calibrate_on_first_use(loaded, geometry, store_dir: Path) -> None:
     """Calibrate once per store, model and page size: the default cost model can be far
     off this machine, and online refinement needs many requests to correct it."""
-    from kvtier.tiers.disk import DiskTier, StoreError
+    from kvtier.tiers.l3 import StoreError, open_l3
 
-    if (store_dir / "data.mdb").exists():
+    if not _no_data(store_dir):
         try:
-            with DiskTier(store_dir, readonly=True) as disk:
+            with open_l3(store_dir, readonly=True) as disk:
                 if disk.get_meta(loaded.profile_key(geometry)) is not None:
                     return
         except StoreError:
@@ -743,7 +758,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
 
     from kvtier.costmodel import replay as rp
     from kvtier.costmodel.plan import Profile
-    from kvtier.tiers.disk import DiskTier, StoreError
+    from kvtier.tiers.l3 import StoreError, open_l3
 
     if rp.BLOCK_TOKENS % args.page_size:
         raise UsageError(f"--page-size {args.page_size} does not divide {rp.BLOCK_TOKENS}")
@@ -769,9 +784,9 @@ def cmd_replay(args: argparse.Namespace) -> int:
         geometry = loaded.geometry(args.page_size)
         bytes_per_token = geometry.bytes_per_token
         store_dir = args.store or default_store_dir()
-        if profile is None and (store_dir / "data.mdb").exists():
+        if profile is None and not _no_data(store_dir):
             try:
-                disk = DiskTier(store_dir, readonly=True)
+                disk = open_l3(store_dir, readonly=True)
             except StoreError as err:
                 raise UsageError(str(err)) from None
             saved = disk.get_meta(loaded.profile_key(geometry))
@@ -794,13 +809,13 @@ def cmd_replay(args: argparse.Namespace) -> int:
 
 def _open_store(path: Path | None, readonly: bool = False):
     """The store at ``path`` (it must exist): read-only for reports, writable to manage it."""
-    from kvtier.tiers.disk import DiskTier, StoreError
+    from kvtier.tiers.l3 import StoreError, open_l3
 
     path = path or default_store_dir()
-    if not (path / "data.mdb").is_file():
+    if _no_data(path):
         raise UsageError(f"no kvtier store at {path}")
     try:
-        return DiskTier(path, readonly=readonly)
+        return open_l3(path, readonly=readonly)
     except StoreError as err:
         raise UsageError(str(err)) from None
 
@@ -810,7 +825,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
         with _open_store(args.store) as disk:
             disk.reset_counters()
             disk.put_meta("last_run", {})
-            print(f"counters of {disk.path} reset")
+            print(f"counters of {disk.location} reset")
         return 0
     with _open_store(args.store, readonly=True) as disk:
         counters = disk.persistent_counters()
@@ -818,6 +833,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
         counters.setdefault("tiers", {}).setdefault("L3", {}).update(
             capacity=disk.counters.capacity, bytes_used=disk.counters.bytes_used,
             pages=disk.counters.pages, file_bytes=disk.file_bytes)
+        counters["l3"] = {"backend": disk.backend, "location": disk.location}
     if args.json:
         print(json.dumps(counters))
     elif args.prometheus:
@@ -825,9 +841,14 @@ def cmd_stats(args: argparse.Namespace) -> int:
     else:
         l3 = counters["tiers"]["L3"]
         print(format_tier_table(counters))
-        print(f"\nL3 holds {format_bytes(l3['bytes_used'])} of its {format_bytes(l3['capacity'])} cap; "
-              f"data.mdb is {format_bytes(l3['file_bytes'])} on disk (`kvtier store compact` shrinks it). "
-              "L1 and L2 capacities belong to each run (-).")
+        if counters["l3"]["backend"] == "redis":
+            print(f"\nL3 is the Redis store {counters['l3']['location']}: it uses {format_bytes(l3['bytes_used'])} "
+                  f"of its maxmemory {format_bytes(l3['capacity']) if l3['capacity'] else '(none set)'}. "
+                  "L1 and L2 capacities belong to each run (-).")
+        else:
+            print(f"\nL3 holds {format_bytes(l3['bytes_used'])} of its {format_bytes(l3['capacity'])} cap; "
+                  f"data.mdb is {format_bytes(l3['file_bytes'])} on disk (`kvtier store compact` shrinks it). "
+                  "L1 and L2 capacities belong to each run (-).")
         if counters.get("engine"):
             print()
             print(format_engine_totals(counters["engine"]))
@@ -839,6 +860,9 @@ def cmd_stats(args: argparse.Namespace) -> int:
 
 def cmd_store(args: argparse.Namespace) -> int:
     commands = {"ls": _store_ls, "clear": _store_clear, "compact": _store_compact, "resize": _store_resize}
+    if isinstance(args.store, str) and args.store_command != "clear":
+        raise UsageError(f"kvtier store {args.store_command}: not for a Redis store, which evicts by its own "
+                         "maxmemory and policy (`kvtier stats` shows it; `kvtier store clear` empties it)")
     return commands[args.store_command](args)
 
 
@@ -858,16 +882,21 @@ def _store_ls(args: argparse.Namespace) -> int:
 def _store_clear(args: argparse.Namespace) -> int:
     with _open_store(args.store, readonly=True) as disk:  # a bad --namespace writes nothing
         chosen = None if args.namespace is None else {_namespace(disk, prefix) for prefix in args.namespace}
+    from kvtier.tiers.l3 import StoreError
+
     with _open_store(args.store) as disk:
-        pages, nbytes = disk.clear(chosen)
-        print(f"removed {pages} pages ({format_bytes(nbytes)}) from {disk.path}")
+        try:
+            pages, nbytes = disk.clear(chosen)
+        except StoreError as err:
+            raise UsageError(str(err)) from None
+        print(f"removed {pages} pages ({format_bytes(nbytes)}) from {disk.location}")
     return 0
 
 
 def _namespace(disk, prefix: str) -> bytes:
     matches = [d for d in disk.namespaces() if d.hex().startswith(prefix.lower())]
     if len(matches) != 1:
-        raise UsageError(f"--namespace {prefix} matches {len(matches)} namespaces of {disk.path} "
+        raise UsageError(f"--namespace {prefix} matches {len(matches)} namespaces of {disk.location} "
                          "(see `kvtier store ls`)")
     return matches[0]
 

@@ -1,12 +1,6 @@
-"""L3: pages in an LMDB environment on disk, shared by every process on the machine.
+"""L3 on this machine: pages in an LMDB environment on disk, shared by every process.
 
-Record (DESIGN §4) in the ``pages`` database: key = 16-byte page key, value =
-``u32 little-endian header length | msgpack header | payload``. The header is
-``{"v": format version, "ns": namespace digest, "tok": token ids as <u4 bytes,
-"codec": "raw" | "zstd" | "zstd-shuffle", "n": raw length, "xxh": xxh3_64 of the raw
-bytes}``; dtype and shape are implied by the namespace and the raw length. The
-payload is the raw bytes or a zstd frame (of the 2-byte planes for zstd-shuffle).
-
+Records (``tiers.record``) live in the ``pages`` database under their 16-byte page key.
 Side databases: ``meta`` (format version, store-wide bytes_used and pages, access_seq,
 the L3 cap ``capacity``, ``put_meta`` entries under ``user/``), ``lru`` (page key ->
 8-byte big-endian rank (the last access seq under LRU) and a u32 use count), ``order``
@@ -27,178 +21,45 @@ import os
 import shutil
 import struct
 import tempfile
-import threading
 import time
 from contextlib import contextmanager
-from dataclasses import astuple, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
 import lmdb
 import msgpack
-import numpy as np
-import zstandard
 from xxhash import xxh3_64_intdigest
 
-from kvtier.tiers.counters import TierCounters, add_into
-from kvtier.tiers.policy import POLICIES
+from .counters import add_into
+from .l3 import Batch, L3Store, Snapshot, StoreError, format_bytes, one_line
+from .policy import POLICIES
+from .record import FORMAT_VERSION, RecordHeader, encode_record, header_or_none
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
 DEFAULT_CAPACITY = 32 << 30  # the cap of a new store when none is asked for
-CODECS = ("raw", "zstd", "zstd-shuffle")
 _LEN, _SEQ = struct.Struct("<I"), struct.Struct(">Q")
 _MIB = 1 << 20
 _MIN_MAP = 16 << 30  # address space only: the file grows with the data, not with the map
-_TOUCH_DELAY_S = 0.05  # LRU touches alone wait this long, so many share one commit
-_MAX_TOUCHES = 4096  # touches are hints: past this many pending, the oldest are dropped
-
-
 _DBS = (b"pages", b"lru", b"order", b"counters", b"namespaces")
 
 
-def format_bytes(n: float) -> str:
-    """``1.5 GiB``, ``12 KiB``, ``512 B``: sizes as people read them."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
-
-
-class StoreError(Exception):
-    """L3 cannot be used (unwritable dir, damaged env, other format version)."""
-
-
-class _Corrupt(ValueError):
-    """A stored record that must not be served; the message says why."""
-
-
-@dataclass(frozen=True)
-class RecordHeader:
-    version: int
-    namespace: bytes
-    tokens: bytes
-    codec: str
-    raw_len: int
-    checksum: int
-
-    def pack(self) -> bytes:
-        head = msgpack.packb(dict(zip(("v", "ns", "tok", "codec", "n", "xxh"), astuple(self))))
-        return _LEN.pack(len(head)) + head
-
-    @classmethod
-    def unpack(cls, value: memoryview) -> tuple[RecordHeader, int]:
-        """The header of a stored value and the payload offset; _Corrupt if malformed."""
-        end = _LEN.size + (_LEN.unpack_from(value)[0] if len(value) >= _LEN.size else len(value))
-        if end > len(value):
-            raise _Corrupt("header runs past the record")
-        try:
-            f = msgpack.unpackb(value[_LEN.size:end])
-            values = (f["v"], f["ns"], f["tok"], f["codec"], f["n"], f["xxh"])
-        except Exception as exc:  # msgpack raises many types on garbage
-            raise _Corrupt(f"header does not parse ({type(exc).__name__})") from None
-        if tuple(map(type, values)) != (int, bytes, bytes, str, int, int):
-            raise _Corrupt("header field of the wrong type")
-        return cls(*values), end
-
-
-def _check_header(header: RecordHeader, namespace: bytes, tokens: bytes, raw_nbytes: int) -> None:
-    """_Corrupt unless the header describes this page of this namespace."""
-    for ok, reason in ((header.version == FORMAT_VERSION, "format version differs"),
-                       (header.namespace == namespace, "namespace digest differs"),
-                       (header.tokens == tokens, "token ids differ"),
-                       (header.raw_len == raw_nbytes, "raw length differs"),
-                       (header.codec in CODECS, "unknown codec")):
-        if not ok:
-            raise _Corrupt(reason)
-
-
-def verify_payload(header: RecordHeader, payload: memoryview, out: np.ndarray | None = None) -> memoryview | np.ndarray | bytes:
-    """The raw bytes of a payload under a checked header (see ``decode_payload`` for
-    ``out``); _Corrupt unless they have the header's length and checksum."""
-    raw = decode_payload(header.codec, payload, header.raw_len, out)
-    if len(raw) != header.raw_len or xxh3_64_intdigest(raw) != header.checksum:
-        raise _Corrupt("checksum mismatch")
-    return raw
-
-
-def decode_record(value: memoryview, namespace: bytes, tokens: bytes, raw_nbytes: int,
-                  out: np.ndarray | None = None) -> memoryview | np.ndarray | bytes:
-    """The raw page of a stored value, checked against the page it should hold
-    (namespace, token ids as <u4 bytes, raw length); _Corrupt otherwise."""
-    header, offset = RecordHeader.unpack(value)
-    _check_header(header, namespace, tokens, raw_nbytes)
-    return verify_payload(header, value[offset:], out)
-
-
-@dataclass
-class StoredRecord:
-    """A page record found in a snapshot: header checked, payload not yet verified."""
-
-    key: bytes
-    header: RecordHeader
-    value: memoryview  # the whole record, in the map
-    payload: memoryview
-
-    @property
-    def stored(self) -> int:
-        """Bytes read from L3 for this page (D of the L3 link)."""
-        return len(self.value)
-
-    @property
-    def compressed(self) -> bool:
-        return self.header.codec != "raw"
-
-
-class Snapshot:
-    """Page lookups inside one LMDB read transaction (``DiskTier.snapshot``)."""
+class _LmdbSnapshot(Snapshot):
+    """Lookups inside one LMDB read transaction: values are views into the map."""
 
     def __init__(self, disk: DiskTier, txn: lmdb.Transaction | None) -> None:
-        self.disk, self.txn = disk, txn
+        super().__init__(disk)
+        self.txn = txn
 
-    def find(self, key: bytes, namespace_digest: bytes, tokens: Sequence[int],
-             raw_nbytes: int) -> StoredRecord | None:
-        """The record of ``key`` if its header matches this page, else None (a record
-        with a bad header is rejected). Counts the lookup."""
-        disk = self.disk
-        disk._count(lookups=1)
-        if self.txn is None or disk._doomed(key):
-            return None  # a rejected record whose delete is not committed yet: a miss
+    def _value(self, key: bytes) -> memoryview | None:
+        if self.txn is None:
+            return None
         try:
-            value = self.txn.get(key)
+            return self.txn.get(key)
         except lmdb.Error as exc:
-            disk._failed("read", exc)
+            self.store._failed("read", exc)
             return None
-        if value is None:
-            return None
-        try:
-            header, offset = RecordHeader.unpack(value)
-            _check_header(header, namespace_digest, _token_bytes(tokens), raw_nbytes)
-            if header.codec == "raw" and len(value) - offset != raw_nbytes:
-                raise _Corrupt("raw payload length differs from the raw length")
-        except _Corrupt as exc:
-            disk._reject(key, xxh3_64_intdigest(value), str(exc))
-            return None
-        return StoredRecord(bytes(key), header, value, value[offset:])
-
-
-@dataclass
-class _PendingPut:
-    key: bytes
-    namespace: bytes
-    tokens: bytes
-    payload: bytes
-
-
-@dataclass
-class _Batch:
-    """Everything the writer commits in one write transaction."""
-
-    puts: list[_PendingPut]
-    touches: list[bytes]
-    deletes: dict[bytes, int]  # page key -> xxh3 of the bad value that get saw
 
 
 _STATE_FIELDS = ("bytes_used", "pages", "access_seq", "capacity", "clock")
@@ -236,72 +97,9 @@ class _Outcome:
     writes_dropped: int = 0
 
 
-def _token_bytes(tokens: Sequence[int]) -> bytes:
-    return struct.pack(f"<{len(tokens)}I", *tokens)  # 10x faster than numpy for a page
-
-
 def _uses(stamp: memoryview | bytes) -> int:
     """Use count of an ``lru`` entry (entries written before counts were kept: 1)."""
     return _LEN.unpack_from(stamp, _SEQ.size)[0] if len(stamp) >= _SEQ.size + _LEN.size else 1
-
-
-def _header_or_none(value: memoryview | bytes) -> RecordHeader | None:
-    try:
-        return RecordHeader.unpack(value)[0]
-    except _Corrupt:
-        return None
-
-
-def _one_line(exc: BaseException) -> str:
-    return " ".join(str(exc).split()) or type(exc).__name__
-
-
-def _shuffle(raw: bytes) -> bytes:
-    """Low bytes of the 2-byte values, then high bytes (bf16 sign+exponent compress well)."""
-    words = np.frombuffer(raw, "<u2")
-    return np.concatenate([(words & 0xFF).astype(np.uint8), (words >> 8).astype(np.uint8)]).tobytes()
-
-
-def _unshuffle(planes: bytes) -> bytes:
-    low, high = np.frombuffer(planes, np.uint8).reshape(2, -1)  # ValueError when odd
-    return (low | high.astype("<u2") << 8).tobytes()
-
-
-_local = threading.local()  # zstd (de)compressors are not thread-safe: one per thread
-
-
-def encode_payload(codec: str, raw: bytes, level: int) -> tuple[str, bytes]:
-    """The codec actually used and the payload; raw when compression does not pay."""
-    codec = "zstd" if codec == "zstd-shuffle" and len(raw) % 2 else codec
-    if codec == "raw":
-        return codec, raw
-    if getattr(_local, "level", None) != level:
-        _local.compressor, _local.level = zstandard.ZstdCompressor(level=level), level
-    packed = _local.compressor.compress(_shuffle(raw) if codec == "zstd-shuffle" else raw)
-    return (codec, packed) if len(packed) < len(raw) else ("raw", raw)
-
-
-def decode_payload(codec: str, payload: memoryview, raw_len: int,
-                   out: np.ndarray | None = None) -> memoryview | bytes | np.ndarray:
-    """Raw bytes of a payload, written into ``out`` when given; without ``out`` a raw
-    payload is returned as it is (a view into the map); _Corrupt if it cannot be decoded."""
-    if out is not None:
-        if len(payload) != raw_len and codec == "raw":
-            raise _Corrupt("raw payload length differs from the raw length")
-        raw = payload if codec == "raw" else decode_payload(codec, payload, raw_len)
-        np.copyto(out, np.frombuffer(raw, np.uint8))
-        return out
-    if codec == "raw":
-        return payload
-    if not hasattr(_local, "decompressor"):
-        _local.decompressor = zstandard.ZstdDecompressor()
-    try:
-        if zstandard.frame_content_size(payload) != raw_len:  # bounds memory before decoding
-            raise _Corrupt("zstd frame size differs from the raw length")
-        data = _local.decompressor.decompress(payload)
-        return _unshuffle(data) if codec == "zstd-shuffle" else data
-    except (zstandard.ZstdError, ValueError) as exc:
-        raise _Corrupt(f"payload does not decode ({exc})") from None
 
 
 def _check_version(path: Path, stored: bytes | None) -> None:
@@ -346,7 +144,7 @@ def compact_store(path: Path) -> tuple[int, int]:
             try:
                 env = lmdb.open(str(path), max_dbs=8, subdir=True, lock=True, create=False)
             except lmdb.Error as exc:
-                raise StoreError(f"cannot open store at {path}: {_one_line(exc)}") from None
+                raise StoreError(f"cannot open store at {path}: {one_line(exc)}") from None
             try:  # closing the env drops this process's locks on lock.mdb (POSIX locks are
                 # per process and file): the new file goes in place before that
                 with env.begin() as txn:
@@ -354,7 +152,7 @@ def compact_store(path: Path) -> tuple[int, int]:
                 env.copy(tmp, compact=True)
                 os.replace(Path(tmp) / "data.mdb", data)
             except lmdb.Error as exc:
-                raise StoreError(f"cannot compact store at {path}: {_one_line(exc)}") from None
+                raise StoreError(f"cannot compact store at {path}: {one_line(exc)}") from None
             finally:
                 env.close()
         return before, data.stat().st_size
@@ -362,7 +160,7 @@ def compact_store(path: Path) -> tuple[int, int]:
         os.close(fd)
 
 
-class DiskTier:
+class DiskTier(L3Store):
     """L3: an LMDB store of immutable pages, capped in bytes, evicted least-recently-used.
 
     Invariants (each tested in tests/tiers/test_disk.py):
@@ -392,33 +190,21 @@ class DiskTier:
     def __init__(self, path: Path, capacity_bytes: int | None = None, *, codec: str = "raw",
                  zstd_level: int = 3, queue_pages: int = 64, map_size: int | None = None,
                  readonly: bool = False, record_bytes: int | None = None, policy: str = "lru") -> None:
-        if codec not in CODECS:
-            raise ValueError(f"unknown L3 codec {codec!r}; expected one of {', '.join(CODECS)}")
+        super().__init__(DEFAULT_CAPACITY if capacity_bytes is None else capacity_bytes,  # until meta says
+                         codec=codec, zstd_level=zstd_level, queue_pages=queue_pages, readonly=readonly)
         if policy not in POLICIES:
             raise ValueError(f"unknown eviction policy {policy!r}; expected one of {', '.join(POLICIES)}")
         self.path = Path(path)
-        self.readonly = readonly
-        self._capacity = DEFAULT_CAPACITY if capacity_bytes is None else capacity_bytes  # until meta says
-        self.counters = TierCounters(capacity=self._capacity)
-        self._codec, self._level = codec, zstd_level
-        self._queue_pages = max(1, queue_pages)
         self._record_bytes = record_bytes  # what a record counts against the cap; None: its size
         self._policy = policy  # eviction order: "lru", or "cost" (see _stamp)
         self._env = self._open_readonly() if readonly else self._open_env(map_size, capacity_bytes)
-        self._lock = threading.Lock()  # guards counters and the pending work below
-        self._wake = threading.Condition(self._lock)
-        self._puts: dict[bytes, _PendingPut] = {}
-        self._touches: dict[bytes, None] = {}  # insertion order = access order
-        self._deletes: dict[bytes, int] = {}
-        self._deleting: frozenset[bytes] = frozenset()  # deletes of the batch being committed
-        self._in_flight = self._closing = self._stopped = readonly
-        self._closed = False
-        self._flushers = 0
-        self._failures_seen: set[tuple[str, type]] = set()
-        self.refresh()
-        self._writer = threading.Thread(target=self._run_writer, name="kvtier-l3-writer", daemon=True)
-        if not readonly:
-            self._writer.start()
+        self._start()
+
+    backend = "lmdb"
+
+    @property
+    def location(self) -> str:
+        return str(self.path)
 
     def _open_env(self, map_size: int | None, capacity: int | None) -> lmdb.Environment:
         try:
@@ -441,7 +227,7 @@ class DiskTier:
             # stays on: a large value is one contiguous run of pages.
             env = lmdb.open(str(self.path), map_size=map_size, max_dbs=8, subdir=True, lock=True)
         except lmdb.Error as exc:
-            raise StoreError(f"cannot open store at {self.path}: {_one_line(exc)}") from None
+            raise StoreError(f"cannot open store at {self.path}: {one_line(exc)}") from None
         try:
             self._check_file_size(env)
             env.reader_check()  # free reader slots of killed processes (they pin old pages)
@@ -463,7 +249,7 @@ class DiskTier:
             except lmdb.Error as exc:
                 error = exc
         if env is None:
-            raise StoreError(f"cannot open store at {self.path}: {_one_line(error)}")
+            raise StoreError(f"cannot open store at {self.path}: {one_line(error)}")
         try:
             self._check_file_size(env)
             # Without a txn: py-lmdb keeps the handles of a read-only env only when it opens them itself
@@ -478,7 +264,7 @@ class DiskTier:
                 self._namespaces = None
         except lmdb.Error as exc:  # NotFoundError: a database missing
             env.close()
-            raise StoreError(f"cannot read store at {self.path}: {_one_line(exc)}") from None
+            raise StoreError(f"cannot read store at {self.path}: {one_line(exc)}") from None
         except BaseException:
             env.close()
             raise
@@ -512,7 +298,7 @@ class DiskTier:
                     self._count_namespaces(txn)
                 self._settle_capacity(txn, capacity)
         except (lmdb.Error, ValueError) as exc:  # ValueError: msgpack, on a damaged version
-            raise StoreError(f"cannot open store at {self.path}: {_one_line(exc)}") from None
+            raise StoreError(f"cannot open store at {self.path}: {one_line(exc)}") from None
 
     def _settle_capacity(self, txn: lmdb.Transaction, asked: int | None) -> None:
         """The store's cap wins; a store without one takes the cap asked for."""
@@ -530,7 +316,7 @@ class DiskTier:
         """Fill the namespaces table from the records (a store from before it existed)."""
         state = _StoreState()
         for _, value in txn.cursor(db=self._pages):
-            if (header := _header_or_none(value)) is not None:
+            if (header := header_or_none(value)) is not None:
                 state.tally(header.namespace, 1, self._size(value), len(header.tokens) // 4)
         self._save_namespaces(txn, state)
 
@@ -548,10 +334,7 @@ class DiskTier:
                     total += len(value)
         return total
 
-    def contains(self, key: bytes) -> bool:
-        """A committed record exists and is not being deleted (unverified: get verifies)."""
-        if self._doomed(key):
-            return False
+    def _exists(self, key: bytes) -> bool:
         try:
             with self._env.begin(db=self._pages, buffers=True) as txn:
                 return txn.get(key) is not None
@@ -569,126 +352,19 @@ class DiskTier:
             self._failed("read", exc)
             txn = None
         try:
-            yield Snapshot(self, txn)
+            yield _LmdbSnapshot(self, txn)
         finally:
             if txn is not None:
                 txn.abort()
 
-    def get(self, key: bytes, namespace_digest: bytes, tokens: Sequence[int],
-            raw_nbytes: int, out: np.ndarray | None = None) -> tuple[bytes | np.ndarray, int] | None:
-        """Verified raw payload and the stored record size D (bytes read), or None.
+    def _fingerprint(self, value: memoryview | bytes) -> int:
+        return xxh3_64_intdigest(value)
 
-        With ``out`` (uint8, ``raw_nbytes`` long) the payload is written there and
-        ``out`` returned; on a miss its content is unspecified.
-        """
-        with self.snapshot() as snap:
-            record = snap.find(key, namespace_digest, tokens, raw_nbytes)
-            raw = None if record is None else self.verified(record, out)
-            if raw is None:
-                return None
-            return (bytes(raw) if isinstance(raw, memoryview) else raw), record.stored
+    def _never_fits(self, raw_nbytes: int) -> bool:
+        return self._codec == "raw" and (self._record_bytes or raw_nbytes) > self._capacity
 
-    def verified(self, record: StoredRecord, out: np.ndarray | None = None) -> memoryview | np.ndarray | bytes | None:
-        """The record's raw bytes once its checksum holds; else None, and it is rejected.
-
-        A raw payload comes back as the map view itself (no copy) unless ``out`` is
-        given; a compressed one is decoded into ``out`` (or new memory). Safe on any
-        thread while the record's snapshot is open; counts the hit and the LRU use.
-        """
-        try:
-            raw = verify_payload(record.header, record.payload, out)
-        except _Corrupt as exc:
-            self._reject(record.key, xxh3_64_intdigest(record.value), str(exc))
-            return None
-        self._hit(record)
-        return raw
-
-    def accept(self, record: StoredRecord, digest: int) -> bool:
-        """Whether a raw record's payload, hashed by the caller while it copied it (the
-        snapshot still open), matches its checksum; counted like ``verified``."""
-        if digest != record.header.checksum:  # find checked the length
-            self._reject(record.key, xxh3_64_intdigest(record.value), "checksum mismatch")
-            return False
-        self._hit(record)
-        return True
-
-    def _hit(self, record: StoredRecord) -> None:
-        with self._lock:
-            self.counters.hit_pages += 1
-            self.counters.hit_tokens += len(record.header.tokens) // 4
-            self._touches.pop(record.key, None)
-            self._touches[record.key] = None
-            if len(self._touches) > _MAX_TOUCHES:
-                del self._touches[next(iter(self._touches))]
-            if len(self._touches) == 1:
-                self._wake.notify_all()  # later touches ride along (see _next_batch)
-
-    def _doomed(self, key: bytes) -> bool:
-        """A get rejected this record and its delete has not committed yet.
-
-        Such a key reads as absent, so a caller recomputes the page and may store it
-        again at once (the writer commits deletes before puts); answering "present"
-        would make put skip the fresh copy as already written.
-        """
-        with self._lock:
-            return key in self._deletes or key in self._deleting
-
-    def _reject(self, key: bytes, fingerprint: int, reason: str) -> None:
-        log.warning("L3 record %s rejected (%s); deleting it", bytes(key).hex(), reason)
-        with self._lock:
-            self.counters.checksum_failures += 1
-            self._deletes[bytes(key)] = fingerprint
-            self._wake.notify_all()
-
-    def put(self, key: bytes, namespace_digest: bytes, tokens: Sequence[int],
-            payload: bytes | memoryview, *, wait: bool = False) -> bool:
-        """Queue a write-once page write; False (and counted) when the queue is full.
-
-        ``wait=True`` waits for room instead of dropping (for flushes, off the request path).
-        """
-        if key in self._puts or self.contains(key):
-            return True  # write-once: nothing to copy or write
-        pending = _PendingPut(bytes(key), bytes(namespace_digest), _token_bytes(tokens), bytes(payload))
-        with self._lock:
-            if self._codec == "raw" and self._size(payload) > self._capacity:  # can never fit: nothing crosses to L3
-                self.counters.writes_dropped += 1
-                return False
-            while wait and not self._closing and len(self._puts) >= self._queue_pages:
-                self._wake.wait()
-            if self._closing or len(self._puts) >= self._queue_pages:
-                self.counters.writes_dropped += 1
-                return False
-            self._puts.setdefault(pending.key, pending)
-            self._wake.notify_all()
-        return True
-
-    def flush(self) -> None:
-        """Block until every queued write, delete and LRU touch is committed."""
-        with self._lock:
-            self._flushers += 1
-            self._wake.notify_all()
-            while (self._has_work() or self._in_flight) and not self._stopped:
-                self._wake.wait()
-            self._flushers -= 1
-        self.refresh()
-
-    def close(self) -> None:
-        """Flush, stop the writer, close the environment; idempotent."""
-        with self._lock:
-            self._closing = True
-            self._wake.notify_all()
-        if self._writer.is_alive():
-            self._writer.join()  # the writer drains all pending work before it stops
-        with self._lock:
-            already, self._closed = self._closed, True
-        if not already:
-            self._env.close()
-
-    def __enter__(self) -> DiskTier:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def _close_backend(self) -> None:
+        self._env.close()
 
     def refresh(self) -> None:
         """Reload the store-wide gauges (every process changes them)."""
@@ -747,7 +423,7 @@ class DiskTier:
             state = self._load_state(txn)
             doomed = []
             for key, value in txn.cursor(db=self._pages):
-                header = _header_or_none(value)
+                header = header_or_none(value)
                 if namespaces is None or (header is not None and header.namespace in namespaces):
                     doomed.append(bytes(key))
             before = (state.pages, state.bytes_used)
@@ -811,40 +487,9 @@ class DiskTier:
 
     # --- writer thread -----------------------------------------------------------------
 
-    def _has_work(self) -> bool:
-        return bool(self._puts or self._touches or self._deletes)
-
-    def _next_batch(self) -> _Batch | None:
-        with self._lock:
-            while not self._has_work() and not self._closing:
-                self._wake.wait()
-            if not (self._puts or self._deletes or self._closing or self._flushers):
-                self._wake.wait(_TOUCH_DELAY_S)  # only touches: let more arrive
-            if not self._has_work():
-                self._stopped = True  # closing and drained
-                self._wake.notify_all()
-                return None
-            batch = _Batch(list(self._puts.values()), list(self._touches), dict(self._deletes))
-            self._puts, self._touches, self._deletes = {}, {}, {}
-            self._deleting = frozenset(batch.deletes)
-            self._in_flight = True
-            return batch
-
-    def _run_writer(self) -> None:
-        while (batch := self._next_batch()) is not None:
-            try:
-                self._commit(batch)
-            except Exception as exc:  # the writer must survive: lose the batch, not the tier
-                self._failed("write", exc, f" ({len(batch.puts)} pages dropped)")
-                self._count(writes_dropped=len(batch.puts))
-            finally:
-                with self._lock:
-                    self._in_flight = False
-                    self._deleting = frozenset()
-                    self._wake.notify_all()
-
-    def _commit(self, batch: _Batch) -> None:
-        records = [(p.key, self._encode(p)) for p in batch.puts]  # encode outside the txn
+    def _commit(self, batch: Batch) -> None:
+        records = [(p.key, encode_record(p.namespace, p.tokens, p.payload, self._codec, self._level))
+                   for p in batch.puts]  # encode outside the txn
         try:
             outcome = self._write(batch, records)
         except lmdb.MapFullError:
@@ -852,7 +497,7 @@ class DiskTier:
         self._count(**vars(outcome))
         self.refresh()
 
-    def _retry_map_full(self, batch: _Batch, records: list[tuple[bytes, bytes]]) -> _Outcome:
+    def _retry_map_full(self, batch: Batch, records: list[tuple[bytes, bytes]]) -> _Outcome:
         """Evict in a txn of its own (LMDB reuses freed pages only in later txns), retry once."""
         need = 2 * sum(len(v) for _, v in records) + _MIB
         log.warning("L3 map full; evicting %d more bytes and retrying", need)
@@ -868,13 +513,7 @@ class DiskTier:
             log.warning("L3 map still full; dropping %d pages", len(records))
             return _Outcome(writes_dropped=len(records))
 
-    def _encode(self, put: _PendingPut) -> bytes:
-        codec, body = encode_payload(self._codec, put.payload, self._level)
-        header = RecordHeader(FORMAT_VERSION, put.namespace, put.tokens, codec,
-                              len(put.payload), xxh3_64_intdigest(put.payload))
-        return b"".join((header.pack(), body))
-
-    def _write(self, batch: _Batch, records: list[tuple[bytes, bytes]]) -> _Outcome:
+    def _write(self, batch: Batch, records: list[tuple[bytes, bytes]]) -> _Outcome:
         outcome = _Outcome()
         with self._env.begin(write=True, buffers=True) as txn:  # buffers: no copy of values
             state = self._load_state(txn)
@@ -886,7 +525,7 @@ class DiskTier:
                 if (stamp := txn.get(key, db=self._lru)) is not None:
                     txn.delete(bytes(stamp)[: _SEQ.size] + key, db=self._order)
                     self._stamp(txn, state, key, _uses(stamp) + 1)
-                    if (header := _header_or_none(txn.get(key, db=self._pages) or b"")) is not None:
+                    if (header := header_or_none(txn.get(key, db=self._pages) or b"")) is not None:
                         state.used.add(header.namespace)
             for key, value in records:
                 self._insert(txn, state, key, value, outcome)
@@ -927,7 +566,7 @@ class DiskTier:
     def _remove(self, txn: lmdb.Transaction, state: _StoreState, key: bytes, value: memoryview | None) -> None:
         """Delete a record and its lru/order entries (value None: the record is gone)."""
         if value is not None:
-            header = _header_or_none(value)
+            header = header_or_none(value)
             namespace, tokens = (None, 0) if header is None else (header.namespace, len(header.tokens) // 4)
             state.tally(namespace, -1, -self._size(value), -tokens)
             txn.delete(key, db=self._pages)
@@ -972,15 +611,3 @@ class DiskTier:
             if digest in state.used:
                 row["last_use"] = now
             txn.put(digest, msgpack.packb(row), db=self._namespaces)
-
-    def _failed(self, what: str, exc: BaseException, detail: str = "") -> None:
-        """Log a failure: the first of each kind as a warning, repeats at debug level."""
-        kind = (what, type(exc))
-        level = logging.DEBUG if kind in self._failures_seen else logging.WARNING
-        self._failures_seen.add(kind)
-        log.log(level, "L3 %s failed: %s%s", what, _one_line(exc), detail)
-
-    def _count(self, **deltas: int) -> None:
-        with self._lock:
-            for name, n in deltas.items():
-                setattr(self.counters, name, getattr(self.counters, name) + n)

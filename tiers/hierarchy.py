@@ -5,9 +5,10 @@ Invariants (DESIGN §4), each tested in ``tests/tiers/test_hierarchy.py``:
 1. A published page is immutable: a key is published once and every tier holds
    exactly the bytes that were computed (raw copies; L3 checks a checksum).
 2. A pinned page (being restored, or in use by a request) is never evicted from
-   L1 or L2. An L3 restore reads inside one LMDB read transaction (a snapshot no
-   writer changes), which keeps its bytes; L3 pages are pinned too, only so that
-   every restored key is released alike (and a decoded one stays in L2 meanwhile).
+   L1 or L2. An L3 restore reads inside one L3 snapshot (an LMDB read transaction
+   no writer changes; for Redis, the values it read), which keeps its bytes; L3
+   pages are pinned too, only so that every restored key is released alike (and a
+   decoded one stays in L2 meanwhile).
 3. Capacities are hard caps (see ``tiers.tier``); a page that finds no room in
    any tier is dropped and counted, never forced in.
 4. A page is written to L3 at most once: a page already there (or already
@@ -17,7 +18,9 @@ Placement is inclusive. L1 holds pages computed on this device. A restore copies
 pages into the request's own KV, so a page restored from L2 is not copied into L1
 as well (that would double device memory). A raw L3 page is read straight from
 LMDB's map into the request's KV (``L3->L1``) and not kept in L2: the OS page cache
-already holds it, and a copy into L2 would double the restore's work. A compressed
+already holds it, and a copy into L2 would double the restore's work. A raw Redis page
+takes the same path from the bytes its snapshot read (in a few batched round trips,
+counted in ``L3->L1``'s seconds). A compressed
 L3 page is decoded into an L2 slot and kept there (``L3->L2``, then ``L2->L1``):
 decoding costs more than a copy. A page leaving
 L1 is copied to L2 only if L2 lacks it; a page leaving L2 is queued for L3 only if
@@ -47,10 +50,11 @@ import numpy as np
 from xxhash import xxh3_64_intdigest
 
 from .counters import LINKS, LinkCounters, add_into
-from .disk import DiskTier, Snapshot, StoredRecord, StoreError
+from .l3 import L3Store, Snapshot, StoreError, open_l3
 from .page import Namespace, PageGeometry, PageKey, Source
 from .join import Joined, in_parallel, join_pages, keep_buffers_for_restores, shares
 from .policy import DEFAULT_POLICY, L3Admission, make_policy
+from .record import StoredRecord
 from .tier import DevicePage, HostTier, Tier, kv_to_host
 
 log = logging.getLogger(__name__)
@@ -86,7 +90,8 @@ class _Page:
 
     @property
     def raw_l3(self) -> bool:
-        """Read from LMDB's map as it is: its checksum is taken from the map's bytes."""
+        """Joined from the record as stored (LMDB's map, or the bytes Redis sent): its
+        checksum is taken from those bytes as they are copied."""
         return self.record is not None and not self.record.compressed
 
     @property
@@ -110,7 +115,7 @@ class StoreConfig:
     l1_bytes: int = 1 << 30
     l2_bytes: int = 4 << 30
     l3_bytes: int | None = None  # None: the store's own cap (a new store: 32 GiB)
-    store_dir: Path | None = None
+    store_dir: Path | str | None = None  # an LMDB directory, or a redis:// URL (tiers.l3.open_l3)
     codec: str = "raw"
     # Tier ("L2" or "L3") -> bytes per second: reads from that tier take at least
     # bytes / rate (the rest is slept), and the link counters show it (tests, demos).
@@ -157,24 +162,25 @@ class TieredStore:
     # -- queries -------------------------------------------------------------
 
     def locate(self, keys: Sequence[PageKey], tokens: Sequence[int]) -> list[Source]:
-        """Tier of each page of the longest prefix of ``keys`` that is stored."""
+        """Tier of each page of the longest prefix of ``keys`` that is stored (L3 is asked
+        once, for the pages L1 and L2 lack)."""
         with self._lock:
+            absent = [key for key in keys if key not in self.l1 and key not in self.l2]
+            in_l3 = set(absent[: self.disk.stored_prefix(absent)]) if self.disk is not None else set()
             found = []
             for i, key in enumerate(keys):
-                source = self._where(key, self._page_tokens(tokens, i))
+                source = self._where(key, self._page_tokens(tokens, i), in_l3)
                 if source is None:
                     break
                 found.append(source)
             return found
 
-    def _where(self, key: PageKey, page_tokens: tuple[int, ...]) -> Source | None:
+    def _where(self, key: PageKey, page_tokens: tuple[int, ...], in_l3: set[PageKey]) -> Source | None:
         for tier, source in ((self.l1, Source.L1), (self.l2, Source.L2)):
             entry = tier.entries.get(key)
             if entry is not None:
                 return source if entry.tokens == page_tokens else None
-        if self.disk is not None and self.disk.contains(key):
-            return Source.L3
-        return None
+        return Source.L3 if key in in_l3 else None
 
     def touch(self, keys: Sequence[PageKey]) -> None:
         """Mark ``keys``' L1 pages recently used (a waiting request will want them);
@@ -213,14 +219,15 @@ class TieredStore:
             pages = self._plan(keys, tokens, snap, first)
             try:
                 t1 = time.perf_counter()
+                read_s = snap.read_s if snap is not None else 0.0  # a remote L3's round trips, inside _plan
                 pages = self._decode_compressed(pages)
                 digests = self._hash_raw_l3(pages) if ahead else [None] * len(pages)
                 l3_bytes = sum(p.stored for p in pages)
-                host_s = self._throttled("L3", l3_bytes, time.perf_counter() - t1) if l3_bytes else 0.0
+                host_s = self._throttled("L3", l3_bytes, read_s + time.perf_counter() - t1) if l3_bytes else 0.0
             except BaseException:
                 self.release([p.key for p in pages])
                 raise
-            return PendingRestore(pages, digests, t1 - t0, host_s, stack.pop_all())
+            return PendingRestore(pages, digests, t1 - t0 - read_s, host_s, stack.pop_all())
 
     def finish(self, pending: PendingRestore) -> RestoredPrefix:
         """Join a begun restore's pages into per-layer device arrays and end its snapshot;
@@ -266,6 +273,8 @@ class TieredStore:
         evicts a page of this run. Lookups and hits count here for L1 and L2, in the
         snapshot for L3.
         """
+        if snap is not None:
+            snap.expect([k for k in keys[first:] if k not in self.l1 and k not in self.l2], self.geometry.nbytes)
         pages = []
         for i in range(first, len(keys)):
             key = keys[i]
@@ -520,7 +529,9 @@ class TieredStore:
             if self.disk is not None:
                 tiers["L3"] = asdict(self.disk.counters)
             links = {name: asdict(link) for name, link in self.links.items()}
-            return {"tiers": tiers, "links": links}
+            if self.disk is None:
+                return {"tiers": tiers, "links": links}
+            return {"tiers": tiers, "links": links, "l3": {"backend": self.disk.backend, "location": self.disk.location}}
 
 
 def _checked_throttle(throttle: dict[str, float]) -> dict[str, float]:
@@ -530,14 +541,14 @@ def _checked_throttle(throttle: dict[str, float]) -> dict[str, float]:
     return dict(throttle)
 
 
-def _open_disk(config: StoreConfig) -> DiskTier | None:
-    """L3 if the store can be used; otherwise warn once and run without it."""
+def _open_disk(config: StoreConfig) -> L3Store | None:
+    """L3 (the backend ``store_dir`` names) if it can be used; otherwise warn once and
+    run without it."""
     if config.store_dir is None:
         return None
     try:
-        return DiskTier(Path(config.store_dir), config.l3_bytes, codec=config.codec,
-                        queue_pages=config.l3_queue_pages, record_bytes=config.page_bytes,
-                        policy=config.policy)
+        return open_l3(config.store_dir, config.l3_bytes, codec=config.codec, queue_pages=config.l3_queue_pages,
+                       record_bytes=config.page_bytes, policy=config.policy)
     except StoreError as err:
         log.warning("running without L3: %s", err)
         return None

@@ -18,7 +18,6 @@ import httpx
 import openai
 import pytest
 
-
 from .conftest import on_tiny_model
 
 PAGE = 16  # small pages: short prompts span several

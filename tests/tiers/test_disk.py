@@ -25,8 +25,8 @@ from hypothesis import strategies as st
 
 from xxhash import xxh3_64_intdigest
 
-from kvtier.tiers.disk import (FORMAT_VERSION, DiskTier, RecordHeader, StoreError, _Corrupt, compact_store,
-                               decode_record)
+from kvtier.tiers.disk import DiskTier, StoreError, compact_store
+from kvtier.tiers.record import FORMAT_VERSION, CorruptRecord, RecordHeader, decode_record
 
 REPO = Path(__file__).resolve().parents[2]
 NS = b"N" * 16
@@ -274,7 +274,7 @@ def test_a_raw_payload_of_the_wrong_length_is_refused_at_every_layer(store: Path
     tokens = np.asarray(TOKENS, "<u4").tobytes()
     value = RecordHeader(FORMAT_VERSION, NS, tokens, "raw", 4096, xxh3_64_intdigest(short)).pack() + short
     for out in (None, np.empty(4096, np.uint8)):
-        with pytest.raises(_Corrupt):
+        with pytest.raises(CorruptRecord):
             decode_record(memoryview(value), NS, tokens, 4096, out)
     tier = DiskTier(store, 1 << 20)
     _poke(tier, key(0), value)

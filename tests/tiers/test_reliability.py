@@ -31,7 +31,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from xxhash import xxh3_64_intdigest
 
-from kvtier.tiers.disk import CODECS, FORMAT_VERSION, DiskTier, RecordHeader, _Corrupt, decode_record
+from kvtier.tiers.disk import DiskTier
+from kvtier.tiers.record import CODECS, FORMAT_VERSION, CorruptRecord, RecordHeader, decode_record
 from kvtier.tiers.hierarchy import StoreConfig, TieredStore
 from kvtier.tiers.page import Namespace, PageGeometry, page_keys
 from kvtier.tiers.tier import kv_to_host
@@ -328,7 +329,7 @@ def damage_record(value: bytes, rng: random.Random, in_header: bool) -> bytes:
             bad[pos] ^= rng.randint(1, 255)
         try:
             decode_record(memoryview(bytes(bad)), header.namespace, header.tokens, header.raw_len)
-        except _Corrupt:
+        except CorruptRecord:
             return bytes(bad)
 
 
@@ -664,7 +665,7 @@ def decode(value: bytes, raw_nbytes: int, out: bool) -> bytes | None:
     buffer = np.empty(raw_nbytes, np.uint8) if out else None
     try:
         got = decode_record(memoryview(value), NS, FUZZ_TOKENS, raw_nbytes, buffer)
-    except _Corrupt:
+    except CorruptRecord:
         return None
     return got.tobytes() if out else bytes(got)
 
@@ -702,7 +703,7 @@ _FAST = dict(deadline=None, database=None, suppress_health_check=list(HealthChec
 def test_fuzz_record_decoder_yields_the_page_or_corrupt() -> None:
     """Over 10,000 stored values through the L3 decoder (``RecordHeader.unpack`` and
     ``decode_record``, with and without an ``out`` buffer): it returns the page's own
-    bytes, or a clean ``_Corrupt``; it never raises anything else or serves other bytes."""
+    bytes, or a clean ``CorruptRecord``; it never raises anything else or serves other bytes."""
     seeds = seed_records()
     inputs: set[int] = set()
 
@@ -726,7 +727,7 @@ def test_fuzz_record_decoder_yields_the_page_or_corrupt() -> None:
         inputs.add(xxh3_64_intdigest(value))
         try:
             header = RecordHeader.unpack(memoryview(value))[0]
-        except _Corrupt:
+        except CorruptRecord:
             header = None
         for out in (False, True):
             got = decode(value, raw_nbytes, out)

@@ -1,0 +1,429 @@
+"""L3, the persistent page store shared beyond one process: the interface every backend
+implements (LMDB on this machine, ``tiers.disk``; Redis / Valkey for a fleet,
+``tiers.redis_store``) and the background writer they share.
+
+A backend stores records (``tiers.record``) under 16-byte page keys and keeps beside
+them the store's meta (format version, ``put_meta`` entries such as cost profiles),
+cumulative counters and a namespaces table. The hierarchy talks to this interface only:
+``contains``, ``snapshot`` (find a run of records, read once), ``verified`` / ``accept``
+(serve or reject a record), ``put`` (write-once, queued), ``flush``, ``close``.
+
+Invariants kept here for every backend:
+- a record failing its header or checksum check is never served: it reads as a miss, is
+  counted in ``checksum_failures`` and deleted unless it was rewritten meanwhile
+  (delete-if-unchanged, by the fingerprint of the bad value).
+- ``put`` never waits for the backend: a full queue drops the write and counts it; the
+  writer thread commits queued writes, deletes and uses in batches, off the request path.
+- backend errors after open never reach a caller: a failed read is a miss, a failed write
+  a dropped write, each kind logged once as a warning.
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+import threading
+from abc import ABC, abstractmethod
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ContextManager, Iterator, Sequence
+
+import numpy as np
+
+from .counters import TierCounters
+from .record import CODECS, CorruptRecord, StoredRecord, checked_record, token_bytes, verify_payload
+
+log = logging.getLogger(__name__)
+
+URL_SCHEMES = ("redis://", "rediss://", "redis+cluster://")
+_TOUCH_DELAY_S = 0.05  # uses alone wait this long, so many share one commit
+_MAX_TOUCHES = 4096  # uses are hints: past this many pending, the oldest are dropped
+
+
+class StoreError(Exception):
+    """L3 cannot be used (unwritable dir, damaged env, unreachable server, other format
+    version); the message is one line."""
+
+
+def format_bytes(n: float) -> str:
+    """``1.5 GiB``, ``12 KiB``, ``512 B``: sizes as people read them."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
+def is_url(store: str | Path | None) -> bool:
+    """Whether a ``--store`` names a server (Redis / Valkey) rather than a directory."""
+    return isinstance(store, str) and store.startswith(URL_SCHEMES)
+
+
+def open_l3(store: str | Path, capacity_bytes: int | None = None, **options) -> L3Store:
+    """The L3 backend a store string names: a ``redis://``, ``rediss://`` or
+    ``redis+cluster://`` URL, else an LMDB directory. StoreError when it cannot be used."""
+    if is_url(store):
+        from .redis_store import RedisTier  # imported on use: LMDB users never load redis
+
+        return RedisTier(str(store), capacity_bytes, **options)
+    from .disk import DiskTier
+
+    return DiskTier(Path(store), capacity_bytes, **options)
+
+
+@dataclass
+class PendingPut:
+    key: bytes
+    namespace: bytes
+    tokens: bytes
+    payload: bytes
+
+
+@dataclass
+class Batch:
+    """Everything the writer commits at once."""
+
+    puts: list[PendingPut]
+    touches: list[bytes]
+    deletes: dict[bytes, object]  # page key -> fingerprint of the bad value a read saw
+
+
+class Snapshot(ABC):
+    """Page lookups against one view of the store (``L3Store.snapshot``): the records it
+    hands out stay valid, unchanged by any writer, until it ends."""
+
+    def __init__(self, store: L3Store) -> None:
+        self.store = store
+        self.read_s = 0.0  # seconds spent reading records from the backend (a network's round trips)
+
+    def expect(self, keys: Sequence[bytes], raw_nbytes: int) -> None:
+        """A hint: ``find`` will be asked for these keys, in this order (a remote backend
+        reads them in a few batched round trips)."""
+
+    @abstractmethod
+    def _value(self, key: bytes) -> memoryview | bytes | None:
+        """The stored value of ``key``, None when absent or unreadable (logged)."""
+
+    def find(self, key: bytes, namespace_digest: bytes, tokens: Sequence[int],
+             raw_nbytes: int) -> StoredRecord | None:
+        """The record of ``key`` if its header matches this page, else None (a record
+        with a bad header is rejected). Counts the lookup."""
+        store = self.store
+        store._count(lookups=1)
+        if store._doomed(key):
+            return None  # a rejected record whose delete is not committed yet: a miss
+        value = self._value(key)
+        if value is None:
+            return None
+        try:
+            return checked_record(key, value, namespace_digest, tokens, raw_nbytes)
+        except CorruptRecord as exc:
+            store._reject(key, store._fingerprint(value), str(exc))
+            return None
+
+
+class L3Store(ABC):
+    """One L3 backend: records, meta, counters, and the queue its writer thread drains.
+
+    Counted here: lookups (by snapshots), hit_pages, hit_tokens, inserts, evictions,
+    checksum_failures, writes_dropped. bytes_used, pages and capacity are store-wide
+    gauges, reloaded by ``refresh``.
+    """
+
+    backend = ""  # "lmdb" or "redis": what stats call this L3
+    tracks_use = True  # the writer records each use (a backend that sees its reads does not)
+
+    def __init__(self, capacity: int, *, codec: str, zstd_level: int, queue_pages: int,
+                 readonly: bool) -> None:
+        if codec not in CODECS:
+            raise ValueError(f"unknown L3 codec {codec!r}; expected one of {', '.join(CODECS)}")
+        self.readonly = readonly
+        self._capacity = capacity
+        self.counters = TierCounters(capacity=capacity)
+        self._codec, self._level = codec, zstd_level
+        self._queue_pages = max(1, queue_pages)
+        self._lock = threading.Lock()  # guards counters and the pending work below
+        self._wake = threading.Condition(self._lock)
+        self._puts: dict[bytes, PendingPut] = {}
+        self._touches: dict[bytes, None] = {}  # insertion order = access order
+        self._deletes: dict[bytes, object] = {}
+        self._deleting: frozenset[bytes] = frozenset()  # deletes of the batch being committed
+        self._in_flight = self._closing = self._stopped = readonly
+        self._closed = False
+        self._flushers = 0
+        self._failures_seen: set[tuple[str, type]] = set()
+        self._writer = threading.Thread(target=self._run_writer, name="kvtier-l3-writer", daemon=True)
+
+    def _start(self) -> None:
+        """Load the gauges and start the writer (a backend calls it once open)."""
+        self.refresh()
+        if not self.readonly:
+            self._writer.start()
+
+    # --- what a backend implements ---------------------------------------------------
+
+    @property
+    @abstractmethod
+    def location(self) -> str:
+        """Where the store is (a directory, or the URL without its password)."""
+
+    @abstractmethod
+    def _exists(self, key: bytes) -> bool:
+        """A record of ``key`` is stored (False when the backend cannot tell, logged)."""
+
+    @abstractmethod
+    def snapshot(self) -> ContextManager[Snapshot]:
+        """One consistent view for a batch of page lookups."""
+
+    @abstractmethod
+    def _fingerprint(self, value: memoryview | bytes) -> object:
+        """What identifies a bad value, so its delete spares a rewritten record."""
+
+    @abstractmethod
+    def _commit(self, batch: Batch) -> None:
+        """Apply a batch (writes once, deletes if unchanged, uses); count the outcome."""
+
+    @abstractmethod
+    def _close_backend(self) -> None: ...
+
+    @abstractmethod
+    def refresh(self) -> None:
+        """Reload the store-wide gauges (every process changes them)."""
+
+    @abstractmethod
+    def read_through(self, keys: Sequence[bytes]) -> int:
+        """Read and hash every byte of these records, keeping nothing: the floor under a
+        restore (benchmarks compare against it). Returns bytes read."""
+
+    @abstractmethod
+    def namespaces(self) -> dict[bytes, dict]: ...
+
+    @abstractmethod
+    def describe_namespace(self, digest: bytes, about: dict) -> None: ...
+
+    @abstractmethod
+    def clear(self, namespaces: set[bytes] | None = None) -> tuple[int, int]: ...
+
+    @abstractmethod
+    def resize(self, capacity: int) -> int: ...
+
+    @abstractmethod
+    def reset_counters(self) -> None: ...
+
+    @abstractmethod
+    def add_persistent_counters(self, delta: dict) -> None: ...
+
+    @abstractmethod
+    def persistent_counters(self) -> dict: ...
+
+    @abstractmethod
+    def get_meta(self, name: str) -> object | None: ...
+
+    @abstractmethod
+    def put_meta(self, name: str, value: object) -> None: ...
+
+    @property
+    def file_bytes(self) -> int:
+        """What the store takes on its medium (a file on disk, a server's memory)."""
+        return self.counters.bytes_used
+
+    # --- caller threads ----------------------------------------------------------------
+
+    def contains(self, key: bytes) -> bool:
+        """A record exists and is not being deleted (unverified: a read verifies)."""
+        return not self._doomed(key) and self._exists(key)
+
+    def stored_prefix(self, keys: Sequence[bytes]) -> int:
+        """How many leading ``keys`` have a record (a remote backend asks in one round trip)."""
+        return next((i for i, key in enumerate(keys) if not self.contains(key)), len(keys))
+
+    def get(self, key: bytes, namespace_digest: bytes, tokens: Sequence[int],
+            raw_nbytes: int, out: np.ndarray | None = None) -> tuple[bytes | np.ndarray, int] | None:
+        """Verified raw payload and the stored record size D (bytes read), or None.
+
+        With ``out`` (uint8, ``raw_nbytes`` long) the payload is written there and
+        ``out`` returned; on a miss its content is unspecified.
+        """
+        with self.snapshot() as snap:
+            record = snap.find(key, namespace_digest, tokens, raw_nbytes)
+            raw = None if record is None else self.verified(record, out)
+            if raw is None:
+                return None
+            return (bytes(raw) if isinstance(raw, memoryview) else raw), record.stored
+
+    def verified(self, record: StoredRecord, out: np.ndarray | None = None) -> memoryview | np.ndarray | bytes | None:
+        """The record's raw bytes once its checksum holds; else None, and it is rejected.
+
+        A raw payload comes back as the record's view itself (no copy) unless ``out`` is
+        given; a compressed one is decoded into ``out`` (or new memory). Safe on any
+        thread while the record's snapshot is open; counts the hit and the use.
+        """
+        try:
+            raw = verify_payload(record.header, record.payload, out)
+        except CorruptRecord as exc:
+            self._reject(record.key, self._fingerprint(record.value), str(exc))
+            return None
+        self._hit(record)
+        return raw
+
+    def accept(self, record: StoredRecord, digest: int) -> bool:
+        """Whether a raw record's payload, hashed by the caller while it copied it (the
+        snapshot still open), matches its checksum; counted like ``verified``."""
+        if digest != record.header.checksum:  # find checked the length
+            self._reject(record.key, self._fingerprint(record.value), "checksum mismatch")
+            return False
+        self._hit(record)
+        return True
+
+    def _hit(self, record: StoredRecord) -> None:
+        with self._lock:
+            self.counters.hit_pages += 1
+            self.counters.hit_tokens += len(record.header.tokens) // 4
+            if not self.tracks_use:
+                return
+            self._touches.pop(record.key, None)
+            self._touches[record.key] = None
+            if len(self._touches) > _MAX_TOUCHES:
+                del self._touches[next(iter(self._touches))]
+            if len(self._touches) == 1:
+                self._wake.notify_all()  # later touches ride along (see _next_batch)
+
+    def _doomed(self, key: bytes) -> bool:
+        """A read rejected this record and its delete has not committed yet.
+
+        Such a key reads as absent, so a caller recomputes the page and may store it
+        again at once (the writer commits deletes before puts); answering "present"
+        would make put skip the fresh copy as already written.
+        """
+        with self._lock:
+            return key in self._deletes or key in self._deleting
+
+    def _reject(self, key: bytes, fingerprint: object, reason: str) -> None:
+        log.warning("L3 record %s rejected (%s); deleting it", bytes(key).hex(), reason)
+        with self._lock:
+            self.counters.checksum_failures += 1
+            if not self.readonly:
+                self._deletes[bytes(key)] = fingerprint
+                self._wake.notify_all()
+
+    def put(self, key: bytes, namespace_digest: bytes, tokens: Sequence[int],
+            payload: bytes | memoryview, *, wait: bool = False) -> bool:
+        """Queue a write-once page write; False (and counted) when the queue is full.
+
+        ``wait=True`` waits for room instead of dropping (for flushes, off the request path).
+        """
+        if key in self._puts or self.contains(key):
+            return True  # write-once: nothing to copy or write
+        pending = PendingPut(bytes(key), bytes(namespace_digest), token_bytes(tokens), bytes(payload))
+        with self._lock:
+            if self._never_fits(len(payload)):  # nothing crosses to L3
+                self.counters.writes_dropped += 1
+                return False
+            while wait and not self._closing and len(self._puts) >= self._queue_pages:
+                self._wake.wait()
+            if self._closing or len(self._puts) >= self._queue_pages:
+                self.counters.writes_dropped += 1
+                return False
+            self._puts.setdefault(pending.key, pending)
+            self._wake.notify_all()
+        return True
+
+    def _never_fits(self, raw_nbytes: int) -> bool:
+        """A page this large can never be stored (checked before it is queued)."""
+        return False
+
+    def flush(self) -> None:
+        """Block until every queued write, delete and use is committed."""
+        with self._lock:
+            self._flushers += 1
+            self._wake.notify_all()
+            while (self._has_work() or self._in_flight) and not self._stopped:
+                self._wake.wait()
+            self._flushers -= 1
+        self.refresh()
+
+    def close(self) -> None:
+        """Flush, stop the writer, close the backend; idempotent."""
+        with self._lock:
+            self._closing = True
+            self._wake.notify_all()
+        if self._writer.is_alive():
+            self._writer.join()  # the writer drains all pending work before it stops
+        with self._lock:
+            already, self._closed = self._closed, True
+        if not already:
+            self._close_backend()
+
+    def __enter__(self) -> L3Store:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- writer thread -----------------------------------------------------------------
+
+    def _has_work(self) -> bool:
+        return bool(self._puts or self._touches or self._deletes)
+
+    def _next_batch(self) -> Batch | None:
+        with self._lock:
+            while not self._has_work() and not self._closing:
+                self._wake.wait()
+            if not (self._puts or self._deletes or self._closing or self._flushers):
+                self._wake.wait(_TOUCH_DELAY_S)  # only touches: let more arrive
+            if not self._has_work():
+                self._stopped = True  # closing and drained
+                self._wake.notify_all()
+                return None
+            batch = Batch(list(self._puts.values()), list(self._touches), dict(self._deletes))
+            self._puts, self._touches, self._deletes = {}, {}, {}
+            self._deleting = frozenset(batch.deletes)
+            self._in_flight = True
+            return batch
+
+    def _run_writer(self) -> None:
+        while (batch := self._next_batch()) is not None:
+            try:
+                self._commit(batch)
+            except Exception as exc:  # the writer must survive: lose the batch, not the tier
+                self._failed("write", exc, f" ({len(batch.puts)} pages dropped)")
+                self._count(writes_dropped=len(batch.puts))
+            finally:
+                with self._lock:
+                    self._in_flight = False
+                    self._deleting = frozenset()
+                    self._wake.notify_all()
+
+    # --- shared helpers ------------------------------------------------------------------
+
+    def _failed(self, what: str, exc: BaseException, detail: str = "") -> None:
+        """Log a failure: the first of each kind as a warning, repeats at debug level."""
+        kind = (what, type(exc))
+        level = logging.DEBUG if kind in self._failures_seen else logging.WARNING
+        self._failures_seen.add(kind)
+        log.log(level, "L3 %s failed: %s%s", what, one_line(exc), detail)
+
+    def _count(self, **deltas: int) -> None:
+        with self._lock:
+            for name, n in deltas.items():
+                setattr(self.counters, name, getattr(self.counters, name) + n)
+
+
+@contextmanager
+def scratch_location(store: str | Path) -> Iterator[str | Path]:
+    """A throwaway store beside ``store`` (same disk, same server) for measurements,
+    removed afterwards: a directory inside it, or the same server under its own prefix."""
+    if is_url(store):
+        from .redis_store import scratch_url
+
+        with scratch_url(str(store)) as url:
+            yield url
+        return
+    Path(store).mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=store, prefix="calibration-") as scratch:
+        yield Path(scratch)

@@ -1,0 +1,401 @@
+"""L3 for a fleet: pages in Redis / Valkey (standalone or Redis Cluster), shared by every
+engine on every host that names the same server.
+
+Keys, all under a prefix (``kvtier:`` unless the URL says ``?prefix=...``):
+``<prefix>p:<16-byte page key>`` -> the record (``tiers.record``, the same bytes LMDB
+stores); ``<prefix>meta`` (hash: ``format_version``, ``user/<name>`` -> msgpack, e.g. cost
+profiles); ``<prefix>counters`` (hash: cumulative counters flattened to ``a/b/c`` ->
+number, added with HINCRBY / HINCRBYFLOAT so concurrent engines never lose an update);
+``<prefix>ns`` (hash: namespace digest -> msgpack row: what its writer said it is).
+
+What differs from LMDB, and why:
+- Capacity and eviction are the server's (``maxmemory`` and ``maxmemory-policy``): a
+  record can vanish at any moment, so a record found absent on read is a miss, like any
+  other. ``capacity`` reports ``maxmemory`` (0: none set), ``bytes_used`` the server's
+  ``used_memory``, ``pages`` its key count, ``evictions`` the server's evicted keys since
+  this process opened the store. Open warns when there is no cap or the policy never evicts.
+- Reads are copies into host memory, fetched in a few pipelined ``MGET`` s per restore
+  (``Snapshot.expect``): a raw page is then joined from those bytes, as from LMDB's map.
+- Writes are ``SET NX`` (write-once) from the writer thread; deletes of rejected records
+  are a server-side compare-and-delete on the value's SHA-1, so a rewritten record survives.
+- Nothing waits long on a server that is down or slow: every call has a short socket
+  timeout (``?socket_timeout=`` overrides it) and no client-side retries; after a connection
+  failure the store answers "absent" and drops writes (counted) for a back-off that doubles
+  up to ``_MAX_BACKOFF_S``, then tries again, so requests recompute instead of waiting.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import secrets
+import time
+from contextlib import contextmanager
+from typing import Callable, Iterator, Sequence, TypeVar
+from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
+
+import msgpack
+import redis
+from redis.backoff import NoBackoff
+from redis.cluster import ClusterNode, RedisCluster
+from redis.retry import Retry
+from xxhash import xxh3_64_intdigest
+
+from .l3 import Batch, L3Store, Snapshot, StoreError, format_bytes, one_line
+from .record import FORMAT_VERSION, encode_record
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+_TIMEOUT_S = 0.5  # connect and socket timeout, unless the URL sets them
+_BATCH_BYTES = 32 << 20  # a restore's MGET carries at most about this many bytes
+_MAX_BACKOFF_S = 5.0
+_warned: set[str] = set()  # servers already warned about their eviction settings (once a process)
+# Delete a key only while it still holds the bad value a read saw (by its SHA-1).
+_DELETE_IF_SAME = "if redis.sha1hex(redis.call('GET', KEYS[1]) or '') == ARGV[1] then " \
+                  "return redis.call('DEL', KEYS[1]) end return 0"
+
+
+def _connect(url: str) -> tuple[redis.Redis | RedisCluster, bytes]:
+    """A client for ``url`` and the key prefix it names; ValueError on a malformed URL."""
+    parts = urlsplit(url)
+    query = dict(parse_qsl(parts.query))
+    prefix = query.pop("prefix", "kvtier:").encode()
+    options = {"socket_timeout": float(query.pop("socket_timeout", _TIMEOUT_S)),
+               "socket_connect_timeout": float(query.pop("socket_connect_timeout", _TIMEOUT_S)),
+               "retry": Retry(NoBackoff(), 0)}
+    if parts.scheme != "redis+cluster":
+        plain = urlunsplit((parts.scheme, parts.netloc, parts.path, urlencode(query), ""))
+        return redis.Redis.from_url(plain, retry_on_error=[], **options), prefix
+    auth, _, hosts = parts.netloc.rpartition("@")
+    user, _, password = auth.partition(":")
+    nodes = []
+    for host in hosts.split(","):
+        name, _, port = host.rpartition(":")
+        nodes.append(ClusterNode(name or "localhost", int(port)))
+    return RedisCluster(startup_nodes=nodes, username=unquote(user) or None, password=unquote(password) or None,
+                        **options), prefix
+
+
+def _shown(url: str) -> str:
+    """The URL without its password (for logs and stats)."""
+    parts = urlsplit(url)
+    auth, at, hosts = parts.netloc.rpartition("@")
+    if ":" in auth:
+        auth = auth.split(":", 1)[0] + ":***"
+    return urlunsplit((parts.scheme, auth + at + hosts, parts.path, parts.query, ""))
+
+
+def _flatten(tree: dict, prefix: str = "") -> Iterator[tuple[str, int | float]]:
+    for name, value in tree.items():
+        if isinstance(value, dict):
+            yield from _flatten(value, f"{prefix}{name}/")
+        else:
+            yield f"{prefix}{name}", value
+
+
+def _number(text: bytes) -> int | float:
+    try:
+        return int(text)
+    except ValueError:
+        return float(text)
+
+
+def _total(reply: object, field: str) -> int:
+    """A numeric INFO field, summed over a cluster's nodes (whose replies are per node)."""
+    if isinstance(reply, dict) and field in reply:
+        return int(reply[field])
+    if isinstance(reply, dict):
+        return sum(_total(node, field) for node in reply.values() if isinstance(node, dict))
+    return 0
+
+
+class _RedisSnapshot(Snapshot):
+    """Lookups answered from batched reads: each value is read once, in an MGET of the
+    expected keys that follow it, and kept (host memory) until the snapshot ends."""
+
+    def __init__(self, tier: RedisTier) -> None:
+        super().__init__(tier)
+        self.store: RedisTier = tier
+        self._expected: dict[bytes, int] = {}
+        self._order: list[bytes] = []
+        self._window = 1
+        self._values: dict[bytes, bytes | None] = {}
+
+    def expect(self, keys: Sequence[bytes], raw_nbytes: int) -> None:
+        self._order = list(keys)
+        self._expected = {key: i for i, key in enumerate(self._order)}
+        self._window = max(1, _BATCH_BYTES // max(1, raw_nbytes))
+
+    def _value(self, key: bytes) -> bytes | None:
+        if key not in self._values:
+            i = self._expected.get(key)
+            batch = [key] if i is None else self._order[i : i + self._window]
+            t0 = time.perf_counter()
+            self._values.update(zip(batch, self.store._mget(batch)))
+            self.read_s += time.perf_counter() - t0
+        return self._values.get(key)
+
+
+class RedisTier(L3Store):
+    """L3 on a Redis / Valkey server or cluster (see the module docstring for what it
+    keeps where and how it differs from LMDB). StoreError on open when the server cannot
+    be reached, refuses the credentials, or holds another format version."""
+
+    backend = "redis"
+    tracks_use = False  # the server's LRU/LFU sees every GET itself
+
+    def __init__(self, url: str, capacity_bytes: int | None = None, *, codec: str = "raw",
+                 zstd_level: int = 3, queue_pages: int = 64, readonly: bool = False,
+                 record_bytes: int | None = None, policy: str = "lru") -> None:
+        # policy and record_bytes are LMDB's: the server evicts by its own policy, by real size
+        super().__init__(0, codec=codec, zstd_level=zstd_level, queue_pages=queue_pages, readonly=readonly)
+        self.url = url
+        try:
+            self._client, self._prefix = _connect(url)
+        except (ValueError, redis.RedisError) as exc:
+            raise StoreError(f"bad store URL {_shown(url)}: {one_line(exc)}") from None
+        self._cluster = isinstance(self._client, RedisCluster)
+        self._all = {"target_nodes": RedisCluster.PRIMARIES} if self._cluster else {}  # server-wide numbers
+        self._meta, self._counters_key, self._ns = (self._prefix + name for name in (b"meta", b"counters", b"ns"))
+        self._down_until = 0.0
+        self._backoff = 0.0
+        self._evicted_at_open = 0
+        try:
+            self._open(capacity_bytes)
+        except redis.RedisError as exc:
+            self._client.close()
+            raise StoreError(f"cannot use Redis store {self.location}: {one_line(exc)}") from None
+        self._delete_if_same = self._client.register_script(_DELETE_IF_SAME)
+        self._start()
+
+    @property
+    def location(self) -> str:
+        return _shown(self.url)
+
+    def _open(self, asked: int | None) -> None:
+        """Check the format version (a new store takes ours) and the server's cap."""
+        if not self.readonly:
+            self._client.hsetnx(self._meta, "format_version", FORMAT_VERSION)
+        stored = self._client.hget(self._meta, "format_version")
+        if stored is not None and int(stored) != FORMAT_VERSION:
+            raise StoreError(f"store {self.location} has format version {int(stored)}, "
+                             f"this kvtier reads version {FORMAT_VERSION}")
+        self._evicted_at_open = _total(self._client.info("stats", **self._all), "evicted_keys")
+        try:
+            config = self._client.config_get("maxmemory*")
+        except redis.ResponseError:  # a managed server may refuse CONFIG: nothing to check
+            return
+        cap, policy = int(config.get("maxmemory", 0)), config.get("maxmemory-policy", "?")
+        if asked is not None:
+            log.info("store %s: the Redis server's maxmemory (%s) is its cap; the %s asked for is ignored",
+                     self.location, format_bytes(cap) if cap else "none", format_bytes(asked))
+        if (not cap or policy == "noeviction") and urlsplit(self.url).netloc not in _warned:
+            _warned.add(urlsplit(self.url).netloc)
+            log.warning("store %s: Redis has %s; set maxmemory and maxmemory-policy allkeys-lru so it "
+                        "evicts old pages instead of filling up (writes are then dropped)", self.location,
+                        "no maxmemory" if not cap else "maxmemory-policy noeviction")
+
+    # --- calls that must never fail or stall a request -----------------------------------
+
+    def _call(self, what: str, call: Callable[[], T], default: T) -> T:
+        """``call()``, or ``default`` when the server fails it (logged once per kind); a
+        connection failure backs off (nothing is sent meanwhile), doubling to a cap."""
+        if time.monotonic() < self._down_until:
+            return default
+        try:
+            result = call()
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            self._backoff = min(2 * self._backoff or 0.1, _MAX_BACKOFF_S)
+            self._down_until = time.monotonic() + self._backoff
+            self._failed(what, exc, f" (retrying in {self._backoff:.1f} s; meanwhile L3 misses)")
+            return default
+        except (redis.RedisError, ValueError) as exc:  # a refused command, a bad reply
+            self._failed(what, exc)
+            return default
+        if self._backoff:
+            log.warning("L3 Redis store %s reachable again", self.location)
+            self._backoff = 0.0
+        return result
+
+    def _page(self, key: bytes) -> bytes:
+        return self._prefix + b"p:" + key
+
+    def _mget(self, keys: list[bytes]) -> list[bytes | None]:
+        names = [self._page(k) for k in keys]
+        mget = self._client.mget_nonatomic if self._cluster else self._client.mget
+        return self._call("read", lambda: mget(names), [None] * len(keys))
+
+    def _exists(self, key: bytes) -> bool:
+        return bool(self._call("lookup", lambda: self._client.exists(self._page(key)), 0))
+
+    def stored_prefix(self, keys: Sequence[bytes]) -> int:
+        def run() -> list:
+            pipe = self._client.pipeline(transaction=False)
+            for key in keys:
+                pipe.exists(self._page(key))
+            return pipe.execute()
+        found = self._call("lookup", run, []) if keys else []
+        doomed = [self._doomed(k) for k in keys]
+        return next((i for i, (n, d) in enumerate(zip(found, doomed)) if not n or d), len(found))
+
+    @contextmanager
+    def snapshot(self) -> Iterator[Snapshot]:
+        yield _RedisSnapshot(self)
+
+    def _fingerprint(self, value: memoryview | bytes) -> str:
+        return hashlib.sha1(value).hexdigest()
+
+    def read_through(self, keys: Sequence[bytes]) -> int:
+        total = 0
+        window = max(1, _BATCH_BYTES // (1 << 20))
+        for i in range(0, len(keys), window):
+            for value in self._mget(list(keys[i : i + window])):
+                if value is not None:
+                    xxh3_64_intdigest(value)
+                    total += len(value)
+        return total
+
+    # --- writer thread -------------------------------------------------------------------
+
+    def _commit(self, batch: Batch) -> None:
+        for key, fingerprint in batch.deletes.items():
+            self._call("delete", lambda: self._delete_if_same(keys=[self._page(key)], args=[fingerprint]), 0)
+        if not batch.puts:
+            return
+        records = [(p.key, encode_record(p.namespace, p.tokens, p.payload, self._codec, self._level))
+                   for p in batch.puts]
+
+        def write() -> list:
+            pipe = self._client.pipeline(transaction=False)
+            for key, value in records:
+                pipe.set(self._page(key), value, nx=True)
+            return pipe.execute(raise_on_error=False)
+        results = self._call("write", write, None)
+        if results is None:
+            self._count(writes_dropped=len(records))
+            return
+        errors = [r for r in results if isinstance(r, Exception)]
+        if errors:  # e.g. OOM under noeviction: those pages are not stored
+            self._failed("write", errors[0], f" ({len(errors)} pages dropped)")
+        self._count(inserts=sum(r is True for r in results), writes_dropped=len(errors))
+        self.refresh()
+
+    def _close_backend(self) -> None:
+        self._client.close()
+
+    def refresh(self) -> None:
+        def gauges() -> tuple[int, int, int, int]:
+            memory, stats = self._client.info("memory", **self._all), self._client.info("stats", **self._all)
+            return (_total(memory, "maxmemory"), _total(memory, "used_memory"), int(self._client.dbsize(**self._all)),
+                    _total(stats, "evicted_keys"))
+        numbers = self._call("meta read", gauges, None)
+        if numbers is not None:
+            with self._lock:
+                cap, used, self.counters.pages, evicted = numbers
+                self._capacity = self.counters.capacity = cap
+                self.counters.bytes_used = used
+                self.counters.evictions = max(0, evicted - self._evicted_at_open)
+
+    # --- meta, counters, namespaces (caller threads; each one atomic server command) -----
+
+    def get_meta(self, name: str) -> object | None:
+        stored = self._call("meta read", lambda: self._client.hget(self._meta, f"user/{name}"), None)
+        return None if stored is None else msgpack.unpackb(stored)
+
+    def put_meta(self, name: str, value: object) -> None:
+        self._call("meta write", lambda: self._client.hset(self._meta, f"user/{name}", msgpack.packb(value)), 0)
+
+    def add_persistent_counters(self, delta: dict) -> None:
+        def add() -> list:
+            pipe = self._client.pipeline(transaction=False)
+            for field, n in _flatten(delta):
+                if isinstance(n, float):
+                    pipe.hincrbyfloat(self._counters_key, field, n)
+                else:
+                    pipe.hincrby(self._counters_key, field, n)
+            return pipe.execute()
+        self._call("counters write", add, [])
+
+    def persistent_counters(self) -> dict:
+        flat = self._call("counters read", lambda: self._client.hgetall(self._counters_key), {})
+        tree: dict = {}
+        for field, value in flat.items():
+            *path, name = field.decode().split("/")
+            node = tree
+            for part in path:
+                node = node.setdefault(part, {})
+            node[name] = _number(value)
+        return tree
+
+    def reset_counters(self) -> None:
+        self._call("counters write", lambda: self._client.delete(self._counters_key), 0)
+
+    def namespaces(self) -> dict[bytes, dict]:
+        rows = self._call("namespaces read", lambda: self._client.hgetall(self._ns), {})
+        return {bytes(digest): msgpack.unpackb(row) for digest, row in rows.items()}
+
+    def describe_namespace(self, digest: bytes, about: dict) -> None:
+        """Record what a namespace is. Redis evicts on its own, so the store cannot count
+        a namespace's pages: the row holds what it is and when it was last opened."""
+        row = {"pages": 0, "bytes": 0, "tokens": 0, "last_use": time.time(), "about": about}
+        if not self.readonly:
+            self._call("namespaces write", lambda: self._client.hset(self._ns, digest, msgpack.packb(row)), 0)
+
+    def clear(self, namespaces: set[bytes] | None = None) -> tuple[int, int]:
+        """Delete every page under this store's prefix; (pages, bytes) removed. Records
+        carry their namespace only inside the value, so clearing one namespace would
+        read the whole store: refused."""
+        if namespaces is not None:
+            raise StoreError(f"store {self.location} is a Redis store: clearing one namespace is not "
+                             "supported (clear it all, or let maxmemory evict)")
+        self.flush()
+        pages = nbytes = 0
+        try:
+            for keys in self._scan(self._prefix + b"p:*"):
+                pipe = self._client.pipeline(transaction=False)
+                for name in keys:
+                    pipe.strlen(name)
+                nbytes += sum(pipe.execute())
+                self._client.delete(*keys)  # a cluster client splits it by slot
+                pages += len(keys)
+        except redis.RedisError as exc:
+            raise StoreError(f"cannot clear {self.location}: {one_line(exc)}") from None
+        self.refresh()
+        return pages, nbytes
+
+    def resize(self, capacity: int) -> int:
+        raise StoreError(f"store {self.location} is a Redis store: its cap is the server's maxmemory "
+                         "(redis-cli CONFIG SET maxmemory ...)")
+
+    def _scan(self, pattern: bytes) -> Iterator[list[bytes]]:
+        batch = []
+        for name in self._client.scan_iter(match=pattern, count=1000):
+            batch.append(name)
+            if len(batch) == 1000:
+                yield batch
+                batch = []
+        if batch:
+            yield batch
+
+    def drop_everything(self) -> None:
+        """Delete every key under this store's prefix, meta and counters too (a scratch store)."""
+        for keys in self._scan(self._prefix + b"*"):
+            self._client.delete(*keys)
+
+
+@contextmanager
+def scratch_url(url: str) -> Iterator[str]:
+    """``url`` under a fresh random prefix (the same server), emptied afterwards."""
+    parts = urlsplit(url)
+    query = dict(parse_qsl(parts.query))
+    query["prefix"] = f"{query.get('prefix', 'kvtier:')}scratch-{secrets.token_hex(4)}:"
+    scratch = urlunsplit((parts.scheme, parts.netloc, parts.path, urlencode(query), ""))
+    try:
+        yield scratch
+    finally:
+        try:
+            with RedisTier(scratch) as tier:
+                tier.drop_everything()
+        except StoreError as err:
+            log.warning("scratch store %s not removed: %s", _shown(scratch), err)
