@@ -54,6 +54,15 @@ def make_engine(loaded, **config) -> tuple[Engine, PrefillCounting]:
     return engine, counting
 
 
+def run(engine: Engine, steps: int = 400) -> None:
+    """``engine.run()``, failing instead of hanging if requests are left waiting."""
+    for _ in range(steps):
+        if not (engine.scheduler.pending() or engine._running):
+            return
+        engine.step()
+    pytest.fail(f"{engine.scheduler.pending()} requests still waiting after {steps} steps")
+
+
 def assert_no_flight_left(engine: Engine) -> None:
     assert_clean(engine)
     prefix = engine.scheduler.prefix
@@ -68,7 +77,7 @@ def test_a_burst_sharing_a_prefix_computes_it_once(loaded):
     requests = [engine.submit(p, GREEDY) for p in prompts]
     engine.step()
     assert len(engine._running) == 1 and engine.scheduler.prefix.waiting() == 5, "one leader, five held"
-    engine.run()
+    run(engine)
     assert counting.tokens <= len(PREFIX) + 6 * (SUFFIX + PAGE)
     for r, p in zip(requests, prompts):
         assert r.output == greedy(loaded, p, GREEDY.max_tokens)
@@ -106,7 +115,7 @@ def test_a_leader_ending_mid_prefill_releases_its_followers(loaded, how):
     assert 0 < leader.published < PREFIX_PAGES and engine.scheduler.prefix.waiting() == 2
     if how == "cancelled":
         leader.cancel()
-    engine.run()
+    run(engine)
     assert leader.finish_reason == ("cancelled" if how == "cancelled" else "error")
     for r, p in zip(requests[1:], prompts[1:]):
         assert r.finish_reason == "length" and r.output == greedy(loaded, p, GREEDY.max_tokens)
@@ -124,7 +133,7 @@ def test_a_later_arrival_reuses_what_is_published_and_waits_for_the_rest(loaded)
     published = a.published
     b = engine.submit(second, GREEDY)
     before = counting.tokens
-    engine.run()
+    run(engine)
     assert counting.tokens - before <= (len(first) - published * PAGE) + SUFFIX + PAGE
     assert b.sources()["L1"] == len(PREFIX) and b.waited_tokens == (PREFIX_PAGES - published) * PAGE
     assert b.output == greedy(loaded, second, GREEDY.max_tokens)
@@ -137,9 +146,29 @@ def test_distinct_prompts_are_not_held(loaded):
     requests = [engine.submit(p, GREEDY) for p in prompts]
     engine.step()
     assert len(engine._running) == 4 and engine.scheduler.prefix.waiting() == 0
-    engine.run()
+    run(engine)
     assert all(r.waited_tokens == 0 and r.output == greedy(loaded, p, GREEDY.max_tokens)
                for r, p in zip(requests, prompts))
+
+
+def test_a_waiter_is_released_at_its_deadline_and_does_not_wait_again(loaded):
+    """A cost model that predicts the leader done in nanoseconds gives its followers a
+    deadline that has passed by the next step: they are released then, plan again
+    without waiting, and compute beside the leader, exactly."""
+    prompts = [prompt(n) for n in range(3)]
+    engine, _ = make_engine(loaded)
+    engine.profile = Profile(Profile.defaults().links, ComputeModel([0.0, 1e-9, 0.0]))
+    requests = [engine.submit(p, GREEDY) for p in prompts]
+    engine.step()
+    assert engine.scheduler.prefix.waiting() == 2
+    engine.step()
+    assert engine.scheduler.prefix.waiting() == 0 and len(engine._running) == 3
+    assert requests[0].published < PREFIX_PAGES, "released before the leader published its prefix"
+    run(engine)
+    for r, p in zip(requests, prompts):
+        assert r.output == greedy(loaded, p, GREEDY.max_tokens)
+    assert [r.waited_tokens for r in requests] == [0, len(PREFIX), len(PREFIX)]
+    assert_no_flight_left(engine)
 
 
 def test_wait_plan_weighs_the_leaders_progress_and_sets_a_deadline():
