@@ -180,7 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="cap a tier's read bandwidth, e.g. L3=2MiB/s (tests and demos)")
     run.add_argument("--single-flight", choices=["off", "after-prefill", "at-completion", "prefix"], default="after-prefill",
                      help="identical concurrent prompts: compute once, release followers after the "
-                          "leader's prefill or its completion")
+                          "leader's prefill or its completion; prefix: wait for shared pages being computed")
     run.add_argument("--refresh-window", type=non_negative_int, default=128, metavar="N",
                      help="touch the L1 pages of the first N waiting requests before each admission")
     run.add_argument("--no-offload", action="store_true", help="no store: recompute every prompt")

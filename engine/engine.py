@@ -3,7 +3,9 @@
 A request's path (DESIGN §2): tokens -> page keys -> locate -> restore the
 stored prefix into a fresh mlx-lm KV cache -> ``BatchGenerator.insert`` with that
 cache and the remaining tokens -> after every step, publish the pages that became
-full -> decode -> finish -> release pins.
+full -> decode -> finish -> release pins. With prefix single flight, a request whose
+next pages a running request is computing may first wait for them (``_hold_for_prefix``,
+priced by ``costmodel.plan.plan_wait``; the bookkeeping is ``engine.prefix_flights``).
 
 Every request ends exactly once (``_end``): finished, cancelled (``Request.cancel``),
 or failed ("error": an exception while admitting, publishing or collecting it fails
