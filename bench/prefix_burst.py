@@ -74,7 +74,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as scratch:
         profile = calibrate(loaded.model, loaded.geometry(EngineConfig().page_size), Path(scratch), quick=True)
     print(f"model {loaded.name}, BLAS {blas_in_use()}, prefix {args.prefix} + suffix {args.suffix} tokens, "
-          f"{args.max_tokens} output tokens each")
+          f"{args.max_tokens} output tokens each; prefill model c0, c1, c2 = {profile.compute.coef}")
     shared = tokens(args.prefix, 0)
     for n in args.sizes:
         prompts = [shared + tokens(args.suffix, 1 + i) for i in range(n)]

@@ -216,4 +216,4 @@ def plan_wait(stored: Sequence[Source], awaited_pages: int, leader_tokens: int, 
     own = plan_restore(stored, prompt_tokens, page_size, page_bytes, profile, codec).predicted_s
     now = own + min(own, leader_left)
     waiting = leader_left + after
-    return WaitPlan(waiting < now, leader_left, waiting, now, max(now - after, 0.0))
+    return WaitPlan(waiting <= now, leader_left, waiting, now, max(now - after, 0.0))  # a tie waits: less work
