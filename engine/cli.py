@@ -178,7 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--cache-salt", default="", help="isolate this tenant's pages")
     run.add_argument("--throttle", type=parse_throttle, action="append", default=[], metavar="TIER=RATE",
                      help="cap a tier's read bandwidth, e.g. L3=2MiB/s (tests and demos)")
-    run.add_argument("--single-flight", choices=["off", "after-prefill", "at-completion", "prefix"], default="after-prefill",
+    run.add_argument("--single-flight", choices=["off", "after-prefill", "at-completion", "prefix"], default="prefix",
                      help="identical concurrent prompts: compute once, release followers after the "
                           "leader's prefill or its completion; prefix: wait for shared pages being computed")
     run.add_argument("--refresh-window", type=non_negative_int, default=128, metavar="N",

@@ -73,7 +73,7 @@ class EngineConfig:
     store: StoreConfig = field(default_factory=StoreConfig)
     prefill_step_size: int = 512
     cache_salt: str = ""
-    single_flight: str = "after-prefill"  # "off" | "after-prefill" | "at-completion" | "prefix"
+    single_flight: str = "prefix"  # or "after-prefill" | "at-completion" (exact inputs only) | "off"
     publish: str = "incremental"  # after every step, or "at-completion" only
     max_running: int = 32  # requests in the BatchGenerator at once; the rest wait
     refresh_window: int = 128  # waiting requests whose L1 pages are touched before admission
