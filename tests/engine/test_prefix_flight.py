@@ -184,3 +184,27 @@ def test_wait_plan_weighs_the_leaders_progress_and_sets_a_deadline():
     assert nearly.wait and nearly.wait_s == pytest.approx(PAGE)
     far_behind = plan_wait([Source.L1] * 7, 1, 0, 8 * PAGE + 4, PAGE, 1024, profile)
     assert not far_behind.wait, "one page that the leader reaches only after 7 more: compute it now"
+
+
+def test_prefix_flights_release_each_waiter_once_and_leave_nothing():
+    """The bookkeeping alone: a run of keys in flight stops at another leader's key; a
+    waiter goes when its last awaited key is published (not before), a withdrawn one
+    never; a leader's end releases the rest; nothing remains."""
+    from kvtier.engine.prefix_flights import PrefixFlights
+
+    flights = PrefixFlights()
+    flights.computing(1, ["a", "b", "c"])
+    flights.computing(2, ["b", "c", "d"])  # b and c are already 1's: 2 computes only d
+    assert flights.in_flight(["a", "b", "c", "d"], 0) == (1, 3)
+    assert flights.in_flight(["a", "b", "c", "d"], 3) == (2, 1)
+    assert flights.in_flight(["x"], 0) == (None, 0)
+    flights.hold(10, 1, "b", deadline=float("inf"))
+    flights.hold(11, 1, "c", deadline=float("inf"))
+    flights.hold(12, 1, "c", deadline=float("inf"))
+    flights.withdraw(12)
+    assert flights.published(1, ["a"]) == []
+    assert flights.published(1, ["b"]) == [10]
+    assert flights.expired(0.0) == []
+    assert flights.ended(1) == [11] and flights.ended(1) == []
+    assert flights.ended(2) == []
+    assert not (flights._leader_of or flights._leaders or flights._waiting)
