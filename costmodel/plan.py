@@ -176,3 +176,44 @@ def plan_restore(matched: Sequence[Source], prompt_tokens: int, page_size: int,
         if seconds < best.predicted_s:
             best = RestorePlan(best.matched, k, seconds, recompute, c, lead)
     return best
+
+
+@dataclass
+class WaitPlan:
+    """Whether a request should wait for pages another request is computing right now.
+
+    Times run from the decision. ``wait_s``: until the leader publishes the awaited
+    pages; ``predicted_s``: to the end of this request's prefill if it waits (then
+    restores them from L1 and computes the rest); ``recompute_s``: if it computes
+    them now instead, beside the leader. ``deadline_s``: the longest it may wait and
+    still do no worse than computing now: a waiter is released by then whatever
+    the leader's progress.
+    """
+
+    wait: bool
+    wait_s: float
+    predicted_s: float
+    recompute_s: float
+    deadline_s: float
+
+
+def plan_wait(stored: Sequence[Source], awaited_pages: int, leader_tokens: int, prompt_tokens: int,
+              page_size: int, page_bytes: int, profile: Profile, codec: str = "raw") -> WaitPlan:
+    """Wait for ``awaited_pages`` pages after the ``stored`` ones, which a leader with
+    ``leader_tokens`` tokens already in its cache is computing, or compute them now?
+
+    On one device, computing now runs beside the leader: until the shorter of the
+    two is done each goes at half speed, so computing now costs this request's own
+    plan plus the leader's remaining work, up to the length of its own. Waiting costs
+    the leader's remaining work, the restore of the awaited pages from L1 after the
+    stored ones, and the rest of the prompt.
+    """
+    compute = profile.compute.predict
+    ready = (len(stored) + awaited_pages) * page_size
+    leader_left = compute(ready - leader_tokens, leader_tokens) if ready > leader_tokens else 0.0
+    after = restore_seconds([*stored, *[Source.L1] * awaited_pages], page_bytes, profile, codec) \
+        + compute(prompt_tokens - ready, ready)
+    own = plan_restore(stored, prompt_tokens, page_size, page_bytes, profile, codec).predicted_s
+    now = own + min(own, leader_left)
+    waiting = leader_left + after
+    return WaitPlan(waiting <= now, leader_left, waiting, now, max(now - after, 0.0))  # a tie waits: less work

@@ -185,9 +185,10 @@ def build_parser() -> argparse.ArgumentParser:
         parser.add_argument("--cache-salt", default="", help="isolate this tenant's pages")
         parser.add_argument("--throttle", type=parse_throttle, action="append", default=[], metavar="TIER=RATE",
                          help="cap a tier's read bandwidth, e.g. L3=2MiB/s (tests and demos)")
-        parser.add_argument("--single-flight", choices=["off", "after-prefill", "at-completion"], default="after-prefill",
-                         help="identical concurrent prompts: compute once, release followers after the "
-                              "leader's prefill or its completion")
+        parser.add_argument("--single-flight", choices=["off", "after-prefill", "at-completion", "prefix"],
+                            default="prefix",
+                            help="identical concurrent prompts: compute once, release followers after the "
+                                 "leader's prefill or its completion; prefix: wait for shared pages being computed")
         parser.add_argument("--refresh-window", type=non_negative_int, default=128, metavar="N",
                          help="touch the L1 pages of the first N waiting requests before each admission")
         parser.add_argument("--no-offload", action="store_true", help="no store: recompute every prompt")

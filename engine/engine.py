@@ -3,7 +3,9 @@
 A request's path (DESIGN §2): tokens -> page keys -> locate -> restore the
 stored prefix into a fresh mlx-lm KV cache -> ``BatchGenerator.insert`` with that
 cache and the remaining tokens -> after every step, publish the pages that became
-full -> decode -> finish -> release pins.
+full -> decode -> finish -> release pins. With prefix single flight, a request whose
+next pages a running request is computing may first wait for them (``_hold_for_prefix``,
+priced by ``costmodel.plan.plan_wait``; the bookkeeping is ``engine.prefix_flights``).
 
 Every request ends exactly once (``_end``): finished, cancelled (``Request.cancel``),
 or failed ("error": an exception while admitting, publishing or collecting it fails
@@ -30,7 +32,7 @@ from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import apply_top_p, make_sampler
 
-from kvtier.costmodel.plan import READ_LINKS, Profile, plan_restore
+from kvtier.costmodel.plan import READ_LINKS, Profile, plan_restore, plan_wait
 from kvtier.tiers.counters import add_into
 from kvtier.tiers.hierarchy import RestoredPrefix, StoreConfig, TieredStore
 from kvtier.tiers.policy import DEFAULT_POLICY
@@ -71,7 +73,7 @@ class EngineConfig:
     store: StoreConfig = field(default_factory=StoreConfig)
     prefill_step_size: int = 512
     cache_salt: str = ""
-    single_flight: str = "after-prefill"  # "off" | "after-prefill" | "at-completion"
+    single_flight: str = "prefix"  # or "after-prefill" | "at-completion" (exact inputs only) | "off"
     publish: str = "incremental"  # after every step, or "at-completion" only
     publish_answers: bool = False  # at the end, also the pages the answer filled (a server's next turn)
     max_running: int = 32  # requests in the BatchGenerator at once; the rest wait
@@ -98,7 +100,9 @@ class Engine:
             prefill_step_size=self.config.prefill_step_size,
         )
         self.profile = self._load_profile()
-        flights = FlightCoordinator(self.config.single_flight if self.store is not None else "off")
+        policy = self.config.single_flight if self.store is not None else "off"
+        self._prefix_flight = policy == "prefix"  # exact inputs are a prefix case: no exact flights then
+        flights = FlightCoordinator("off" if self._prefix_flight else policy)
         self.scheduler = Scheduler(flights, self.config.max_running, self.config.refresh_window)
         self.cached_tokens = RateWindow(self.config.window_s)
         self._running: dict[int, Request] = {}
@@ -112,7 +116,7 @@ class Engine:
         # store_seconds: time the step loop spent in the store (restore, publish): the offload overhead
         self.totals: dict = {"requests": 0, "prompt_tokens": 0, "generated_tokens": 0,
                              "store_seconds": 0.0, "l1_hit_loss_tokens": 0, "sources": {},
-                             "cancelled": 0, "errors": 0}
+                             "cancelled": 0, "errors": 0, "waited_tokens": 0, "wait_s": 0.0}
 
     def _load_profile(self) -> Profile:
         """The calibrated cost model of this machine and model, else conservative defaults."""
@@ -198,11 +202,13 @@ class Engine:
                 request.cancel()
         for request in self.scheduler.cancelled():
             self._end(request, CANCELLED)
+        self.scheduler.expire(time.perf_counter())
         if self.store is not None:
             for request in self.scheduler.refresh_candidates():
                 self.store.touch(request.keys)
-        for request in self.scheduler.admit(len(self._running)):
-            self._guarded(request, self._admit)
+        while admitted := self.scheduler.admit(len(self._running)):  # again while some were held
+            for request in admitted:
+                self._guarded(request, self._admit)
         for request in [r for r in self._running.values() if r.cancelled]:
             self._end(request, CANCELLED)
         if not self._running:
@@ -236,12 +242,18 @@ class Engine:
             self._end(request, ERROR, exc)
 
     def _admit(self, request: Request) -> None:
-        """Plan, bring in the chosen prefix (matched now, not at enqueue), hand it to mlx-lm."""
+        """Plan, bring in the chosen prefix (matched now, not at enqueue), hand it to mlx-lm;
+        or hold the request to wait for pages another request is computing."""
         cache = None
+        if request.t_held is not None:
+            request.wait_s += time.perf_counter() - request.t_held
+            request.t_held = None
         if self.store is not None and request.keys:
             t0 = time.perf_counter()
             matched = self.store.locate(request.keys, request.prompt)
             profile = self.profile.capped(self.config.store.throttle)
+            if self._prefix_flight and self._hold_for_prefix(request, matched, profile):
+                return
             request.plan = plan_restore(matched, len(request.prompt), self.config.page_size,
                                         self.geometry.nbytes, profile, self.config.store.codec)
             request.l1_tokens_at_admission = self._l1_tokens(matched)
@@ -261,6 +273,29 @@ class Engine:
             samplers=[_sampler(request.params)],
         )
         self._running[request.uid] = request
+        if self._prefix_flight:
+            self.scheduler.computing(request.rid, request.keys[request.published:])
+
+    def _hold_for_prefix(self, request: Request, matched: list[Source], profile: Profile) -> bool:
+        """Hold ``request`` if its pages after the ``matched`` ones are being computed by
+        a running request and the cost model prefers waiting for them (prefix single
+        flight, DESIGN §7). Its deadline is set at its first hold and never extended."""
+        leader, count = self.scheduler.in_flight(request.keys, len(matched))
+        now = time.perf_counter()
+        if not count or (request.wait_deadline is not None and now >= request.wait_deadline):
+            return False
+        lead = next(r for r in self._running.values() if r.rid == leader)
+        size = self.config.page_size
+        plan = plan_wait(matched, count, lead.prefix_tokens + lead.prefilled, len(request.prompt), size,
+                         self.geometry.nbytes, profile, self.config.store.codec)
+        if not plan.wait:
+            return False
+        deadline = now + plan.deadline_s
+        request.wait_deadline = min(deadline, request.wait_deadline or deadline)
+        request.waited_tokens = max(request.waited_tokens, count * size)
+        request.t_held = now
+        self.scheduler.hold_for_prefix(request, leader, request.keys[len(matched) + count - 1], request.wait_deadline)
+        return True
 
     def _prefix_cache(self, request: Request) -> list | None:
         """A fresh mlx-lm cache holding the plan's prefix (None if empty); sets
@@ -363,6 +398,7 @@ class Engine:
         mx.eval([kv for _, kv in pages])
         for i, kv in pages:
             self.store.publish(keys[i], tokens[i * size : (i + 1) * size], kv)
+        self.scheduler.published(request.rid, keys[request.published : ready])
         request.published = ready
         self.totals["store_seconds"] += time.perf_counter() - t0
 
@@ -424,6 +460,8 @@ class Engine:
             "generated_tokens": len(request.output),
             "l1_hit_loss_tokens": request.l1_tokens_at_enqueue - request.l1_tokens_at_admission,
             "sources": request.sources(),
+            "waited_tokens": request.waited_tokens,
+            "wait_s": request.wait_s,
         })
 
     # -- results and lifecycle -------------------------------------------------
@@ -445,6 +483,8 @@ class Engine:
             "l1_tokens_at_enqueue": request.l1_tokens_at_enqueue,
             "l1_tokens_at_admission": request.l1_tokens_at_admission,
             "l1_hit_loss": request.l1_tokens_at_enqueue - request.l1_tokens_at_admission,
+            "waited_tokens": request.waited_tokens,
+            "wait_s": round(request.wait_s, 6),
             "ttft_s": None if request.t_first_token is None else round(request.t_first_token - request.t_submit, 6),
             "latency_s": None if request.t_done is None else round(request.t_done - request.t_submit, 6),
         }

@@ -51,6 +51,10 @@ class Request:
     prefilled: int = 0  # tokens mlx-lm has prefilled after the restored prefix
     l1_tokens_at_enqueue: int = 0  # prompt tokens in L1 when submitted
     l1_tokens_at_admission: int = 0  # ... and when admitted (pages may move meanwhile)
+    waited_tokens: int = 0  # prompt tokens it waited for another request to compute (prefix flight)
+    wait_s: float = 0.0  # seconds held waiting for them
+    wait_deadline: float | None = None  # perf_counter after which it never waits again
+    t_held: float | None = None  # when it was last held
     output: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     error: str | None = None  # one line, when finish_reason is "error"

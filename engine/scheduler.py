@@ -3,8 +3,9 @@
 Thread-safe: ``submit`` may come from any thread; the step loop takes admissions.
 Every call into the flight coordinator (``engine.flights``, not thread-safe) is made
 under this scheduler's one lock, so joining a flight and releasing it never
-interleave. Followers held by single flight join the front of the queue when
-released, so they are admitted before later arrivals.
+interleave; likewise ``engine.prefix_flights``. Followers held by single flight
+(exact or prefix) join the front of the queue when released, so they are admitted
+before later arrivals.
 """
 
 from __future__ import annotations
@@ -13,13 +14,17 @@ import threading
 from collections import deque
 from itertools import chain, islice
 
+from kvtier.tiers.page import PageKey
+
 from .flights import FlightCoordinator
+from .prefix_flights import PrefixFlights
 from .request import Request
 
 
 class Scheduler:
     def __init__(self, flights: FlightCoordinator, max_running: int, refresh_window: int) -> None:
         self.flights = flights
+        self.prefix = PrefixFlights()
         self.max_running = max_running
         self.refresh_window = refresh_window
         self._waiting: deque[Request] = deque()
@@ -59,18 +64,46 @@ class Scheduler:
             return [*self._waiting, *self._held.values()]
 
     def is_leader(self, rid: int) -> bool:
+        """Whether requests wait for ``rid``'s prompt (exact) or pages (prefix)."""
         with self._lock:
-            return self.flights.is_leader(rid)
+            return self.flights.is_leader(rid) or self.prefix.is_leader(rid)
+
+    def in_flight(self, keys: list[PageKey], start: int) -> tuple[int | None, int]:
+        """(leader, count): the run of ``keys[start:]`` a running request is computing."""
+        with self._lock:
+            return self.prefix.in_flight(keys, start)
+
+    def computing(self, rid: int, keys: list[PageKey]) -> None:
+        """An admitted request will compute (and publish) ``keys``."""
+        with self._lock:
+            self.prefix.computing(rid, keys)
+
+    def hold_for_prefix(self, request: Request, leader: int, awaited: PageKey, deadline: float) -> None:
+        """Hold an admitted-to-be request until ``leader`` publishes ``awaited``, it ends,
+        or ``deadline`` (perf_counter) passes."""
+        with self._lock:
+            self._held[request.rid] = request
+            self.prefix.hold(request.rid, leader, awaited, deadline)
+
+    def published(self, rid: int, keys: list[PageKey]) -> None:
+        """A request published ``keys`` (may release prefix followers)."""
+        with self._lock:
+            self._release(self.prefix.published(rid, keys))
+
+    def expire(self, now: float) -> None:
+        """Release prefix followers whose deadline has passed."""
+        with self._lock:
+            self._release(self.prefix.expired(now))
 
     def prefilled(self, rid: int) -> None:
         """A request published its prompt pages (may release its followers)."""
         with self._lock:
-            self._release(self.flights.prefilled(rid))
+            self._release(self.flights.prefilled(rid) + self.prefix.ended(rid))
 
     def finished(self, rid: int) -> None:
         """A request finished (may release its followers)."""
         with self._lock:
-            self._release(self.flights.terminate(rid))
+            self._release(self.flights.terminate(rid) + self.prefix.ended(rid))
 
     def withdraw(self, request: Request) -> None:
         """A request ended without finishing (cancelled, failed), admitted or not: it
@@ -78,7 +111,8 @@ class Scheduler:
         with self._lock:
             if self._held.pop(request.rid, None) is None and request in self._waiting:
                 self._waiting.remove(request)
-            self._release(self.flights.withdraw(request.rid))
+            self.prefix.withdraw(request.rid)
+            self._release(self.flights.withdraw(request.rid) + self.prefix.ended(request.rid))
 
     def _release(self, rids: list[int]) -> None:
         for rid in reversed(rids):

@@ -14,13 +14,18 @@ Invariants (DESIGN §4), each tested in ``tests/tiers/test_hierarchy.py``:
 4. A page is written to L3 at most once: a page already there (or already
    queued) is never sent again, so such a spill adds 0 bytes to ``L2->L3``.
 
-Placement is inclusive. L1 holds pages computed on this device. A restore copies
-pages into the request's own KV, so a page restored from L2 is not copied into L1
-as well (that would double device memory). A raw L3 page is read straight from
-LMDB's map into the request's KV (``L3->L1``) and not kept in L2: the OS page cache
-already holds it, and a copy into L2 would double the restore's work. A raw Redis page
-takes the same path from the bytes its snapshot read (in a few batched round trips,
-counted in ``L3->L1``'s seconds). A compressed
+Placement is inclusive, and a page is kept where the next request will find it
+fastest. L1 holds pages computed on this device and pages restored from below it:
+a page restored from L2 or L3 into a request is also kept in L1 (``_keep_in_l1``),
+subject to L1's cap and eviction policy like a published page (L1 makes room by
+moving its victims down, never evicting a pinned page), so a process reads a hot
+prefix from below L1 at most once. The join writes the request's KV along tokens,
+not in a page's layout, so the L1 copy is one device copy of the page's bytes made
+while they are still pinned (a page already in L1 is not copied again). A raw L3
+page is read straight from LMDB's map into the request's KV (``L3->L1``) and not
+kept in L2: the OS page cache already holds it, and a copy into L2 would double the
+restore's work. A raw Redis page takes the same path from the bytes its snapshot
+read (in a few batched round trips, counted in ``L3->L1``'s seconds). A compressed
 L3 page is decoded into an L2 slot and kept there (``L3->L2``, then ``L2->L1``):
 decoding costs more than a copy. A page leaving
 L1 is copied to L2 only if L2 lacks it; a page leaving L2 is queued for L3 only if
@@ -245,10 +250,22 @@ class TieredStore:
             digests = [a if a is not None else b for a, b in zip(pending.digests, joined.digests)]
             good = self._cut(pages, self._first_bad(pages, digests))
             self._record_restore(good, pending.host_s, pending.find_s + time.perf_counter() - t0)
+            self._keep_in_l1(good)
             kept = len(good) * self.geometry.page_size
             layers = joined.layers if len(good) == len(pages) else \
                 [(k[:, :, :kept], v[:, :, :kept]) for k, v in joined.layers]
             return RestoredPrefix([p.key for p in good], [p.source for p in good], layers)
+
+    def _keep_in_l1(self, pages: list[_Page]) -> None:
+        """Copy the restored pages that came from below L1 into L1 (module docstring:
+        placement), while they are pinned and an L3 page's map view is valid."""
+        for page in pages:
+            if page.source is Source.L1 or page.key in self.l1 or not self._make_room(self.l1):
+                continue  # no room when every L1 page is pinned: the page stays where it was
+            kv = mx.array(page.data)
+            kv = kv.view(mx.bfloat16) if self.geometry.dtype == "bfloat16" else kv
+            cost = self.l2.policy.cost_of(page.key) if page.key in self.l2 else 1.0
+            self.l1.add(page.key, DevicePage(page.tokens, kv), cost)
 
     def _join(self, pending: PendingRestore) -> Joined:
         """The pages joined (L1 pages read from the device here), raw L3 pages not

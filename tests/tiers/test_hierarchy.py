@@ -228,23 +228,46 @@ def test_a_bad_l3_page_ends_the_prefix_and_frees_what_it_held(tmp_path, many_thr
     store.close()
 
 
-def test_l3_hit_placement(tmp_path):
+@pytest.mark.parametrize("l1_pages", [4, 0])
+def test_l3_hit_placement(tmp_path, l1_pages):
     """A raw L3 page goes straight into the request's KV (L3->L1) and is not kept in L2;
-    a compressed one is decoded into L2 and kept there (L3->L2, then L2->L1)."""
-    for codec, links, again in (("raw", {"L3->L1"}, Source.L3), ("zstd", {"L3->L2", "L2->L1"}, Source.L2)):
+    a compressed one is decoded into L2 and kept there (L3->L2, then L2->L1). Either
+    is then kept in L1 when L1 has room: the next restore is an L1 hit."""
+    for codec, links, below in (("raw", {"L3->L1"}, Source.L3), ("zstd", {"L3->L2", "L2->L1"}, Source.L2)):
         store = make_store(0, 0, tmp_path / codec, codec=codec)
         publish(store, 0, data=SMALL)
         store.close()
-        store = make_store(4, 4, tmp_path / codec, codec=codec)
+        store = make_store(l1_pages, 4, tmp_path / codec, codec=codec)
         restored = store.restore(KEYS[:1], TOKENS)
         assert restored.sources == [Source.L3]
         assert same_bytes(joined(restored), SMALL[0])
         assert {name for name, link in store.links.items() if link.pages} == links
         assert all(store.links[name].pages == 1 for name in links)
-        assert KEYS[0] not in store.l1 and (KEYS[0] in store.l2) == (again is Source.L2)
+        assert (KEYS[0] in store.l2) == (below is Source.L2)
+        assert (KEYS[0] in store.l1) == bool(l1_pages)
         store.release(restored.keys)
-        assert store.restore(KEYS[:1], TOKENS).sources == [again]
+        again = store.restore(KEYS[:1], TOKENS)
+        assert again.sources == [Source.L1 if l1_pages else below]
+        assert same_bytes(joined(again), SMALL[0])
+        store.release(again.keys)
         store.close()
+
+
+def test_a_page_restored_from_l2_is_kept_in_l1_once():
+    """An L2 page restored into a request is copied into L1 (L2 keeps its copy: placement
+    is inclusive); restoring it again reads L1 and adds no copy."""
+    store = make_store(1, 2)
+    publish(store, 0, 1)  # page 0 is pushed down to L2 by page 1
+    assert store.locate(KEYS[:2], TOKENS) == [Source.L2, Source.L1]
+    restored = store.restore(KEYS[:1], TOKENS)
+    store.release(restored.keys)
+    assert KEYS[0] in store.l1 and KEYS[0] in store.l2 and KEYS[1] in store.l2
+    assert store.l1.counters.bytes_used == PAGE, "L1's cap holds: page 1 made room"
+    again = store.restore(KEYS[:1], TOKENS)
+    assert again.sources == [Source.L1] and same_bytes(joined(again), KV[0])
+    assert store.links["L2->L1"].pages == 1
+    store.release(again.keys)
+    store.close()
 
 
 def test_begin_leaves_l1_pages_to_the_joining_thread(tmp_path):
