@@ -151,33 +151,31 @@ class SlowProxy:
         self.listener.close()
 
 
-@pytest.fixture
-def redis_server():
-    with tempfile.TemporaryDirectory(prefix="kvtier-redis-") as directory:
-        server = RedisServer(Path(directory), "--maxmemory", "256mb", "--maxmemory-policy", "allkeys-lru")
+def _running(make, prefix: str):
+    """A server (or cluster) made in a temp directory, stopped and removed after the test."""
+    with tempfile.TemporaryDirectory(prefix=prefix) as directory:
+        server = make(Path(directory))
         try:
             yield server
         finally:
             server.stop()
+
+
+@pytest.fixture
+def redis_server():
+    yield from _running(lambda d: RedisServer(d, "--maxmemory", "256mb", "--maxmemory-policy", "allkeys-lru"),
+                        "kvtier-redis-")
 
 
 @pytest.fixture
 def redis_tls_server():
     if shutil.which("openssl") is None:
         pytest.skip("openssl is not installed (it makes the test certificate)")
-    with tempfile.TemporaryDirectory(prefix="kvtier-redis-tls-") as directory:
-        server = RedisServer(Path(directory), "--maxmemory", "64mb", "--maxmemory-policy", "allkeys-lru", tls=True)
-        try:
-            yield server
-        finally:
-            server.stop()
+    yield from _running(lambda d: RedisServer(d, "--maxmemory", "64mb", "--maxmemory-policy", "allkeys-lru", tls=True),
+                        "kvtier-redis-tls-")
 
 
 @pytest.fixture
 def redis_cluster():
-    with tempfile.TemporaryDirectory(prefix="kvtier-redis-cluster-") as directory:
-        cluster = RedisCluster(Path(directory), "--maxmemory", "64mb", "--maxmemory-policy", "allkeys-lru")
-        try:
-            yield cluster
-        finally:
-            cluster.stop()
+    yield from _running(lambda d: RedisCluster(d, "--maxmemory", "64mb", "--maxmemory-policy", "allkeys-lru"),
+                        "kvtier-redis-cluster-")
