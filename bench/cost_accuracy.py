@@ -85,7 +85,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
-from kvtier.costmodel.calibrate import calibrate, drop_l2
+from kvtier.costmodel.calibrate import calibrate
 from kvtier.costmodel.models import ComputeModel, LinkModel
 from kvtier.costmodel.plan import Profile, restore_seconds
 from kvtier.engine.blas import blas_in_use
@@ -178,12 +178,12 @@ def restore_samples(geometry: PageGeometry, profile: Profile, root: Path, counts
         for tier in ("L2", "L3"):
             if tier == "L3":
                 store.flush()
-                drop_l2(store)
+                store.drop_l2()
                 timed_restore(store, keys, tokens)  # warm the OS page cache and LMDB's map
             for k in counts:
                 for attempt in range(repeats + 1):  # the first is an untimed warm-up
                     if tier == "L3":
-                        drop_l2(store)
+                        store.drop_l2()
                     sources, wall, moved = timed_restore(store, keys[:k], tokens)
                     if attempt == 0:
                         continue
@@ -370,11 +370,11 @@ class Bench:
             self.case(e3, "L2", {"L2": throttles["L2"]}, lambda: None)
             e3.close()
         e1.store.flush()
-        self.case(e1, "L3", {}, lambda: drop_l2(e1.store))
+        self.case(e1, "L3", {}, lambda: e1.store.drop_l2())
         e1.close()
         if "L3" in throttles:
             e2 = self.engine(main, {"L3": throttles["L3"]})
-            self.case(e2, "L3", {"L3": throttles["L3"]}, lambda: drop_l2(e2.store))
+            self.case(e2, "L3", {"L3": throttles["L3"]}, lambda: e2.store.drop_l2())
             e2.close()
 
 

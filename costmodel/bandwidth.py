@@ -22,7 +22,7 @@ from mlx_lm.models.cache import KVCache, load_prompt_cache, save_prompt_cache
 
 from kvtier.tiers.page import PageGeometry, Source
 
-from .calibrate import REPEATS, drop_l2, link_samples, prefill_samples, scratch_store
+from .calibrate import REPEATS, link_samples, prefill_samples, scratch_store
 from .plan import Profile, plan_restore
 
 GIB = 1 << 30
@@ -74,9 +74,9 @@ def _whole_prompt(geometry: PageGeometry, store_dir: Path, pages: int) -> tuple[
     nbytes = pages * geometry.nbytes
     with scratch_store(geometry, store_dir, pages) as (store, keys, tokens):
         store.flush()
-        drop_l2(store)
+        store.drop_l2()
         store.release(store.restore(keys, tokens).keys)  # warm the OS page cache and buffers
-        drop_l2(store)
+        store.drop_l2()
         t0 = time.perf_counter()
         restored = store.restore(keys, tokens)
         ours = time.perf_counter() - t0

@@ -83,12 +83,6 @@ def scratch_store(geometry: PageGeometry, store_dir: Path | str, pages: int,
             store.close()
 
 
-def drop_l2(store: TieredStore) -> None:
-    """Forget L2's copies so the next restore reads L3 (the freed slots stay warm)."""
-    for key in list(store.l2):
-        store.l2.pop(key)
-
-
 def link_samples(geometry: PageGeometry, store_dir: Path, tick: Tick,
                  page_counts: Iterable[int] = PAGE_COUNTS) -> list[tuple[str, int, float]]:
     """(link, bytes, seconds) of restores from L2 and from L3 (OS page cache warm): raw
@@ -111,7 +105,7 @@ def _timed(store: TieredStore, keys: list, tokens: list[int], link: str) -> tupl
     seconds = []
     for i in range(REPEATS + 1):  # the first warms mlx's buffers (and the page cache)
         if link.startswith("L3"):
-            drop_l2(store)
+            store.drop_l2()
         before = dict(store.stats()["links"][link])
         store.release(store.restore(keys, tokens).keys)
         after = store.stats()["links"][link]

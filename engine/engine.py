@@ -120,8 +120,7 @@ class Engine:
 
     def _load_profile(self) -> Profile:
         """The calibrated cost model of this machine and model, else conservative defaults."""
-        disk = self.store.disk if self.store is not None else None
-        saved = disk.get_meta(self.loaded.profile_key(self.geometry)) if disk is not None else None
+        saved = self.store.get_meta(self.loaded.profile_key(self.geometry)) if self.store is not None else None
         if saved:
             return Profile.from_dict(saved)
         log.info("no calibrated cost model for this machine and model: using defaults (run `kvtier calibrate`)")
@@ -506,11 +505,10 @@ class Engine:
         self.stop()
         self._closed = True
         if self.store is not None:
-            if self.store.disk is not None:  # keep what online refinement learned, and the last window
-                self.store.disk.put_meta(self.loaded.profile_key(self.geometry), self.profile.to_dict())
-                stats = self.stats()
-                self.store.disk.put_meta("last_run", {"model": self.loaded.name, "windowed": stats["windowed"],
-                                                      "costmodel": stats["costmodel"]})
+            stats = self.stats()  # keep what online refinement learned, and the last window
+            self.store.put_meta(self.loaded.profile_key(self.geometry), self.profile.to_dict())
+            self.store.put_meta("last_run", {"model": self.loaded.name, "windowed": stats["windowed"],
+                                             "costmodel": stats["costmodel"]})
             self.store.close(extra_counters={"engine": self.totals})
         self._loader.shutdown()
         self.generator.close()

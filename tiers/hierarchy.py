@@ -426,6 +426,22 @@ class TieredStore:
 
     # -- publish and spill ---------------------------------------------------
 
+    def get_meta(self, name: str) -> object | None:
+        """A value the store keeps beside its pages (a cost profile, the last run); None
+        without L3."""
+        return self.disk.get_meta(name) if self.disk is not None else None
+
+    def put_meta(self, name: str, value: object) -> None:
+        """Keep ``value`` in L3 under ``name``; nothing without L3 (no run outlives it)."""
+        if self.disk is not None:
+            self.disk.put_meta(name, value)
+
+    def drop_l2(self) -> None:
+        """Forget L2's copies (calibration: the next restore reads L3); freed slots stay warm."""
+        with self._lock:
+            for key in list(self.l2):
+                self.l2.pop(key)
+
     def has(self, key: PageKey) -> bool:
         """Whether some tier holds ``key`` (unverified: a restore checks it)."""
         with self._lock:
