@@ -105,6 +105,12 @@ def top_p(text: str) -> float:
     return value
 
 
+def port_number(text: str) -> int:
+    if not text.isdigit() or int(text) > 65535:
+        raise argparse.ArgumentTypeError(f"expected a port number 0..65535, got {text!r}")
+    return int(text)
+
+
 def parse_throttle(text: str) -> tuple[str, float]:
     """``L3=2MiB/s`` -> ("L3", bytes per second)."""
     tier, _, rate = text.partition("=")
@@ -574,12 +580,6 @@ class _Printer:
             print(detokenizer.last_segment)
             print(f"   ttft {r['ttft_s'] * 1000:.0f} ms, {len(r['output_token_ids'])} tokens out; sources: "
                   + "  ".join(f"{k}={v}" for k, v in r["sources"].items()), flush=True)
-
-
-def port_number(text: str) -> int:
-    if not text.isdigit() or int(text) > 65535:
-        raise argparse.ArgumentTypeError(f"expected a port number 0..65535, got {text!r}")
-    return int(text)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
