@@ -247,7 +247,7 @@ class Engine:
         if request.t_held is not None:
             request.wait_s += time.perf_counter() - request.t_held
             request.t_held = None
-        if self.store is not None and request.keys:
+        if self.store is not None:
             t0 = time.perf_counter()
             matched = self.store.locate(request.keys, request.prompt)
             profile = self.profile.capped(self.config.store.throttle)
@@ -258,9 +258,11 @@ class Engine:
             request.l1_tokens_at_admission = self._l1_tokens(matched)
             links_before = self.store.stats()["links"]
             cache = self._prefix_cache(request)
+            if request.prefix_tokens == len(matched) * self.config.page_size:  # no stored page follows
+                cache = self._reuse_partial(request, cache)
             self._observe_links(links_before)
             request.published = request.prefix_tokens // self.config.page_size
-            self.cached_tokens.add(request.restored.num_pages * self.config.page_size)
+            self.cached_tokens.add(request.restored.num_pages * self.config.page_size + request.partial_tokens)
             self.totals["store_seconds"] += time.perf_counter() - t0
         request.t_admit = time.perf_counter()
         done = request.prefix_tokens
@@ -329,6 +331,23 @@ class Engine:
                        mx.concatenate([c.values[:, :, :done], v], axis=2), request.prefix_tokens)
         return cache
 
+    def _reuse_partial(self, request: Request, cache: list | None) -> list | None:
+        """Append to the restored prefix the start of the L1 page after it that the
+        prompt shares (a previous request's last partial page, or a page this prompt
+        leaves midway: DESIGN §8a); those tokens count as L1. The prompt's last token
+        is always computed."""
+        done, size = request.prefix_tokens, self.config.page_size
+        parent = request.keys[done // size - 1] if done else self.namespace.digest()
+        match = self.store.match_partial(parent, request.prompt[done : min(done + size, len(request.prompt) - 1)])
+        if match is None:
+            return cache
+        cache = cache or make_prompt_cache(self.loaded.model)
+        for layer, c in enumerate(cache):
+            c.update_and_fetch(match.kv[layer, 0][None], match.kv[layer, 1][None])
+        request.partial_tokens = match.num_tokens
+        request.prefix_tokens += match.num_tokens
+        return cache
+
     def _prefill(self, cache: list, tokens: list[int]) -> None:
         """Run the model over ``tokens`` into ``cache``, in mlx-lm's prefill steps."""
         step = self.config.prefill_step_size
@@ -395,26 +414,35 @@ class Engine:
             kv = mx.stack([mx.stack([c.keys[0, :, a:b], c.values[0, :, a:b]]) for c in caches])
             pages.append((i, kv))
         mx.eval([kv for _, kv in pages])
+        root = self.namespace.digest()
         for i, kv in pages:
-            self.store.publish(keys[i], tokens[i * size : (i + 1) * size], kv)
+            self.store.publish(keys[i], tokens[i * size : (i + 1) * size], kv, parent=keys[i - 1] if i else root)
         self.scheduler.published(request.rid, keys[request.published : ready])
         request.published = ready
         self.totals["store_seconds"] += time.perf_counter() - t0
 
     def _publish_at_end(self, request: Request, response) -> None:
-        """At the end, publish the prompt's pages not published yet and, with
-        ``publish_answers``, the pages filled while answering, keyed by the generated
-        tokens, so that a next turn whose prompt holds this prompt and this answer
-        restores both (DESIGN §8a). mlx-lm feeds every token it reports back into the
-        cache, the last one too: the cache holds ``all_tokens``, prompt and output (EOS included)."""
-        if not self.config.publish_answers:
-            if request.published < len(request.keys):
-                self._publish(request, response.prompt_cache, len(request.keys))
-            return
-        caches, tokens = response.prompt_cache, list(response.all_tokens)
-        ready = min(len(tokens), caches[0].offset) // self.config.page_size
-        if ready > request.published:
-            self._publish(request, caches, ready, page_keys(self.namespace, tokens), tokens)
+        """At the end, publish the full pages of the sequence not published yet, and keep
+        its last partial page in L1 (``TieredStore.publish_partial``). The sequence is
+        the prompt or, with ``publish_answers``, the prompt and the answer, keyed by
+        the generated tokens, so that a next turn whose prompt holds this prompt and
+        this answer restores both (DESIGN §8a). mlx-lm feeds every token it reports
+        back into the cache, the last one too: the cache holds ``all_tokens``, prompt
+        and output (EOS included)."""
+        caches = response.prompt_cache
+        tokens = list(response.all_tokens) if self.config.publish_answers else request.prompt
+        tokens = tokens[: caches[0].offset]
+        keys = page_keys(self.namespace, tokens)
+        if len(keys) > request.published:
+            self._publish(request, caches, len(keys), keys, tokens)
+        done = len(keys) * self.config.page_size
+        if done < len(tokens):
+            t0 = time.perf_counter()
+            kv = mx.stack([mx.stack([c.keys[0, :, done:len(tokens)], c.values[0, :, done:len(tokens)]])
+                           for c in caches])
+            mx.eval(kv)
+            self.store.publish_partial(keys[-1] if keys else self.namespace.digest(), tokens[done:], kv)
+            self.totals["store_seconds"] += time.perf_counter() - t0
 
     def _on_token(self, request: Request, response) -> None:
         now = time.perf_counter()

@@ -29,8 +29,9 @@ class Request:
     """One prompt in the engine.
 
     ``sources`` always sums to ``len(prompt)``: restored pages count by the tier
-    they came from, every other token (the last one always) as recomputed (pages
-    computed while others load, in an overlapped plan, too).
+    they came from, the shared start of an L1 page after them as L1, every other
+    token (the last one always) as recomputed (pages computed while others load, in
+    an overlapped plan, too).
 
     Every request ends exactly once, with a ``finish_reason`` ("stop", "length",
     "cancelled" or "error", then with ``error`` saying why), its pins released and
@@ -47,6 +48,7 @@ class Request:
     restored: RestoredPrefix | None = None
     pinned: list[PageKey] = field(default_factory=list)  # store pins held, released when it ends
     prefix_tokens: int = 0  # tokens in the cache handed to mlx-lm: restored, or computed while loading
+    partial_tokens: int = 0  # of them, the shared start of an L1 page after the restored pages
     published: int = 0  # leading pages known to be in the store
     prefilled: int = 0  # tokens mlx-lm has prefilled after the restored prefix
     l1_tokens_at_enqueue: int = 0  # prompt tokens in L1 when submitted
@@ -88,5 +90,6 @@ class Request:
         counts = {s.value: 0 for s in Source}
         for source in self.restored.sources if self.restored else []:
             counts[source.value] += self.page_size
+        counts[Source.L1.value] += self.partial_tokens
         counts[Source.RECOMPUTED.value] = len(self.prompt) - sum(counts.values())
         return counts

@@ -56,11 +56,11 @@ from xxhash import xxh3_64_intdigest
 
 from .counters import LINKS, LinkCounters, add_into
 from .l3 import L3Store, Snapshot, StoreError, open_l3
-from .page import Namespace, PageGeometry, PageKey, Source
+from .page import Namespace, PageGeometry, PageKey, Source, partial_key, shared_start
 from .join import Joined, in_parallel, join_pages, keep_buffers_for_restores, shares
 from .policy import DEFAULT_POLICY, L3Admission, make_policy
 from .record import StoredRecord
-from .tier import DevicePage, HostTier, Tier, kv_to_host
+from .tier import DevicePage, DeviceTier, HostTier, Tier, kv_to_host
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +77,18 @@ class RestoredPrefix:
         return len(self.keys)
 
 
+@dataclass(frozen=True)
+class PartialMatch:
+    """The start of an L1 page that a prompt shares (``TieredStore.match_partial``)."""
+
+    key: PageKey
+    kv: mx.array  # (layers, 2, kv_heads, tokens, head_dim): the shared tokens only
+
+    @property
+    def num_tokens(self) -> int:
+        return self.kv.shape[3]
+
+
 @dataclass
 class _Page:
     """One page of a restore being planned: where it is and a host view of its bytes."""
@@ -88,6 +100,7 @@ class _Page:
     kv: mx.array | None = None  # an L1 page's device array: read on the joining thread
     record: StoredRecord | None = None  # an L3 page's record, in the restore's snapshot
     slot: int | None = None  # the L2 slot a compressed L3 page is decoded into
+    parent: bytes | None = None  # the key of the page before it
 
     @property
     def compressed(self) -> bool:
@@ -150,7 +163,7 @@ class TieredStore:
         keep_buffers_for_restores()
         self.ns_digest = namespace.digest()
         page_bytes = config.page_bytes or geometry.nbytes
-        self.l1: Tier[DevicePage] = Tier("L1", config.l1_bytes, page_bytes, make_policy(config.policy))
+        self.l1 = DeviceTier(config.l1_bytes, page_bytes, make_policy(config.policy))
         self.l2 = HostTier(config.l2_bytes, geometry, page_bytes, make_policy(config.policy))
         self.admission = L3Admission(config.l3_admit)
         self.disk = _open_disk(config)
@@ -265,7 +278,7 @@ class TieredStore:
             kv = mx.array(page.data)
             kv = kv.view(mx.bfloat16) if self.geometry.dtype == "bfloat16" else kv
             cost = self.l2.policy.cost_of(page.key) if page.key in self.l2 else 1.0
-            self.l1.add(page.key, DevicePage(page.tokens, kv), cost)
+            self.l1.add(page.key, DevicePage(page.tokens, kv, page.parent), cost)
 
     def _join(self, pending: PendingRestore) -> Joined:
         """The pages joined (L1 pages read from the device here), raw L3 pages not
@@ -306,6 +319,7 @@ class TieredStore:
             if page is None:
                 break
             self.admission.seen(key)
+            page.parent = keys[i - 1] if i else self.ns_digest
             pages.append(page)
         for page in pages:
             if page.compressed and self._make_room(self.l2):
@@ -447,23 +461,53 @@ class TieredStore:
         with self._lock:
             return key in self.l1 or key in self.l2 or (self.disk is not None and self.disk.contains(key))
 
-    def publish(self, key: PageKey, tokens: Sequence[int], kv: mx.array, cost: float = 1.0) -> bool:
+    def publish(self, key: PageKey, tokens: Sequence[int], kv: mx.array, cost: float = 1.0,
+                parent: bytes | None = None) -> bool:
         """Add a newly computed full page to L1; False if it was already stored.
-        ``cost``: the seconds its recompute takes, for the ``cost`` eviction policy."""
+        ``cost``: the seconds its recompute takes, for the ``cost`` eviction policy;
+        ``parent``: the key of the page before it (``match_partial`` finds it by that)."""
         with self._lock:
             self.admission.seen(key)
             if self.has(key):
                 return False
-            self._add_l1(key, tuple(tokens), kv, cost)
+            page = DevicePage(tuple(tokens), kv, parent)
+            if self._make_room(self.l1):
+                self.l1.add(key, page, cost)
+            else:
+                self._place_below_l1(key, page.tokens, kv, cost)
             return True
 
-    def _add_l1(self, key: PageKey, page_tokens: tuple[int, ...], kv: mx.array, cost: float) -> None:
-        if key in self.l1:
-            return
-        if self._make_room(self.l1):
-            self.l1.add(key, DevicePage(page_tokens, kv), cost)
-        else:
-            self._place_below_l1(key, page_tokens, kv, cost)
+    def publish_partial(self, parent: bytes, tokens: Sequence[int], kv: mx.array) -> bool:
+        """Keep a request's last, partial page (``kv``: its tokens along axis 3) in L1
+        after the page keyed ``parent``. It lives in L1 only: evicted, it is dropped,
+        and it is never flushed (L2 and L3 hold whole pages). It is weighed by the
+        eviction policy as the fraction of a page's recompute it saves. False if
+        already there or if L1 has no room."""
+        key = partial_key(parent, tokens)
+        with self._lock:
+            if key in self.l1 or not self._make_room(self.l1):
+                return False
+            self.l1.add(key, DevicePage(tuple(tokens), kv, parent), len(tokens) / self.geometry.page_size)
+            return True
+
+    def match_partial(self, parent: bytes, tokens: Sequence[int]) -> PartialMatch | None:
+        """The L1 page after ``parent`` (full or partial) whose start ``tokens`` shares
+        most, cut to that start; None if none shares a token. The caller passes the
+        prompt's tokens after its restored pages, its last token excluded. The match
+        counts as an L1 hit of its tokens."""
+        with self._lock:
+            best, shared = None, 0
+            for key, page in self.l1.following(parent):
+                n = shared_start(page.tokens, tokens)
+                if n > shared:
+                    best, shared = key, n
+            if best is None:
+                return None
+            self.l1.counters.hit_tokens += shared
+            return PartialMatch(best, self.l1.get(best).kv[:, :, :, :shared])
+
+    def _partial(self, page: DevicePage) -> bool:
+        return len(page.tokens) < self.geometry.page_size
 
     def _make_room(self, tier: Tier) -> bool:
         """Evict the policy's unpinned victims from ``tier`` until one page fits."""
@@ -475,7 +519,8 @@ class TieredStore:
             if tier is self.l1:
                 cost = self.l1.policy.cost_of(victim)
                 page = self.l1.pop(victim)
-                self._place_below_l1(victim, page.tokens, page.kv, cost)
+                if not self._partial(page):  # a partial page is dropped (publish_partial)
+                    self._place_below_l1(victim, page.tokens, page.kv, cost)
             else:
                 self._write_l3(victim, self.l2.entries[victim].tokens, self.l2.read(victim), "L2->L3")
                 self.l2.pop(victim)
@@ -523,8 +568,8 @@ class TieredStore:
             if self.disk is None:
                 return
             for key in self.l1:
-                if key not in self.l2:
-                    page = self.l1.entries[key]
+                page = self.l1.entries[key]
+                if key not in self.l2 and not self._partial(page):
                     self._write_l3(key, page.tokens, kv_to_host(page.kv), "L1->L3", wait=True)
             for key in self.l2:
                 self._write_l3(key, self.l2.entries[key].tokens, self.l2.read(key), "L2->L3", wait=True)

@@ -10,9 +10,10 @@ so a key names a whole prefix, never a page out of context. ``H`` is BLAKE2b
 everything that changes KV content, so different models, dtypes, page sizes,
 layouts, adapters or tenants (``cache_salt``) never share a key.
 
-Only full pages are keyed. The last prompt token is always computed (its logits
+Only full pages are chained. The last prompt token is always computed (its logits
 start decoding), so an ``n``-token prompt has at most ``(n - 1) // page_size``
-reusable pages.
+reusable pages. A request's last, partial page may be kept on the device under its
+own key (``partial_key``) and reused up to the tokens a later prompt shares with it.
 """
 
 from __future__ import annotations
@@ -75,6 +76,19 @@ def page_keys(namespace: Namespace, tokens: Sequence[int]) -> list[PageKey]:
         prev = _hash(prev, page)
         keys.append(PageKey(prev))
     return keys
+
+
+def partial_key(parent: bytes, tokens: Sequence[int]) -> PageKey:
+    """Key of a partial page (fewer than ``page_size`` tokens) after the page keyed
+    ``parent``; never equal to a full page's key."""
+    return PageKey(_hash(parent, b"partial", np.asarray(tokens, dtype="<u4").tobytes()))
+
+
+def shared_start(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens ``a`` and ``b`` have in common."""
+    n = min(len(a), len(b))
+    differ = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
+    return int(differ[0]) if differ.size else n
 
 
 def reusable_pages(num_tokens: int, page_size: int) -> int:

@@ -79,10 +79,40 @@ class Tier(Generic[Entry]):
 
 @dataclass(frozen=True)
 class DevicePage:
-    """An L1 page: its token ids and one mx array of shape ``geometry.shape``."""
+    """An L1 page: its token ids, one mx array of shape ``geometry.shape`` (a partial
+    page: fewer tokens along axis 3) and the key of the page before it (None: unknown)."""
 
     tokens: tuple[int, ...]
     kv: mx.array
+    parent: bytes | None = None
+
+
+class DeviceTier(Tier[DevicePage]):
+    """L1, whose pages can also be found from the page before them: a prompt that shares
+    only the start of a page (a full one, or a request's last partial page) reuses that
+    start. A partial page counts as a whole page against the cap."""
+
+    def __init__(self, capacity: int, page_nbytes: int, policy: EvictionPolicy | None = None) -> None:
+        super().__init__("L1", capacity, page_nbytes, policy)
+        self._after: dict[bytes, set[PageKey]] = {}
+
+    def add(self, key: PageKey, entry: DevicePage, cost: float = 1.0) -> None:
+        super().add(key, entry, cost)
+        if entry.parent is not None:
+            self._after.setdefault(entry.parent, set()).add(key)
+
+    def pop(self, key: PageKey) -> DevicePage:
+        entry = super().pop(key)
+        if entry.parent is not None:
+            following = self._after[entry.parent]
+            following.discard(key)
+            if not following:
+                del self._after[entry.parent]
+        return entry
+
+    def following(self, parent: bytes) -> list[tuple[PageKey, DevicePage]]:
+        """The pages whose previous page is ``parent`` (not marked used)."""
+        return [(key, self.entries[key]) for key in self._after.get(parent, ())]
 
 
 @dataclass(frozen=True)

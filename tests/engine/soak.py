@@ -68,9 +68,20 @@ def structure_sizes(engine: Engine) -> dict[str, int]:
     sizes = {}
     for name, owner in owners.items():
         for attr, value in vars(owner).items():
-            if hasattr(value, "__len__") and not isinstance(value, (str, bytes)):
-                sizes[f"{name}.{attr}"] = len(value)
+            if _container(value):
+                sizes[f"{name}.{attr}"] = _items(value)
     return sizes
+
+
+def _container(value: object) -> bool:
+    return hasattr(value, "__len__") and not isinstance(value, (str, bytes))
+
+
+def _items(value) -> int:
+    """Entries of a container; a dict of containers (an index) counts the entries inside them."""
+    if isinstance(value, dict) and value and all(_container(v) for v in value.values()):
+        return sum(len(v) for v in value.values())
+    return len(value)
 
 
 def rss_mib() -> float:

@@ -112,16 +112,16 @@ def test_refresh_touches_waiting_pages_in_reverse_queue_order_without_pinning(lo
 
 
 def test_hit_loss_between_enqueue_and_admission(loaded):
-    victim = text_prompt(loaded, 4 * PAGE + 1, seed=70)
+    victim = text_prompt(loaded, 4 * PAGE, seed=70)  # page-aligned: no partial page; 3 reusable pages
     engine = make_engine(loaded, l1_pages=4, max_running=1, refresh_window=0)
     engine.generate([victim], GREEDY)  # its 4 pages fill L1
-    evicter = engine.submit(text_prompt(loaded, 4 * PAGE + 1, seed=71), GREEDY)
+    evicter = engine.submit(text_prompt(loaded, 4 * PAGE, seed=71), GREEDY)
     again = engine.submit(victim, GREEDY)
     engine.run()
-    assert again.l1_tokens_at_enqueue == 4 * PAGE
-    assert again.l1_tokens_at_admission == 0 and again.sources()["L2"] == 4 * PAGE
-    assert engine.result(again)["l1_hit_loss"] == 4 * PAGE
-    assert engine.stats()["engine"]["l1_hit_loss_tokens"] == 4 * PAGE
+    assert again.l1_tokens_at_enqueue == 3 * PAGE
+    assert again.l1_tokens_at_admission == 0 and again.sources()["L2"] == 3 * PAGE
+    assert engine.result(again)["l1_hit_loss"] == 3 * PAGE
+    assert engine.stats()["engine"]["l1_hit_loss_tokens"] == 3 * PAGE
     assert engine.stats()["windowed"]["cached_tokens_per_s"] > 0
     assert evicter.done
 
