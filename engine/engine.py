@@ -90,6 +90,7 @@ class Engine:
         self.config = config or EngineConfig()
         self.geometry = loaded.geometry(self.config.page_size)
         self.namespace = loaded.namespace(self.geometry, self.config.cache_salt)
+        self.root = self.namespace.digest()  # the key "before" a sequence's first page
         self.store = (
             TieredStore(self.geometry, self.namespace, replace(self.config.store, policy=self.config.policy))
             if self.config.offload else None
@@ -138,7 +139,7 @@ class Engine:
         request = Request(next(self._rids), tokens, params, self.config.page_size, keys)
         request.l1_tokens_at_enqueue = self._l1_tokens(self.store.locate(keys, tokens)) if self.store else 0
         flight_key = hashlib.blake2b(np.asarray(tokens, "<u4").tobytes(), digest_size=16,
-                                     key=self.namespace.digest()).digest()
+                                     key=self.root).digest()
         with self.scheduler.arrived:  # the lock under which the serving loop decides to exit
             if self._stop.is_set():
                 raise RuntimeError("the engine is stopped: submit before stop() or close()")
@@ -337,7 +338,7 @@ class Engine:
         leaves midway: DESIGN §8a); those tokens count as L1. The prompt's last token
         is always computed."""
         done, size = request.prefix_tokens, self.config.page_size
-        parent = request.keys[done // size - 1] if done else self.namespace.digest()
+        parent = request.keys[done // size - 1] if done else self.root
         match = self.store.match_partial(parent, request.prompt[done : min(done + size, len(request.prompt) - 1)])
         if match is None:
             return cache
@@ -410,13 +411,10 @@ class Engine:
         for i in range(request.published, ready):
             if self.store.has(keys[i]):  # recomputed over a stored page: nothing to copy out
                 continue
-            a, b = i * size, (i + 1) * size
-            kv = mx.stack([mx.stack([c.keys[0, :, a:b], c.values[0, :, a:b]]) for c in caches])
-            pages.append((i, kv))
+            pages.append((i, _page_kv(caches, i * size, (i + 1) * size)))
         mx.eval([kv for _, kv in pages])
-        root = self.namespace.digest()
         for i, kv in pages:
-            self.store.publish(keys[i], tokens[i * size : (i + 1) * size], kv, parent=keys[i - 1] if i else root)
+            self.store.publish(keys[i], tokens[i * size : (i + 1) * size], kv, parent=keys[i - 1] if i else self.root)
         self.scheduler.published(request.rid, keys[request.published : ready])
         request.published = ready
         self.totals["store_seconds"] += time.perf_counter() - t0
@@ -438,10 +436,9 @@ class Engine:
         done = len(keys) * self.config.page_size
         if done < len(tokens):
             t0 = time.perf_counter()
-            kv = mx.stack([mx.stack([c.keys[0, :, done:len(tokens)], c.values[0, :, done:len(tokens)]])
-                           for c in caches])
+            kv = _page_kv(caches, done, len(tokens))
             mx.eval(kv)
-            self.store.publish_partial(keys[-1] if keys else self.namespace.digest(), tokens[done:], kv)
+            self.store.publish_partial(keys[-1] if keys else self.root, tokens[done:], kv)
             self.totals["store_seconds"] += time.perf_counter() - t0
 
     def _on_token(self, request: Request, response) -> None:
@@ -549,6 +546,12 @@ class Engine:
         if exc_type is not None:
             self.stop(cancel=True)
         self.close()
+
+
+def _page_kv(caches: list, start: int, end: int) -> mx.array:
+    """Tokens ``start..end`` of a one-sequence mlx-lm cache in page layout:
+    (layers, 2, kv_heads, tokens, head_dim), a new array."""
+    return mx.stack([mx.stack([c.keys[0, :, start:end], c.values[0, :, start:end]]) for c in caches])
 
 
 def _sampler(params: SamplingParams):
