@@ -66,11 +66,12 @@ def runs_per_round(lengths: Sequence[int], redis: bool) -> int:
 
 
 def prompt(loaded: LoadedModel, n: int, seed: str) -> list[int]:
-    """``n`` tokens of words in an order drawn from ``seed``: no two seeds share a page."""
+    """``n`` tokens of words in an order drawn from ``seed``: no two seeds share a page.
+    Encoded a sentence at a time (a text longer than the context makes tokenizers warn)."""
     rng = random.Random(seed)
     tokens: list[int] = []
     while len(tokens) < n:
-        tokens += loaded.tokenizer.encode(" ".join(rng.choice(_WORDS) for _ in range(n)))
+        tokens += loaded.tokenizer.encode(" ".join(rng.choice(_WORDS) for _ in range(64)) + ".\n")
     return tokens[:n]
 
 
