@@ -64,7 +64,8 @@ environment:
 
 
 def parse_size(text: str) -> int:
-    """Bytes from ``512MiB``, ``4GiB``, ``1.5GB`` or a plain number."""
+    """Bytes from ``512MiB``, ``4GiB``, ``1.5GB`` or a plain number. Kept over a library:
+    bitmath refuses plain bytes and ``4gib`` (lenient, it reads ``4k`` as 4096); humanfriendly has no release since 2021."""
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
     if not match or match.group(2).lower() not in _UNITS:
         raise argparse.ArgumentTypeError(f"bad size {text!r} (use e.g. 512MiB, 4GiB or bytes)")
