@@ -712,12 +712,12 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    if args.bench == "ttft":
+        return cmd_bench_ttft(args)
     from tqdm import tqdm
 
     from kvtier.costmodel import bandwidth
 
-    if args.bench == "ttft":
-        return cmd_bench_ttft(args)
     if args.plot is not None:
         _check_plot_path(args.plot)
     store_dir = _usable_store(args.store)
