@@ -4,11 +4,10 @@
 - Compute: ``T(n, p) = c0 + c1*n + c2*n*(p + n/2)`` for ``n`` new tokens after
   ``p`` cached ones (attention work grows with the context).
 
-Both are least-squares fits of relative error over a window of recent samples
-(calibration first, then every real transfer and prefill), refitted on each new
-sample after dropping outliers (residual above 3 median absolute residuals), so one
-slow step caused by the machine does not move the model. Coefficients are clamped
-non-negative.
+Both are fitted over a window of recent samples (calibration first, then every real
+transfer and prefill), refitted on each new sample, with non-negative coefficients and
+robust to outliers (``robust_fit``), so one step the machine stalled, or one timing far
+too short, does not move the model.
 """
 
 from __future__ import annotations
@@ -17,29 +16,37 @@ from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
+from scipy.optimize import least_squares, nnls
 
 WINDOW = 64
+OUTLIER = 2.0  # a sample predicted more than 2x too fast or too slow triggers the robust refit
+_TINY = 1e-300
 
 
 def robust_fit(features: np.ndarray, times: np.ndarray) -> np.ndarray:
-    """Non-negative least-squares-ish coefficients, refitted once without outliers."""
-    coef = _clamped_lstsq(features, times)
-    residual = np.abs(features @ coef - times)
-    mad = np.median(residual)
-    keep = residual <= 3 * mad + 1e-12
-    if 0 < keep.sum() < len(times) and keep.sum() >= features.shape[1]:
-        coef = _clamped_lstsq(features[keep], times[keep])
-    return coef
+    """Non-negative coefficients ``c`` with ``features @ c`` close to ``times`` in relative
+    terms, robust to outliers.
 
-
-def _clamped_lstsq(features: np.ndarray, times: np.ndarray) -> np.ndarray:
-    coef = np.linalg.lstsq(features, times, rcond=None)[0]
-    while (coef < 0).any():  # drop negative terms and refit the rest
-        active = coef > 0
-        coef = np.zeros_like(coef)
-        if active.any():
-            coef[active] = np.linalg.lstsq(features[:, active], times, rcond=None)[0]
-    return coef
+    First scipy's NNLS on each row divided by its time (relative errors). When every
+    sample lies within ``OUTLIER`` of that fit, it is the answer: the common case, in
+    microseconds. Otherwise scipy's ``least_squares`` refits ``log(predicted / measured)``
+    from there, bounded non-negative, with a soft-L1 loss of scale 0.02 (close to least
+    absolute errors, a convex loss: no start leads it astray): log, because a relative
+    error is bounded for a sample too slow but not for one too fast, which would pull
+    the whole fit. That refit takes milliseconds, too slow to run on every sample.
+    """
+    scale = np.linalg.norm(features, axis=0)
+    scale[scale == 0] = 1.0  # columns scaled to one: bytes and seconds differ by 1e9
+    scaled = features / scale
+    coef = nnls(scaled / times[:, None], np.ones_like(times))[0]
+    predicted = scaled @ coef
+    if np.all(np.abs(np.log(np.maximum(predicted, _TINY) / times)) <= np.log(OUTLIER)):
+        return coef / scale
+    log_times = np.log(times)
+    fit = least_squares(lambda c: np.log(np.maximum(scaled @ c, _TINY)) - log_times, coef,
+                        jac=lambda c: scaled / np.maximum(scaled @ c, _TINY)[:, None],
+                        bounds=(0.0, np.inf), loss="soft_l1", f_scale=0.02)
+    return fit.x / scale
 
 
 @dataclass
@@ -86,10 +93,8 @@ class TimeModel:
             return  # too few distinct inputs to separate the terms reliably
         data = np.array(self.samples, dtype=float)
         features = np.array([self.features(*row[:-1]) for row in data])
-        # Each row divided by its time: the fit minimises relative errors, so a 3 MiB
-        # restore counts as much as a 300 MiB one (predictions are judged relatively).
-        weight = 1.0 / np.maximum(data[:, -1], 1e-9)
-        self.coef = [float(c) for c in robust_fit(features * weight[:, None], data[:, -1] * weight)]
+        # Relative errors: a 3 MiB restore counts as much as a 300 MiB one (predictions are judged relatively).
+        self.coef = [float(c) for c in robust_fit(features, np.maximum(data[:, -1], 1e-9))]
 
     def to_dict(self) -> dict:
         return {"coef": self.coef, "samples": [list(s) for s in self.samples]}

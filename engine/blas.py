@@ -13,7 +13,6 @@ import ctypes
 import ctypes.util
 import os
 import sys
-from pathlib import Path
 
 
 def preload_openblas() -> bool:
@@ -34,12 +33,15 @@ def preload_openblas() -> bool:
 
 
 def blas_in_use() -> str:
-    """Which BLAS this process's mlx uses, for verbose output and benchmarks."""
+    """Which BLAS this process's mlx uses, for verbose output and benchmarks. threadpoolctl
+    lists the BLAS libraries loaded; the one mlx binds to on Linux is the system
+    ``libopenblas`` preloaded above (numpy's and scipy's own OpenBLAS copies export
+    prefixed symbols that mlx never binds to, so they do not count)."""
     if sys.platform == "darwin":
         return "Accelerate"
-    maps = Path("/proc/self/maps")
-    text = maps.read_text() if maps.exists() else ""
-    for line in text.splitlines():
-        if "libopenblas" in line:
-            return f"OpenBLAS ({line.split()[-1]})"
+    from threadpoolctl import threadpool_info
+
+    for lib in threadpool_info():
+        if lib["internal_api"] == "openblas" and lib["prefix"] == "libopenblas":
+            return f"OpenBLAS {lib['version']} ({lib['filepath']}, {lib['num_threads']} threads)"
     return "mlx bundled reference BLAS (install libopenblas0-pthread for ~10x faster prefill)"

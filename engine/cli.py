@@ -64,7 +64,8 @@ environment:
 
 
 def parse_size(text: str) -> int:
-    """Bytes from ``512MiB``, ``4GiB``, ``1.5GB`` or a plain number."""
+    """Bytes from ``512MiB``, ``4GiB``, ``1.5GB`` or a plain number. Kept over a library:
+    bitmath refuses plain bytes and ``4gib`` (lenient, it reads ``4k`` as 4096); humanfriendly has no release since 2021."""
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
     if not match or match.group(2).lower() not in _UNITS:
         raise argparse.ArgumentTypeError(f"bad size {text!r} (use e.g. 512MiB, 4GiB or bytes)")
@@ -103,6 +104,14 @@ def top_p(text: str) -> float:
     if not 0 < (value := _number(text)) <= 1:
         raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text!r}")
     return value
+
+
+def positive_ints(text: str) -> list[int]:
+    """``512,1024,2048`` -> [512, 1024, 2048]."""
+    parts = [part.strip() for part in text.split(",")]
+    if not all(part.isdigit() and int(part) > 0 for part in parts):
+        raise argparse.ArgumentTypeError(f"expected positive whole numbers separated by commas, got {text!r}")
+    return [int(part) for part in parts]
 
 
 def port_number(text: str) -> int:
@@ -147,6 +156,14 @@ def _store_arg(text: str) -> Path | str:
     from kvtier.tiers.l3 import is_url
 
     return text if is_url(text) else Path(text)
+
+
+def _redis_url(text: str) -> str:
+    from kvtier.tiers.l3 import is_url
+
+    if not is_url(text):
+        raise argparse.ArgumentTypeError(f"expected a redis://, rediss:// or redis+cluster:// URL, got {text!r}")
+    return text
 
 
 def _no_data(store: Path | str) -> bool:
@@ -234,6 +251,22 @@ def build_parser() -> argparse.ArgumentParser:
     restore.add_argument("--page-size", type=positive_int, default=128, metavar="N", help="tokens per KV page")
     restore.add_argument("--json", action="store_true", help="the report as one JSON object")
     restore.add_argument("--plot", type=Path, metavar="FILE.png", help="draw bandwidth against size (needs matplotlib)")
+    ttft = command(bench_sub, "ttft", "time to first token against prompt length: recomputed, and with the "
+                                      "prompt's prefix restored from L1, L2, L3 (after a restart) and Redis")
+    ttft.add_argument("--model", help=model_help)
+    ttft.add_argument("--store", type=_store_arg, default=None, metavar="DIR",
+                      help=f"a scratch store is made inside DIR (default: {default_store_dir()})")
+    ttft.add_argument("--lengths", type=positive_ints, default=None, metavar="N,N,...",
+                      help="prompt lengths in tokens (default: 512,1024,2048,4096,8192, the longest capped "
+                           "so that prompt and first token fit the model's context)")
+    ttft.add_argument("--page-size", type=positive_int, default=128, metavar="N", help="tokens per KV page")
+    ttft.add_argument("--rounds", type=positive_int, default=1, metavar="N",
+                      help="each cell is the best of N runs, each round on fresh prompts")
+    ttft.add_argument("--redis", type=_redis_url, metavar="URL",
+                      help="also restore from this Redis / Valkey server, under a scratch prefix removed after")
+    ttft.add_argument("--json", action="store_true", help="the report as one JSON object")
+    ttft.add_argument("--plot", type=Path, metavar="FILE.png",
+                      help="draw TTFT against prompt length, log scales, break-even marked (needs matplotlib)")
 
     replay = command(sub, "replay", "replay a Mooncake trace against the store: size the tiers, "
                                     "choose the policy")
@@ -679,6 +712,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    if args.bench == "ttft":
+        return cmd_bench_ttft(args)
     from tqdm import tqdm
 
     from kvtier.costmodel import bandwidth
@@ -696,13 +731,104 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print(json.dumps(report))
     else:
         _print_bench(report)
+    return _save_plot(_plot, report, args.plot)
+
+
+def cmd_bench_ttft(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from kvtier.tiers.l3 import StoreError, open_l3
+
+    from . import bench_ttft
+
+    if isinstance(args.store, str):
+        raise UsageError(f"--store {args.store}: give a directory here; --redis URL adds a Redis server")
     if args.plot is not None:
+        _check_plot_path(args.plot)
+    if args.redis is not None:
         try:
-            _plot(report, args.plot)
-        except Exception as err:  # matplotlib and the filesystem raise many types
-            print(f"kvtier: error: cannot draw {args.plot}: {' '.join(str(err).split())}", file=sys.stderr)
-            return 1
+            open_l3(args.redis, readonly=True).close()
+        except StoreError as err:
+            raise UsageError(str(err)) from None
+    store_dir = _usable_store(args.store)
+    loaded = _load_model(args.model)
+    _geometry(loaded, args.page_size)
+    lengths = sorted(set(args.lengths or bench_ttft.default_lengths(loaded)))
+    most = bench_ttft.context_tokens(loaded) - bench_ttft.FIRST_TOKEN.max_tokens
+    if lengths[0] <= args.page_size or lengths[-1] > most:
+        raise UsageError(f"--lengths must be from {args.page_size + 1} (a prompt holds a full page of "
+                         f"--page-size {args.page_size} before its last token) to {most} (the model's context "
+                         f"less the first token), got {','.join(map(str, lengths))}")
+    total = bench_ttft.runs_per_round(lengths, args.redis is not None) * args.rounds
+    try:
+        with tqdm(total=total, desc="measuring", unit="prompt", file=sys.stderr) as bar:
+            report = bench_ttft.run(loaded, lengths, args.page_size, store_dir, args.redis, args.rounds, bar.update)
+    except (bench_ttft.BenchError, StoreError) as err:
+        print(f"kvtier: error: {err}", file=sys.stderr)
+        return 1
+    report["blas"] = blas_in_use()
+    print(json.dumps(report) if args.json else _format_ttft(report))
+    return _save_plot(_plot_ttft, report, args.plot)
+
+
+def _save_plot(draw: Callable[[dict, Path], None], report: dict, path: Path | None) -> int:
+    """Draw ``report`` into ``path`` (if given); 1 with one line when that fails after measuring."""
+    if path is None:
+        return 0
+    try:
+        draw(report, path)
+    except Exception as err:  # matplotlib and the filesystem raise many types
+        print(f"kvtier: error: cannot draw {path}: {' '.join(str(err).split())}", file=sys.stderr)
+        return 1
     return 0
+
+
+def _format_ttft(report: dict) -> str:
+    tiers = report["sources"][1:]
+    lines = [f"model {report['model']}, page {report['page_size']} tokens, best of {report['rounds']} "
+             f"round(s); BLAS: {report['blas']}",
+             "TTFT as a ratio to recomputing the same prompt (below 1: restoring wins)",
+             f"{'tokens':>7} {'restored':>8} {'recompute s':>11} " + " ".join(f"{t:>6}" for t in tiers)]
+    for row in report["rows"]:
+        lines.append(f"{row['prompt_tokens']:>7} {row['restored_tokens']:>8} {row['ttft_s']['recompute']:>11.3f} "
+                     + " ".join(f"{row['ratio_to_recompute'][t]:>6.3f}" for t in tiers))
+    for tier, tokens in report["break_even_tokens"].items():
+        lines.append(f"{tier} beats recompute " + (f"from {tokens} tokens on (measured)" if tokens
+                                                   else "at no length measured up to the longest"))
+    return "\n".join(lines)
+
+
+def _plot_ttft(report: dict, path: Path) -> None:
+    """TTFT against prompt length, log scales; each tier's measured break-even ringed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    lengths = [row["prompt_tokens"] for row in report["rows"]]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for i, source in enumerate(report["sources"]):
+        seconds = [row["ttft_s"][source] for row in report["rows"]]
+        recompute = source == "recompute"
+        label = source if recompute else f"{source} ({report['rows'][-1]['ratio_to_recompute'][source]:.2g}x at {lengths[-1]})"
+        color = "black" if recompute else f"C{i - 1}"
+        ax.plot(lengths, seconds, marker="o", label=label, color=color, linewidth=2.5 if recompute else 1.5)
+        if (tokens := report["break_even_tokens"].get(source)) is not None:
+            ax.plot([tokens], [seconds[lengths.index(tokens)]], "o", markersize=14, markerfacecolor="none",
+                    markeredgecolor=color, markeredgewidth=1.5)
+    ax.plot([], [], "o", markersize=14, markerfacecolor="none", markeredgecolor="gray",
+            label="break-even (measured): restoring wins from here on")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xticks(lengths, [str(n) for n in lengths])
+    ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+    ax.set(xlabel="prompt tokens", ylabel="time to first token (s)",
+           title=f"kvtier TTFT: {report['model']}, page {report['page_size']}")
+    ax.grid(True, which="major", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
 
 
 def _check_plot_path(path: Path) -> None:

@@ -25,6 +25,30 @@ def test_link_fit_ignores_an_outlier():
     assert link.bytes_per_s == pytest.approx(2 << 30, rel=0.01)
 
 
+def test_link_fit_ignores_a_time_far_too_short():
+    """A too-short time weighs far more than a stall in relative terms (its error is not
+    bounded by 100%): without the robust refit it drags the bandwidth to infinity."""
+    link = LinkModel.of(1.0, 1.0)
+    for size in [1, 2, 4, 8, 16, 32, 3, 6, 12, 24]:
+        link.observe(size * MIB, seconds=0.001 + size * MIB / (2 << 30))
+    link.observe(32 * MIB, seconds=1e-4)  # e.g. bytes counted that never moved
+    assert link.bytes_per_s == pytest.approx(2 << 30, rel=0.01)
+    assert link.setup_s == pytest.approx(0.001, rel=0.05)
+
+
+def test_fits_never_go_negative():
+    """Times that a negative setup would fit best: setup 0, not below."""
+    link = LinkModel.of(1.0, 1.0)
+    for size in (1, 2, 4, 8, 16, 32):
+        link.observe(size * MIB, seconds=size * MIB / (1 << 30) - 0.0005)
+    assert link.setup_s == 0.0 and 0 < link.bytes_per_s < float("inf")
+    compute = ComputeModel([0.0, 0.0, 0.0])
+    for n in (64, 128, 256, 512):
+        for p in (0, 512):
+            compute.observe(n, p, seconds=1e-3 * n - 1e-8 * n * (p + n / 2))  # attention "faster" with context
+    assert min(compute.coef) >= 0.0 and compute.coef[1] > 0
+
+
 def test_compute_fit_recovers_attention_term():
     model = ComputeModel([0.0, 0.0, 0.0])
     truth = (0.01, 1e-3, 1e-7)

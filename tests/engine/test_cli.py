@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+from ..redis_servers import needs_redis, redis_server  # noqa: F401
 from .conftest import on_tiny_model
 
 PROMPT = " ".join(["the system prompt of an agent with tools and a long history"] * 8)  # ~500 tokens
@@ -98,3 +99,58 @@ def test_bench_restore_reports_links_limits_peer_and_break_even(tmp_path):
     assert set(report["break_even_tokens"]) == {"L2", "L3"}
     assert report["limits"]["lmdb_zero_copy_read_gib_s"] > 0
     assert not list(tmp_path.glob("calibration-*")), "the scratch store must be removed"
+
+
+TTFT_PAGE, TTFT_LENGTHS = 64, (150, 300)
+
+
+@pytest.fixture(scope="module")
+def ttft_bench(tmp_path_factory):
+    """One ``bench ttft`` run on the tiny model (with a plot where matplotlib is installed)."""
+    import importlib.util
+
+    directory = tmp_path_factory.mktemp("ttft")
+    plot = directory / "ttft.png"
+    args = ["bench", "ttft", "--json", "--store", str(directory), "--page-size", str(TTFT_PAGE),
+            "--lengths", ",".join(map(str, TTFT_LENGTHS))]
+    if importlib.util.find_spec("matplotlib") is not None:
+        args += ["--plot", str(plot)]
+    return json.loads(kvtier(*args).stdout), directory, plot
+
+
+def restored_from(tier: str, n: int) -> dict:
+    """The sources of an ``n``-token run whose every reusable page came from ``tier``."""
+    restored = (n - 1) // TTFT_PAGE * TTFT_PAGE
+    return {"L1": 0, "L2": 0, "L3": 0, tier: restored, "recomputed": n - restored}
+
+
+def test_bench_ttft_times_every_source_from_the_tier_it_names(ttft_bench):
+    report, directory, _ = ttft_bench
+    assert report["sources"] == ["recompute", "L1", "L2", "L3"] and report["rounds"] == 1
+    assert [row["prompt_tokens"] for row in report["rows"]] == list(TTFT_LENGTHS)
+    for row in report["rows"]:
+        n = row["prompt_tokens"]
+        assert row["restored_tokens"] == (n - 1) // TTFT_PAGE * TTFT_PAGE
+        assert set(row["ttft_s"]) == set(report["sources"]) and min(row["ttft_s"].values()) > 0
+        for tier in ("L1", "L2", "L3"):
+            assert row["ratio_to_recompute"][tier] == pytest.approx(row["ttft_s"][tier] / row["ttft_s"]["recompute"], rel=1e-3)
+            assert row["sources"][tier] == restored_from(tier, n)
+        assert row["sources"]["recompute"] == {"L1": 0, "L2": 0, "L3": 0, "recomputed": n}
+    assert set(report["break_even_tokens"]) == {"L1", "L2", "L3"}
+    assert [p.name for p in directory.iterdir() if p.name != "ttft.png"] == [], "the scratch store must be removed"
+
+
+def test_bench_ttft_draws_its_plot(ttft_bench):
+    pytest.importorskip("matplotlib")
+    _, _, plot = ttft_bench
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@needs_redis
+def test_bench_ttft_restores_from_redis_after_a_restart_and_leaves_nothing_there(redis_server, tmp_path):
+    done = kvtier("bench", "ttft", "--json", "--store", str(tmp_path), "--page-size", "64", "--lengths", "150",
+                  "--redis", redis_server.url)
+    (row,) = json.loads(done.stdout)["rows"]
+    assert row["sources"]["Redis"] == {"L1": 0, "L2": 0, "L3": 128, "recomputed": 22}
+    assert row["ttft_s"]["Redis"] > 0 and "Redis" in row["ratio_to_recompute"]
+    assert redis_server.client().dbsize() == 0, "the scratch prefix must be emptied"

@@ -81,6 +81,13 @@ BAD = [  # (argv, message); {store} is the module's store, {file} a regular file
     (["bench", "restore", "--store", "{file}"], "is not a directory"),
     (["bench", "restore", "--plot", "/no/such/dir/bw.png"], "does not exist or is not writable"),
     (["bench", "restore", "--plot", "{store}"], "is a directory"),
+    (["bench", "ttft", "--lengths", "512,many"], "positive whole numbers separated by commas"),
+    (["bench", "ttft", "--lengths", "100,512"], "--lengths must be from 129"),
+    (["bench", "ttft", "--lengths", "512,32768"], "to 32767 (the model's context less the first token)"),
+    (["bench", "ttft", "--plot", "/no/such/dir/ttft.png"], "does not exist or is not writable"),
+    (["bench", "ttft", "--store", "redis://127.0.0.1:1"], "give a directory here"),
+    (["bench", "ttft", "--redis", "127.0.0.1:6379"], "expected a redis://"),
+    (["bench", "ttft", "--redis", "redis://127.0.0.1:1/0"], "cannot use Redis store"),
     (["stats", "--store", "/no/such/store"], "no kvtier store"),
     (["stats", "--store", "{file}"], "no kvtier store"),
     (["store", "ls", "--store", "/no/such/store"], "no kvtier store"),
@@ -348,3 +355,4 @@ def test_an_l3_cap_beyond_the_free_disk_space_is_a_warning(tmp_path):
                   "--prompt", "hi")
     assert "is more than the free space" in done.stderr and len(done.stderr.strip().splitlines()) == 1
     assert json.loads(done.stdout.splitlines()[-1])["counters"]["tiers"]["L3"]["capacity"] == 99999 << 40
+
