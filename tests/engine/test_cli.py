@@ -134,7 +134,9 @@ def test_bench_ttft_times_every_source_from_the_tier_it_names(ttft_bench):
         assert set(row["ttft_s"]) == set(report["sources"]) and min(row["ttft_s"].values()) > 0
         for tier in ("L1", "L2", "L3"):
             assert row["ratio_to_recompute"][tier] == pytest.approx(row["ttft_s"][tier] / row["ttft_s"]["recompute"], rel=1e-3)
+        for tier in ("L2", "L3"):
             assert row["sources"][tier] == restored_from(tier, n)
+        assert row["sources"]["L1"] == {"L1": n - 1, "L2": 0, "L3": 0, "recomputed": 1}  # with its last partial page
         assert row["sources"]["recompute"] == {"L1": 0, "L2": 0, "L3": 0, "recomputed": n}
     assert set(report["break_even_tokens"]) == {"L1", "L2", "L3"}
     assert [p.name for p in directory.iterdir() if p.name != "ttft.png"] == [], "the scratch store must be removed"
