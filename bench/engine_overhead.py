@@ -1,13 +1,14 @@
 """Engine overhead on all-unique prompts, as ratios measured in one run.
 
-    python bench/engine_overhead.py [--prompts 8] [--tokens 600] [--max-tokens 32] [--repeats 3]
+    python bench/engine_overhead.py [--prompts 8] [--tokens 600] [--max-tokens 32] [--repeats 5]
 
 Three ways to run the same burst of unique prompts (nothing to reuse):
 - ``mlx_lm``: mlx-lm's own ``BatchGenerator``, prompts inserted together;
 - ``off``: the kvtier engine with ``offload=False`` (no store);
 - ``on``: the engine with offload on, a fresh store per run (publication after every
   step, L1 inserts; ``close`` flushes to L3 and is timed separately).
-Runs are interleaved and repeated; the median of each is reported.
+Runs are interleaved and repeated, each repeat in a rotated order (so a machine
+slowing down or speeding up favours none of them); the median of each is reported.
 """
 
 from __future__ import annotations
@@ -63,20 +64,26 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=600)
     parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
     loaded = load_model()
     times: dict[str, list[float]] = {"mlx_lm": [], "off": [], "on": [], "close": [], "store": []}
     run_mlx_lm(loaded, unique_prompts(2, 64, 999), 2)  # warm-up: kernels, allocator
+
+    def on(prompts) -> None:
+        seconds, close, store = run_engine(loaded, prompts, args.max_tokens, offload=True)
+        times["on"].append(seconds)
+        times["close"].append(close)
+        times["store"].append(store / seconds)
+
+    ways = [lambda prompts: times["mlx_lm"].append(run_mlx_lm(loaded, prompts, args.max_tokens)),
+            lambda prompts: times["off"].append(run_engine(loaded, prompts, args.max_tokens, offload=False)[0]),
+            on]
     for repeat in range(args.repeats):
         prompts = unique_prompts(args.prompts, args.tokens, repeat)  # never seen before
-        times["mlx_lm"].append(run_mlx_lm(loaded, prompts, args.max_tokens))
-        times["off"].append(run_engine(loaded, prompts, args.max_tokens, offload=False)[0])
-        on, close, store = run_engine(loaded, prompts, args.max_tokens, offload=True)
-        times["on"].append(on)
-        times["close"].append(close)
-        times["store"].append(store / on)
-        mx.clear_cache()
+        for way in ways[repeat % 3:] + ways[: repeat % 3]:
+            way(prompts)
+            mx.clear_cache()
     med = {k: statistics.median(v) for k, v in times.items()}
     print(f"BLAS: {blas_in_use()}")
     print(f"{args.prompts} unique prompts x {args.tokens} tokens, {args.max_tokens} output tokens, "
