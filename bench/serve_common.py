@@ -20,7 +20,7 @@ class Server:
     name: str
     cmd: list[str]
     url: str
-    model: str  # what requests send as "model"
+    model: str | None  # what requests send as "model" (None: the id the server lists)
     proc: subprocess.Popen | None = None
     log: Path | None = None
 
@@ -32,7 +32,9 @@ class Server:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"{self.name} exited ({self.proc.returncode}): {self.log.read_text()[-2000:]}")
             try:
-                if httpx.get(self.url + "/v1/models", timeout=2).status_code == 200:
+                models = httpx.get(self.url + "/v1/models", timeout=2)
+                if models.status_code == 200:
+                    self.model = self.model or models.json()["data"][0]["id"]
                     return self
             except httpx.HTTPError:
                 pass
@@ -52,7 +54,7 @@ def kvtier_server(model: str | None, port: int, store: Path, *flags: str) -> Ser
     cmd = [sys.executable, "-m", "kvtier.engine.cli", "serve", "--port", str(port), "--store", str(store), *flags]
     if model:
         cmd += ["--model", model]
-    return Server("kvtier", cmd, f"http://127.0.0.1:{port}", model or "kvtier-default")
+    return Server("kvtier", cmd, f"http://127.0.0.1:{port}", model)
 
 
 # mlx_lm.server with the BLAS kvtier uses: ``import kvtier`` preloads the system OpenBLAS
