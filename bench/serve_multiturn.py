@@ -1,8 +1,9 @@
 """How much of a chat's next turn comes from cache: a 5-turn greedy chat with the model's
 chat template through kvtier serve. Turn N+1's prompt holds turn N's prompt and answer;
-with answer pages published, every full page of both should come back. Per turn it
-prints the prompt, the cached tokens, the tokens turn N+1 shares with turn N (its prompt,
-its answer and the end-of-turn token) and the page-rounded bound floor(shared / page) * page.
+with answer pages published and the last partial page kept in L1, all of both should
+come back. Per turn it prints the prompt, the cached tokens, the tokens turn N+1 shares
+with turn N (its prompt, its answer and the end-of-turn token) and what full pages alone
+would give, floor(shared / page) * page.
 
     python bench/serve_multiturn.py [--model DIR] [--page-size 16] [--turns 5] [--json]
 """
