@@ -93,13 +93,31 @@ class HostPage:
     slot: int
 
 
+# Where an L2 slot starts within a 4 KiB memory page (see ``slot_arena``).
+SLOT_OFFSET = 2048
+_MEMORY_PAGE = 4096
+
+
+def slot_arena(slots: int, nbytes: int) -> np.ndarray:
+    """``slots`` rows of ``nbytes`` (uint8), each starting ``SLOT_OFFSET`` bytes past a
+    4 KiB boundary when ``nbytes`` is at least 4 KiB (rows then a whole number of 4 KiB
+    apart). Why: a large malloc'd buffer (mlx's arrays, so a join's destination) starts a
+    few dozen bytes past a 4 KiB boundary, and a copy whose source lies a few bytes
+    behind its destination modulo 4 KiB stalls its loads on 4K aliasing; half a page
+    away it cannot."""
+    stride = -(-nbytes // _MEMORY_PAGE) * _MEMORY_PAGE if nbytes >= _MEMORY_PAGE else nbytes
+    raw = np.empty(slots * stride + _MEMORY_PAGE, dtype=np.uint8)
+    start = (SLOT_OFFSET - raw.ctypes.data) % _MEMORY_PAGE
+    return raw[start : start + slots * stride].reshape(slots, stride)[:, :nbytes]
+
+
 class HostTier(Tier[HostPage]):
     """L2: one preallocated arena of page slots, so spilling never allocates."""
 
     def __init__(self, capacity: int, geometry: PageGeometry, page_nbytes: int | None = None,
                  policy: EvictionPolicy | None = None) -> None:
         super().__init__("L2", capacity, page_nbytes or geometry.nbytes, policy)
-        self.arena = np.empty((self.max_pages, geometry.nbytes), dtype=np.uint8)
+        self.arena = slot_arena(self.max_pages, geometry.nbytes)
         self.free_slots = list(range(self.max_pages - 1, -1, -1))
 
     def write(self, key: PageKey, tokens: tuple[int, ...], data: np.ndarray | bytes,
