@@ -93,18 +93,20 @@ class HostPage:
     slot: int
 
 
-# Where an L2 slot starts within a 4 KiB memory page (see ``slot_arena``).
-SLOT_OFFSET = 2048
+# A large buffer from malloc starts 16 bytes past a 4 KiB boundary (its header), and mlx
+# puts its 8-byte size first: a fresh mlx array (a join's destination) starts 24 past one.
+_MLX_BUFFER_OFFSET = 24
 _MEMORY_PAGE = 4096
+SLOT_OFFSET = _MLX_BUFFER_OFFSET + _MEMORY_PAGE // 2  # where each L2 slot starts in a 4 KiB page
 
 
 def slot_arena(slots: int, nbytes: int) -> np.ndarray:
-    """``slots`` rows of ``nbytes`` (uint8), each starting ``SLOT_OFFSET`` bytes past a
-    4 KiB boundary when ``nbytes`` is at least 4 KiB (rows then a whole number of 4 KiB
-    apart). Why: a large malloc'd buffer (mlx's arrays, so a join's destination) starts a
-    few dozen bytes past a 4 KiB boundary, and a copy whose source lies a few bytes
-    behind its destination modulo 4 KiB stalls its loads on 4K aliasing; half a page
-    away it cannot."""
+    """``slots`` rows of ``nbytes`` (uint8) for page bytes. When ``nbytes`` is at least
+    4 KiB, rows are a whole number of 4 KiB apart and each starts ``SLOT_OFFSET`` past a
+    4 KiB boundary: at the same offset within a cache line as mlx's destination buffers
+    (a copy then pairs aligned loads with aligned stores) and half a 4 KiB page from it
+    (a copy whose source lies a few bytes behind its destination modulo 4 KiB stalls its
+    loads on false store-to-load dependencies: 4K aliasing)."""
     stride = -(-nbytes // _MEMORY_PAGE) * _MEMORY_PAGE if nbytes >= _MEMORY_PAGE else nbytes
     raw = np.empty(slots * stride + _MEMORY_PAGE, dtype=np.uint8)
     start = (SLOT_OFFSET - raw.ctypes.data) % _MEMORY_PAGE

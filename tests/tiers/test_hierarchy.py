@@ -1,6 +1,7 @@
 """The tier invariants of tiers/hierarchy.py, one test (or more) each."""
 
 import io
+import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -15,6 +16,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 import kvtier.tiers.hierarchy as hierarchy
 import kvtier.tiers.join as join
+import kvtier.tiers.tier as tier
 from kvtier.tiers.hierarchy import StoreConfig, TieredStore
 from kvtier.tiers.page import Namespace, PageGeometry, Source, page_keys
 from kvtier.tiers.tier import kv_to_host
@@ -172,6 +174,29 @@ def test_mx_load_reads_the_payload_in_one_call_into_the_arrays_own_memory():
     payload = [(at, n) for at, n, _ in reads if at + n > header]
     assert payload == [(header, data.nbytes)], "the payload must come in one read"
     assert reads[-1][2] == np.asarray(array).ctypes.data, "read straight into the array's memory"
+
+
+def test_l2_slots_sit_half_a_page_from_mlx_buffers_at_the_same_cache_line_offset():
+    """The L2 layout the join's copies rely on (tiers.tier.slot_arena): every slot of
+    pages of 4 KiB or more starts SLOT_OFFSET past a 4 KiB boundary; on Linux a fresh
+    large mlx array (a join's destination) starts at the same offset modulo 64 and
+    half a 4 KiB page away from it, so its copies cannot 4K-alias."""
+    geometry = PageGeometry(num_layers=2, num_kv_heads=1, head_dim=64, page_size=12, dtype="float32")  # 12 KiB
+    store = TieredStore(geometry, NS, StoreConfig(0, 3 * geometry.nbytes))
+    tokens = list(range(3 * 12 + 1))
+    keys = page_keys(NS, tokens)[:3]
+    for i, key in enumerate(keys):
+        store.publish(key, tokens[12 * i : 12 * i + 12], mx.zeros(geometry.shape))
+    slots = [store.l2.read(key).ctypes.data for key in keys]
+    assert len(slots) == 3 and all(address % 4096 == tier.SLOT_OFFSET for address in slots)
+    if sys.platform != "linux":
+        return
+    mx.clear_cache()
+    fresh = mx.zeros(64 << 20, mx.uint8)  # above glibc's largest mmap threshold: a fresh mapping
+    mx.eval(fresh)
+    destination = np.asarray(fresh).ctypes.data
+    assert (slots[0] - destination) % 64 == 0
+    assert (slots[0] - destination) % 4096 == 2048
 
 
 @pytest.mark.parametrize("pages, groups, pieces", [(1, 1, False), (3, 1, False), (3, 2, False), (3, 2, True)])
