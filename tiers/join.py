@@ -28,7 +28,7 @@ from .page import PageGeometry
 # two threads copy ~1.6x faster). Each takes at least _MIN_SHARE bytes, so a small
 # restore stays on one thread (handing work over costs more than it saves).
 _WORKERS = max(1, min(4, os.cpu_count() or 1))
-_MIN_SHARE = 8 << 20
+_MIN_SHARE = 4 << 20
 _MAX_BUFFER = 64 << 20  # bytes of one restored array (a group of layers)
 
 

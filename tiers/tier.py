@@ -93,8 +93,9 @@ class HostPage:
     slot: int
 
 
-# A large buffer from malloc starts 16 bytes past a 4 KiB boundary (its header), and mlx
-# puts its 8-byte size first: a fresh mlx array (a join's destination) starts 24 past one.
+# malloc returns 16-byte aligned memory and mlx puts its 8-byte size first: mlx's arrays (a
+# join's destinations) start 8 past a 16-byte boundary; a fresh large one (a new mapping,
+# behind malloc's 16-byte header) 24 past a 4 KiB boundary.
 _MLX_BUFFER_OFFSET = 24
 _MEMORY_PAGE = 4096
 SLOT_OFFSET = _MLX_BUFFER_OFFSET + _MEMORY_PAGE // 2  # where each L2 slot starts in a 4 KiB page
@@ -103,8 +104,8 @@ SLOT_OFFSET = _MLX_BUFFER_OFFSET + _MEMORY_PAGE // 2  # where each L2 slot start
 def slot_arena(slots: int, nbytes: int) -> np.ndarray:
     """``slots`` rows of ``nbytes`` (uint8) for page bytes. When ``nbytes`` is at least
     4 KiB, rows are a whole number of 4 KiB apart and each starts ``SLOT_OFFSET`` past a
-    4 KiB boundary: at the same offset within a cache line as mlx's destination buffers
-    (a copy then pairs aligned loads with aligned stores) and half a 4 KiB page from it
+    4 KiB boundary: at the same offset within a cache line as a fresh mlx buffer (a copy
+    then pairs aligned loads with aligned stores) and half a 4 KiB page from it
     (a copy whose source lies a few bytes behind its destination modulo 4 KiB stalls its
     loads on false store-to-load dependencies: 4K aliasing)."""
     stride = -(-nbytes // _MEMORY_PAGE) * _MEMORY_PAGE if nbytes >= _MEMORY_PAGE else nbytes

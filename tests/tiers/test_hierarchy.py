@@ -176,11 +176,11 @@ def test_mx_load_reads_the_payload_in_one_call_into_the_arrays_own_memory():
     assert reads[-1][2] == np.asarray(array).ctypes.data, "read straight into the array's memory"
 
 
-def test_l2_slots_sit_half_a_page_from_mlx_buffers_at_the_same_cache_line_offset():
+def test_l2_slots_start_half_a_page_from_fresh_mlx_buffers_modulo_4k():
     """The L2 layout the join's copies rely on (tiers.tier.slot_arena): every slot of
-    pages of 4 KiB or more starts SLOT_OFFSET past a 4 KiB boundary; on Linux a fresh
-    large mlx array (a join's destination) starts at the same offset modulo 64 and
-    half a 4 KiB page away from it, so its copies cannot 4K-alias."""
+    pages of 4 KiB or more starts SLOT_OFFSET past a 4 KiB boundary, half a 4 KiB page
+    from a fresh large mlx buffer; on Linux every mlx array starts where the slots do
+    modulo 16 (malloc's alignment, then mlx's 8-byte size)."""
     geometry = PageGeometry(num_layers=2, num_kv_heads=1, head_dim=64, page_size=12, dtype="float32")  # 12 KiB
     store = TieredStore(geometry, NS, StoreConfig(0, 3 * geometry.nbytes))
     tokens = list(range(3 * 12 + 1))
@@ -189,14 +189,11 @@ def test_l2_slots_sit_half_a_page_from_mlx_buffers_at_the_same_cache_line_offset
         store.publish(key, tokens[12 * i : 12 * i + 12], mx.zeros(geometry.shape))
     slots = [store.l2.read(key).ctypes.data for key in keys]
     assert len(slots) == 3 and all(address % 4096 == tier.SLOT_OFFSET for address in slots)
-    if sys.platform != "linux":
-        return
-    mx.clear_cache()
-    fresh = mx.zeros(64 << 20, mx.uint8)  # above glibc's largest mmap threshold: a fresh mapping
-    mx.eval(fresh)
-    destination = np.asarray(fresh).ctypes.data
-    assert (slots[0] - destination) % 64 == 0
-    assert (slots[0] - destination) % 4096 == 2048
+    assert (tier.SLOT_OFFSET - tier._MLX_BUFFER_OFFSET) % 4096 == 2048
+    if sys.platform == "linux":
+        array = mx.zeros(1 << 20, mx.uint8)
+        mx.eval(array)
+        assert (slots[0] - np.asarray(array).ctypes.data) % 16 == 0
 
 
 @pytest.mark.parametrize("pages, groups, pieces", [(1, 1, False), (3, 1, False), (3, 2, False), (3, 2, True)])
