@@ -43,10 +43,12 @@ Tick = Callable[[], None]
 
 @dataclass
 class Call:
-    """One row of a run: ``run`` is timed, ``setup`` (not timed) runs before each call."""
+    """One row of a run: ``run`` is timed; ``setup`` and ``teardown`` (not timed) run
+    before and after each call."""
 
     run: Callable[[], object]
     setup: Callable[[], object] = lambda: None
+    teardown: Callable[[], object] = lambda: None
     seconds: list[float] = field(default_factory=list)  # one per round
 
     @property
@@ -62,9 +64,11 @@ def interleaved(calls: dict[str, Call], rounds: int, tick: Tick = lambda: None) 
     for call in calls.values():
         call.setup()
         call.run()
+        call.teardown()
     for _ in range(rounds):
         for call in calls.values():
             call.seconds.append(timeit.Timer(call.run, call.setup).timeit(number=1))
+            call.teardown()
         tick()
     return calls
 
@@ -90,8 +94,9 @@ class Memcpy:
 
 class Restores:
     """A scratch store holding ``pages`` pages in ``source`` (L2; or L3 only, with
-    ``codec``); ``call(n)`` restores the first n of them, releasing the last restore and
-    dropping L2's copies (decoded compressed pages) before each."""
+    ``codec``); ``call(n)`` restores the first n of them, dropping L2's copies (decoded
+    compressed pages) before each and releasing the restore (its arrays freed into
+    mlx's buffer cache, as a finished request's) after each."""
 
     def __init__(self, store: TieredStore, keys: list[PageKey], tokens: list[int], source: Source) -> None:
         self.store, self.keys, self.tokens, self.source = store, keys, tokens, source
@@ -101,14 +106,20 @@ class Restores:
             store.drop_l2()
 
     def call(self, n: int) -> Call:
-        return Call(lambda: self.restore(n), self.reset)
+        return Call(lambda: self.restore(n), self.drop_l2, self.release)
 
-    def reset(self) -> None:
+    def drop_l2(self) -> None:
+        if self.source is Source.L3:
+            self.store.drop_l2()
+
+    def release(self) -> None:
         if self.last is not None:
             self.store.release(self.last.keys)
             self.last = None
-        if self.source is Source.L3:
-            self.store.drop_l2()
+
+    def reset(self) -> None:
+        self.release()
+        self.drop_l2()
 
     def restore(self, n: int) -> RestoredPrefix:
         restored = self.store.restore(self.keys[:n], self.tokens)

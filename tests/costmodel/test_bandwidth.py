@@ -9,10 +9,11 @@ def test_rounds_interleave_every_row_and_each_keeps_its_own_timings():
     order = []
 
     def call(name: str) -> Call:
-        return Call(lambda: order.append(name), lambda: order.append(f"setup {name}"))
+        return Call(lambda: order.append(name), lambda: order.append(f"setup {name}"),
+                    lambda: order.append(f"teardown {name}"))
 
     calls = interleaved({"a": call("a"), "b": call("b"), "c": call("c")}, rounds=3)
-    one_round = ["setup a", "a", "setup b", "b", "setup c", "c"]
+    one_round = [f"{step}{name}" for name in "abc" for step in ("setup ", "", "teardown ")]
     assert order == one_round * 4  # the untimed warm-up round, then 3 timed ones
     for timed in calls.values():
         assert len(timed.seconds) == 3 and timed.best == min(timed.seconds) >= 0
