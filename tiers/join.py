@@ -67,7 +67,7 @@ def join_pages(hosts: list[np.ndarray], geometry: PageGeometry, digest: Sequence
     ``mx.load`` reads the joined prefix from a file-like ``_JoinedPages``, whose
     ``readinto`` is handed mlx's freshly allocated buffer and gathers the pages
     straight into it: no host staging, no zero-fill, so nothing beyond the
-    request's own KV. One load per group of layers of at most ``_MAX_BUFFER``
+    request's own KV (and ``_SLACK`` bytes an array, to place it). One load per group of layers of at most ``_MAX_BUFFER``
     bytes (a few for a long prefix): mlx's buffer cache then keeps and reuses
     them like the model's own buffers, and a cache trim drops one group, not
     the whole prefix. The layers are views of the groups' arrays.
