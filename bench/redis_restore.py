@@ -25,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import timeit
 from pathlib import Path
 
 import kvtier  # noqa: F401  (loads OpenBLAS before mlx, when installed)
@@ -85,7 +86,7 @@ def bandwidth(page_counts: list[int], rounds: int, cluster: bool) -> list[dict]:
             for n in page_counts:
                 nbytes = n * GEOMETRY.nbytes
                 memcpy = Memcpy(nbytes)
-                copy_s = min(memcpy.one_thread() for _ in range(rounds))
+                copy_s = min(timeit.timeit(memcpy.one_thread, number=1) for _ in range(rounds))
                 row = {"pages": n, "mib": nbytes / (1 << 20), "memcpy_gib_s": nbytes / copy_s / GIB}
                 backends = {"lmdb": tmp / f"lmdb-{n}", **{name: s.url for name, s in servers.items()}}
                 for name, store_dir in backends.items():

@@ -1,16 +1,22 @@
-"""``kvtier bench restore``: link bandwidth against transfer size, beside the machine's
-physical limits and mlx-lm's own prompt-cache files, all measured in one run.
+"""Restore bandwidth per link and prefix length, beside the machine's physical limits and
+mlx-lm's own prompt-cache files, all measured in one process: the one measuring module
+behind ``kvtier bench restore`` and ``bench/restore_bandwidth.py``.
 
-Every figure is a ratio to something measured in the same run (memcpy of the same
-bytes, ``load_prompt_cache`` of the same KV): this kind of machine drifts.
+Every figure is the best of the same number of interleaved rounds: round r times every
+row once (``timeit``, one call, after one untimed warm-up round) before round r+1
+starts, so each ratio (to memcpy of the same bytes, to ``load_prompt_cache`` of the same
+KV) compares times from the same stretch of the run: this kind of machine drifts.
+A restore row times ``TieredStore.restore`` whole (the engine's path: lookups and pins,
+L3 reads, checksums, the join into per-layer arrays, evaluated).
 """
 
 from __future__ import annotations
 
-import statistics
 import tempfile
-import time
-from itertools import cycle
+import timeit
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -20,89 +26,230 @@ import numpy as np
 import zstandard
 from mlx_lm.models.cache import KVCache, load_prompt_cache, save_prompt_cache
 
-from kvtier.tiers.page import PageGeometry, Source
+from kvtier.tiers.hierarchy import RestoredPrefix, TieredStore
+from kvtier.tiers.page import PageGeometry, PageKey, Source
 
-from .calibrate import REPEATS, link_samples, prefill_samples, scratch_store
+from .calibrate import CONTEXTS, PREFILL_TOKENS, prefill_samples, scratch_store
 from .plan import Profile, plan_restore
 
 GIB = 1 << 30
 PAGE_COUNTS = (1, 4, 16, 64)
+ROUNDS = 7
+# (row name prefix, codec, source of every restored page)
+RESTORES = (("L2->L1", "raw", Source.L2), ("L3->L1", "raw", Source.L3), ("L3 zstd->L1", "zstd", Source.L3))
+
+Tick = Callable[[], None]
 
 
-def best_seconds(fn: Callable[[], object], repeats: int = 3) -> float:
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
+@dataclass
+class Call:
+    """One row of a run: ``run`` is timed; ``setup`` and ``teardown`` (not timed) run
+    before and after each call."""
+
+    run: Callable[[], object]
+    setup: Callable[[], object] = lambda: None
+    teardown: Callable[[], object] = lambda: None
+    seconds: list[float] = field(default_factory=list)  # one per round
+
+    @property
+    def best(self) -> float:
+        return min(self.seconds)
 
 
-def memcpy_seconds(nbytes: int) -> float:
-    """numpy copy of ``nbytes`` between warm buffers, timed as the links are: the
-    median of ``REPEATS`` copies after a warm-up one."""
-    src = np.ones(nbytes, np.uint8)
-    dst = np.empty_like(src)
-    seconds = []
-    for _ in range(REPEATS + 1):
-        t0 = time.perf_counter()
-        np.copyto(dst, src)
-        seconds.append(time.perf_counter() - t0)
-    return statistics.median(seconds[1:])
+def interleaved(calls: dict[str, Call], rounds: int, tick: Tick = lambda: None) -> dict[str, Call]:
+    """Time every call once per round, in order, round after round (after one untimed
+    warm-up round); each call keeps its ``rounds`` timings. ``tick`` once per round."""
+    if rounds < 1:
+        raise ValueError(f"rounds must be at least 1, not {rounds}")
+    for call in calls.values():
+        call.setup()
+        call.run()
+        call.teardown()
+    for _ in range(rounds):
+        for call in calls.values():
+            call.seconds.append(timeit.Timer(call.run, call.setup).timeit(number=1))
+            call.teardown()
+        tick()
+    return calls
 
 
-def run(model: nn.Module, geometry: PageGeometry, store_dir: Path, tick: Callable[[], None],
-        page_counts: tuple[int, ...] = PAGE_COUNTS) -> dict:
-    """The report behind ``kvtier bench restore --json``."""
-    links = []
-    # link_samples runs each link over page_counts in order; bytes alone cannot give the
-    # pages (compressed pages are smaller than a page)
-    for (link, nbytes, seconds), pages in zip(link_samples(geometry, store_dir, tick, page_counts), cycle(page_counts)):
-        memcpy = memcpy_seconds(nbytes)
-        links.append({"link": link, "bytes": nbytes, "pages": pages, "seconds": seconds,
-                      "gib_s": nbytes / seconds / GIB, "memcpy_gib_s": nbytes / memcpy / GIB,
-                      "ratio_to_memcpy": memcpy / seconds})
-    limits, peer = _whole_prompt(geometry, store_dir, max(page_counts))
-    tick()
-    profile = _profile(links, prefill_samples(model, tick))
-    return {"links": links, "limits": limits, "peer": peer,
-            "break_even_tokens": break_even_tokens(profile, geometry)}
+class Memcpy:
+    """numpy copies between two warm buffers of ``nbytes``: the first ``n`` bytes, on one
+    thread or split over two."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.src = np.random.default_rng(1).integers(0, 255, nbytes, dtype=np.uint8)
+        self.dst = np.empty_like(self.src)
+        np.copyto(self.dst, self.src)  # fault the destination in: we time the copy, not the kernel
+        self.pool = ThreadPoolExecutor(2)
+
+    def one_thread(self, n: int | None = None) -> None:
+        np.copyto(self.dst[:n], self.src[:n])
+
+    def two_threads(self, n: int | None = None) -> None:
+        n = len(self.src) if n is None else n
+        halves = (slice(0, n // 2), slice(n // 2, n))
+        list(self.pool.map(lambda s: np.copyto(self.dst[s], self.src[s]), halves))
 
 
-def _whole_prompt(geometry: PageGeometry, store_dir: Path, pages: int) -> tuple[dict, dict]:
-    """Physical limits and the peer, on the same whole-prompt KV."""
+class Restores:
+    """A scratch store holding ``pages`` pages in ``source`` (L2; or L3 only, with
+    ``codec``); ``call(n)`` restores the first n of them, dropping L2's copies (decoded
+    compressed pages) before each and releasing the restore (its arrays freed into
+    mlx's buffer cache, as a finished request's) after each."""
+
+    def __init__(self, store: TieredStore, keys: list[PageKey], tokens: list[int], source: Source) -> None:
+        self.store, self.keys, self.tokens, self.source = store, keys, tokens, source
+        self.last: RestoredPrefix | None = None
+        if source is Source.L3:
+            store.flush()
+            store.drop_l2()
+
+    def call(self, n: int) -> Call:
+        return Call(lambda: self.restore(n), self.drop_l2, self.release)
+
+    def drop_l2(self) -> None:
+        if self.source is Source.L3:
+            self.store.drop_l2()
+
+    def release(self) -> None:
+        if self.last is not None:
+            self.store.release(self.last.keys)
+            self.last = None
+
+    def reset(self) -> None:
+        self.release()
+        self.drop_l2()
+
+    def restore(self, n: int) -> RestoredPrefix:
+        restored = self.store.restore(self.keys[:n], self.tokens)
+        mx.eval([a for layer in restored.layers for a in layer])
+        self.last = restored
+        if restored.sources != [self.source] * n:  # a row must time what it names
+            raise RuntimeError(f"restored {restored.num_pages}/{n} pages from {restored.sources}, "
+                               f"wanted all from {self.source.value}")
+        return restored
+
+
+def measure(geometry: PageGeometry, store_dir: Path, page_counts: tuple[int, ...] = PAGE_COUNTS,
+            rounds: int = ROUNDS, tick: Tick = lambda: None) -> dict:
+    """Restores per link and page count, memcpy (one and two threads) of the same bytes,
+    and, on the whole prompt (the most pages): LMDB's zero-copy read, zstd decompression
+    and ``load_prompt_cache`` of the same KV; every row timed in the same rounds."""
+    pages = max(page_counts)
     nbytes = pages * geometry.nbytes
-    with scratch_store(geometry, store_dir, pages) as (store, keys, tokens):
-        store.flush()
-        store.drop_l2()
-        store.release(store.restore(keys, tokens).keys)  # warm the OS page cache and buffers
-        store.drop_l2()
-        t0 = time.perf_counter()
-        restored = store.restore(keys, tokens)
-        ours = time.perf_counter() - t0
-        assert set(restored.sources) == {Source.L3}
-        layers = restored.layers
-        store.release(restored.keys)
-        lmdb_read = best_seconds(lambda: store.disk.read_through(keys))
-        page = np.random.default_rng(0).standard_normal(geometry.nbytes // 4, dtype=np.float32).tobytes()
-        frame = zstandard.ZstdCompressor(level=3).compress(page)
+    with ExitStack() as stack, tempfile.TemporaryDirectory() as tmp:
+        restores = {}
+        for name, codec, source in RESTORES:
+            store, keys, tokens = stack.enter_context(scratch_store(geometry, store_dir, pages, codec))
+            restores[name] = Restores(store, keys, tokens, source)
+        raw_l3 = restores["L3->L1"]
+        peer_path = _saved_prompt_cache(raw_l3.restore(pages), Path(tmp))
+        raw_l3.reset()
+        memcpy = Memcpy(nbytes)
+        calls: dict[str, Call] = {}
+        for n in page_counts:
+            calls[f"memcpy {n}"] = Call(lambda n=n: memcpy.one_thread(n * geometry.nbytes))
+            calls[f"memcpy2 {n}"] = Call(lambda n=n: memcpy.two_threads(n * geometry.nbytes))
+            for name, restore in restores.items():
+                calls[f"{name} {n}"] = restore.call(n)
+        frame = zstandard.ZstdCompressor(level=3).compress(
+            np.random.default_rng(0).standard_normal(geometry.nbytes // 4, dtype=np.float32).tobytes())
         decompressor = zstandard.ZstdDecompressor()
-        zstd = best_seconds(lambda: decompressor.decompress(frame)) * pages
-    with tempfile.TemporaryDirectory() as tmp:
-        path = str(Path(tmp) / "prompt.safetensors")
-        save_prompt_cache(path, [_kv_cache(k, v) for k, v in layers])
-        peer = best_seconds(lambda: mx.eval([c.state[:2] for c in load_prompt_cache(path)]))
-    limits = {"bytes": nbytes, "memcpy_gib_s": nbytes / memcpy_seconds(nbytes) / GIB,
-              "lmdb_zero_copy_read_gib_s": nbytes / lmdb_read / GIB, "zstd_decompress_gib_s": nbytes / zstd / GIB}
-    peer_report = {"bytes": nbytes, "load_prompt_cache_gib_s": nbytes / peer / GIB,
-                   "ours_l3_gib_s": nbytes / ours / GIB, "ratio": peer / ours}
-    return limits, peer_report
+        calls["lmdb_zero_copy_read"] = Call(lambda: raw_l3.store.disk.read_through(raw_l3.keys))
+        calls["zstd_decompress"] = Call(lambda: [decompressor.decompress(frame) for _ in range(pages)])
+        calls["load_prompt_cache"] = Call(lambda: mx.eval([c.state[:2] for c in load_prompt_cache(peer_path)]))
+        tick()
+        interleaved(calls, rounds, tick)
+        compressed = _stored_bytes(restores["L3 zstd->L1"], page_counts)
+        for restore in restores.values():
+            restore.reset()
+    return _report(calls, geometry, page_counts, rounds, compressed)
+
+
+def _stored_bytes(restores: Restores, page_counts: tuple[int, ...]) -> dict[int, int]:
+    """Bytes read from L3 by a restore of n compressed pages (the link's input size)."""
+    stored = {}
+    for n in page_counts:
+        before = restores.store.stats()["links"]["L3->L2"]["bytes"]
+        restores.reset()
+        restores.restore(n)
+        stored[n] = restores.store.stats()["links"]["L3->L2"]["bytes"] - before
+    return stored
+
+
+def _report(calls: dict[str, Call], geometry: PageGeometry, page_counts: tuple[int, ...], rounds: int,
+            compressed: dict[int, int]) -> dict:
+    rows = []
+    for n in page_counts:
+        nbytes = n * geometry.nbytes
+        memcpy = calls[f"memcpy {n}"]
+        for name, _, source in RESTORES:
+            call = calls[f"{name} {n}"]
+            rows.append({"row": name, "from": source.value, "pages": n, "bytes": nbytes, "seconds": call.best,
+                         "gib_s": nbytes / call.best / GIB, "memcpy_seconds": memcpy.best,
+                         "memcpy_gib_s": nbytes / memcpy.best / GIB,
+                         "memcpy_2_threads_gib_s": nbytes / calls[f"memcpy2 {n}"].best / GIB,
+                         "ratio_to_memcpy": memcpy.best / call.best, "round_seconds": call.seconds})
+    pages = max(page_counts)
+    nbytes = pages * geometry.nbytes
+    memcpy, ours, peer = calls[f"memcpy {pages}"], calls[f"L3->L1 {pages}"], calls["load_prompt_cache"]
+    limits = {"bytes": nbytes, "memcpy_gib_s": nbytes / memcpy.best / GIB,
+              "memcpy_2_threads_gib_s": nbytes / calls[f"memcpy2 {pages}"].best / GIB,
+              "lmdb_zero_copy_read_gib_s": nbytes / calls["lmdb_zero_copy_read"].best / GIB,
+              "zstd_decompress_gib_s": nbytes / calls["zstd_decompress"].best / GIB}
+    peer_report = {"bytes": nbytes, "pages": pages, "load_prompt_cache_seconds": peer.best,
+                   "load_prompt_cache_gib_s": nbytes / peer.best / GIB, "ours_l3_seconds": ours.best,
+                   "ours_l3_gib_s": nbytes / ours.best / GIB, "ratio": peer.best / ours.best,
+                   "round_seconds": peer.seconds}
+    return {"rounds": rounds, "restores": rows, "links": _link_samples(rows, compressed),
+            "limits": limits, "peer": peer_report}
+
+
+def _link_samples(rows: list[dict], compressed: dict[int, int]) -> list[dict]:
+    """(bytes, seconds) per link for the cost model: a restore from L2 or raw L3 crosses
+    one link; a compressed L3 page crosses L3->L2 (its decode: the zstd restore less the
+    L2 restore of as many pages, both best of the same rounds) then L2->L1."""
+    by = {(r["row"], r["pages"]): r for r in rows}
+    links = []
+    for r in rows:
+        if r["row"] == "L3 zstd->L1":
+            seconds = max(r["seconds"] - by["L2->L1", r["pages"]]["seconds"], 1e-9)
+            links.append({"link": "L3->L2", "pages": r["pages"], "bytes": compressed[r["pages"]],
+                          "seconds": seconds, "gib_s": compressed[r["pages"]] / seconds / GIB})
+        else:
+            links.append({"link": r["row"], "pages": r["pages"], "bytes": r["bytes"], "seconds": r["seconds"],
+                          "gib_s": r["gib_s"]})
+    return links
+
+
+def _saved_prompt_cache(restored: RestoredPrefix, directory: Path) -> str:
+    """The restored KV saved as mlx-lm's prompt-cache file (safetensors)."""
+    path = str(directory / "prompt.safetensors")
+    save_prompt_cache(path, [_kv_cache(k, v) for k, v in restored.layers])
+    return path
 
 
 def _kv_cache(keys: mx.array, values: mx.array) -> KVCache:
     cache = KVCache()
     cache.state = (keys, values, keys.shape[2])
     return cache
+
+
+def steps(rounds: int = ROUNDS) -> int:
+    """How many times ``run`` ticks (for a progress bar)."""
+    return 1 + rounds + len(PREFILL_TOKENS) * len(CONTEXTS)
+
+
+def run(model: nn.Module, geometry: PageGeometry, store_dir: Path, tick: Tick = lambda: None,
+        page_counts: tuple[int, ...] = PAGE_COUNTS, rounds: int = ROUNDS) -> dict:
+    """The report behind ``kvtier bench restore --json``: ``measure``, and the shortest
+    prompt worth restoring from each tier by a profile fitted to these samples and the
+    model's timed prefills."""
+    report = measure(geometry, store_dir, page_counts, rounds, tick)
+    profile = _profile(report["links"], prefill_samples(model, tick))
+    report["break_even_tokens"] = break_even_tokens(profile, geometry)
+    return report
 
 
 def _profile(links: list[dict], prefill: list[tuple[int, int, float]]) -> Profile:
@@ -126,3 +273,4 @@ def break_even_tokens(profile: Profile, geometry: PageGeometry, longest: int = 1
                 found[tier.value] = n
                 break
     return found
+

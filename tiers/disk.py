@@ -41,6 +41,7 @@ log = logging.getLogger(__name__)
 DEFAULT_CAPACITY = 32 << 30  # the cap of a new store when none is asked for
 _LEN, _SEQ = struct.Struct("<I"), struct.Struct(">Q")
 _MIB = 1 << 20
+_VALUE_AT = 16  # LMDB keeps a value larger than a page on overflow pages, past their 16-byte header
 _MIN_MAP = 16 << 30  # address space only: the file grows with the data, not with the map
 _DBS = (b"pages", b"lru", b"order", b"counters", b"namespaces")
 
@@ -488,7 +489,7 @@ class DiskTier(L3Store):
     # --- writer thread -----------------------------------------------------------------
 
     def _commit(self, batch: Batch) -> None:
-        records = [(p.key, encode_record(p.namespace, p.tokens, p.payload, self._codec, self._level))
+        records = [(p.key, encode_record(p.namespace, p.tokens, p.payload, self._codec, self._level, _VALUE_AT))
                    for p in batch.puts]  # encode outside the txn
         try:
             outcome = self._write(batch, records)

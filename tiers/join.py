@@ -22,14 +22,16 @@ import numpy as np
 from xxhash import xxh3_64
 
 from .page import PageGeometry
+from .tier import SLOT_OFFSET
 
 # Threads for a restore's bulk copies: numpy copies and LMDB reads release the GIL, and
 # one thread alone does not saturate memory bandwidth (on the 2-core dev VM, when idle,
 # two threads copy ~1.6x faster). Each takes at least _MIN_SHARE bytes, so a small
 # restore stays on one thread (handing work over costs more than it saves).
 _WORKERS = max(1, min(4, os.cpu_count() or 1))
-_MIN_SHARE = 8 << 20
+_MIN_SHARE = 4 << 20
 _MAX_BUFFER = 64 << 20  # bytes of one restored array (a group of layers)
+_SLACK = 4096  # bytes a joined array's buffer has beyond its payload, to place it (see _JoinedPages)
 
 
 _joined = False
@@ -65,7 +67,7 @@ def join_pages(hosts: list[np.ndarray], geometry: PageGeometry, digest: Sequence
     ``mx.load`` reads the joined prefix from a file-like ``_JoinedPages``, whose
     ``readinto`` is handed mlx's freshly allocated buffer and gathers the pages
     straight into it: no host staging, no zero-fill, so nothing beyond the
-    request's own KV. One load per group of layers of at most ``_MAX_BUFFER``
+    request's own KV (and ``_SLACK`` bytes an array, to place it). One load per group of layers of at most ``_MAX_BUFFER``
     bytes (a few for a long prefix): mlx's buffer cache then keeps and reuses
     them like the model's own buffers, and a cache trim drops one group, not
     the whole prefix. The layers are views of the groups' arrays.
@@ -98,8 +100,10 @@ def _join_group(hosts: list[np.ndarray], geometry: PageGeometry, layers: range,
     if len(hosts) == 1 and len(layers) == geometry.num_layers:  # a page is its own join: one copy
         return _copied(hosts[0], hashers[0])
     joined = _JoinedPages(hosts, geometry, layers, hashers)
-    kv = mx.load(joined, format="npy")
-    mx.eval(kv)
+    flat = mx.load(joined, format="npy")
+    mx.eval(flat)
+    first = joined.start // joined.dtype.itemsize
+    kv = flat[first : first + joined.payload // joined.dtype.itemsize].reshape(joined.shape)  # a view
     if not joined.hashed:  # mlx read in pieces: hash these layers now, in order
         for host, hasher in zip(joined.hosts, hashers):
             if hasher is not None:
@@ -129,8 +133,15 @@ def _copied(host: np.ndarray, hasher: xxh3_64 | None) -> mx.array:
 
 
 class _JoinedPages:
-    """A read-only file: the ``.npy`` of consecutive pages joined along tokens, for a
-    range of layers: shape ``(layers, 2, kv_heads, pages * page_size, head_dim)``.
+    """A read-only file: a flat ``.npy`` holding, ``start`` bytes in, consecutive pages
+    joined along tokens for a range of layers (``shape``: ``(layers, 2, kv_heads,
+    pages * page_size, head_dim)``), then slack up to ``_SLACK`` bytes.
+
+    Where the join starts: a read of the whole payload (what ``mx.load`` does) puts it
+    at ``SLOT_OFFSET`` past a 4 KiB boundary of memory, where L2 slots start: a copy
+    from a slot then pairs aligned loads with aligned stores and never 4K-aliases
+    (``tiers.tier.slot_arena``), wherever mlx's allocator put the buffer. Other reads
+    put it at 0.
 
     Why a file: ``mx.load`` allocates the array and hands its memory to ``readinto``,
     the one way mlx's Python API lets us fill a fresh mlx buffer in a single pass
@@ -157,15 +168,17 @@ class _JoinedPages:
         self.shape = (len(layers), 2, g.num_kv_heads, g.page_size * len(hosts), g.head_dim)
         self.dtype = g.storage_dtype
         self.run = g.page_size * g.head_dim * self.dtype.itemsize
+        self.payload = len(hosts) * g.nbytes * len(layers) // g.num_layers  # bytes of the join
+        self.start = 0  # where the join starts in the file's payload
+        self.size = self.payload + _SLACK  # bytes of the file's payload
         header = io.BytesIO()
         np.lib.format.write_array_header_1_0(
-            header, {"descr": self.dtype.str, "fortran_order": False, "shape": self.shape})
+            header, {"descr": self.dtype.str, "fortran_order": False, "shape": (self.size // self.dtype.itemsize,)})
         self.header = header.getvalue()
-        self.payload = len(hosts) * g.nbytes * len(layers) // g.num_layers
         self.pos = 0
 
     def seek(self, offset: int, whence: int = 0) -> int:
-        base = {0: 0, 1: self.pos, 2: len(self.header) + self.payload}[whence]
+        base = {0: 0, 1: self.pos, 2: len(self.header) + self.size}[whence]
         self.pos = base + offset
         return self.pos
 
@@ -175,7 +188,7 @@ class _JoinedPages:
     def readinto(self, buffer) -> int:
         out = memoryview(buffer).cast("B")
         start, head = self.pos, len(self.header)
-        end = min(start + len(out), head + self.payload)
+        end = min(start + len(out), head + self.size)
         if end <= start:
             return 0
         if start < head:
@@ -187,9 +200,10 @@ class _JoinedPages:
         return end - start
 
     def _gather(self, out: memoryview, offset: int) -> None:
-        """Payload bytes ``offset .. offset + len(out)`` into ``out``."""
-        if offset == 0 and len(out) == self.payload:  # all of it: straight into the array
-            joined = np.frombuffer(out, self.dtype).reshape(self.shape)
+        """The file's payload bytes ``offset .. offset + len(out)`` into ``out``."""
+        if offset == 0 and len(out) == self.size:  # all of it: straight into the array
+            self.start = (SLOT_OFFSET - np.frombuffer(out, np.uint8).ctypes.data) % _SLACK
+            joined = np.frombuffer(out[self.start : self.start + self.payload], self.dtype).reshape(self.shape)
             size = self.shape[3] // len(self.hosts)
 
             def fill(pages: range) -> None:
@@ -203,6 +217,9 @@ class _JoinedPages:
             return
         runs = [host.view(np.uint8).reshape(-1, self.run) for host in self.hosts]
         row_bytes = self.run * len(self.hosts)  # one (layer, K or V, head) row of the join
+        slack = min(len(out), max(0, offset + len(out) - self.payload))  # bytes read past the join
+        out[len(out) - slack :] = bytes(slack)
+        out = out[: len(out) - slack]
         done = 0
         while done < len(out):
             row, within = divmod(offset + done, row_bytes)

@@ -3,8 +3,10 @@
 A record is ``u32 little-endian header length | msgpack header | payload``. The header
 is ``{"v": format version, "ns": namespace digest, "tok": token ids as <u4 bytes,
 "codec": "raw" | "zstd" | "zstd-shuffle", "n": raw length, "xxh": xxh3_64 of the raw
-bytes}``; dtype and shape are implied by the namespace and the raw length. The payload
-is the raw bytes or a zstd frame (of the 2-byte planes for zstd-shuffle).
+bytes}``, and a writer may add ``"pad"``: zero bytes that place the payload where its
+backend keeps it aligned (readers ignore keys they do not know); dtype and shape are
+implied by the namespace and the raw length. The payload is the raw bytes or a zstd
+frame (of the 2-byte planes for zstd-shuffle).
 
 A record is served only when its header names this format version, this namespace and
 these token ids, and its payload decodes to the raw length with this checksum; anything
@@ -23,9 +25,12 @@ import numpy as np
 import zstandard
 from xxhash import xxh3_64_intdigest
 
+from .tier import SLOT_OFFSET as RAW_PAYLOAD_OFFSET
+
 FORMAT_VERSION = 1
 CODECS = ("raw", "zstd", "zstd-shuffle")
 _LEN = struct.Struct("<I")
+_PAD_FIELD = len(msgpack.packb({"pad": b""})) - 1  # bytes the "pad" key adds with no padding
 
 
 class CorruptRecord(ValueError):
@@ -41,9 +46,20 @@ class RecordHeader:
     raw_len: int
     checksum: int
 
-    def pack(self) -> bytes:
-        head = msgpack.packb(dict(zip(("v", "ns", "tok", "codec", "n", "xxh"), astuple(self))))
+    def pack(self, pad: int = 0) -> bytes:
+        """The header's bytes, ``pad`` bytes longer than without padding."""
+        fields = dict(zip(("v", "ns", "tok", "codec", "n", "xxh"), astuple(self)))
+        if pad:
+            fields["pad"] = bytes(pad - _PAD_FIELD)
+        head = msgpack.packb(fields)
         return _LEN.pack(len(head)) + head
+
+    def pack_aligned(self, at: int, alignment: int, offset: int) -> bytes:
+        """The header's bytes for a value placed ``at`` bytes past an ``alignment``
+        boundary: its payload then starts ``offset`` past such a boundary."""
+        pad = (offset - at - len(self.pack())) % alignment
+        pad = pad + alignment if 0 < pad < _PAD_FIELD else pad
+        return self.pack(pad)
 
     @classmethod
     def unpack(cls, value: memoryview | bytes) -> tuple[RecordHeader, int]:
@@ -58,6 +74,8 @@ class RecordHeader:
             raise CorruptRecord(f"header does not parse ({type(exc).__name__})") from None
         if tuple(map(type, values)) != (int, bytes, bytes, str, int, int):
             raise CorruptRecord("header field of the wrong type")
+        if f.get("pad", b"").strip(b"\0"):
+            raise CorruptRecord("header padding is not zeros")
         return cls(*values), end
 
 
@@ -113,11 +131,16 @@ def checked_record(key: bytes, value: memoryview | bytes, namespace: bytes, toke
     return StoredRecord(bytes(key), header, value, value[offset:])
 
 
-def encode_record(namespace: bytes, tokens: bytes, raw: bytes, codec: str, level: int) -> bytes:
-    """The stored value of a page (``tokens`` as <u4 bytes)."""
+def encode_record(namespace: bytes, tokens: bytes, raw: bytes, codec: str, level: int,
+                  at: int | None = None) -> bytes:
+    """The stored value of a page (``tokens`` as <u4 bytes). ``at``: where the backend
+    places the value within a 4 KiB page, if it knows; a raw payload then starts at
+    ``RAW_PAYLOAD_OFFSET`` modulo 64 (see ``tiers.tier.slot_arena``: copies from it into
+    mlx's arrays pair aligned loads with aligned stores)."""
     codec, body = encode_payload(codec, raw, level)
     header = RecordHeader(FORMAT_VERSION, namespace, tokens, codec, len(raw), xxh3_64_intdigest(raw))
-    return b"".join((header.pack(), body))
+    packed = header.pack() if at is None or codec != "raw" else header.pack_aligned(at, 64, RAW_PAYLOAD_OFFSET)
+    return b"".join((packed, body))
 
 
 def verify_payload(header: RecordHeader, payload: memoryview, out: np.ndarray | None = None) -> memoryview | np.ndarray | bytes:

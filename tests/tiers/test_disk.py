@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 from xxhash import xxh3_64_intdigest
 
 from kvtier.tiers.disk import DiskTier, StoreError, compact_store
-from kvtier.tiers.record import FORMAT_VERSION, CorruptRecord, RecordHeader, decode_record
+from kvtier.tiers.record import FORMAT_VERSION, RAW_PAYLOAD_OFFSET, CorruptRecord, RecordHeader, decode_record
 
 REPO = Path(__file__).resolve().parents[2]
 NS = b"N" * 16
@@ -104,6 +104,21 @@ def test_round_trip_is_byte_identical_and_reports_stored_size(store: Path, codec
     tier.close()
 
 
+def test_raw_payloads_in_the_map_start_where_l2_slots_do_modulo_64(store: Path) -> None:
+    """A raw page of several 4 KiB pages sits in LMDB's map at RAW_PAYLOAD_OFFSET modulo
+    64 (tiers.record.encode_record), whatever its header's length, and reads back whole."""
+    tier = DiskTier(store, 1 << 20)
+    for i, tokens in enumerate(list(range(n)) for n in range(1, 80)):  # every header length modulo 64
+        data = payload(i, 3 * 4096)
+        assert tier.put(key(i), NS, tokens, memoryview(bytearray(data)))
+        tier.flush()
+        with tier.snapshot() as snap:
+            record = snap.find(key(i), NS, tokens, len(data))
+            assert bytes(record.payload) == data
+            assert np.frombuffer(record.payload, np.uint8).ctypes.data % 64 == RAW_PAYLOAD_OFFSET % 64
+    tier.close()
+
+
 @pytest.mark.parametrize("data", [payload(1)[:-1], np.random.default_rng(0).bytes(4096), b""],
                          ids=["odd-length", "incompressible", "empty"])
 def test_codec_falls_back_losslessly(store: Path, data: bytes) -> None:
@@ -153,7 +168,7 @@ def test_capacity_is_never_exceeded_under_random_puts(store: Path) -> None:
 
 
 def test_eviction_is_least_recently_used_and_get_counts_as_use(store: Path) -> None:
-    record = len(payload(0)) + 100  # header is under 100 bytes here
+    record = len(payload(0)) + 200  # header and its padding are under 200 bytes here
     tier = DiskTier(store, 4 * record)
     for i in range(4):
         tier.put(key(i), NS, TOKENS, payload(i))
@@ -491,17 +506,17 @@ def _raw_env_of(tier: DiskTier):
 
 
 def test_the_cap_is_the_stores_and_a_different_one_is_ignored_with_a_warning(store: Path, caplog) -> None:
-    tier = DiskTier(store, 8 * 4096 + 1024)
+    tier = DiskTier(store, 8 * 4096 + 2048)
     for i in range(8):
         tier.put(key(i), NS, TOKENS, payload(i))
     tier.close()
     small = DiskTier(store, 2 * 4096)  # a second process with a smaller cap
-    assert "keeps its L3 cap" in caplog.text and small.counters.capacity == 8 * 4096 + 1024
+    assert "keeps its L3 cap" in caplog.text and small.counters.capacity == 8 * 4096 + 2048
     small.put(key(99), NS, TOKENS, payload(99))
     small.close()
-    s = _assert_consistent(store, 8 * 4096 + 1024)
+    s = _assert_consistent(store, 8 * 4096 + 2048)
     assert len(s["sizes"]) == 8  # one eviction made room for one page; nothing more went
-    assert DiskTier(store).counters.capacity == 8 * 4096 + 1024  # no cap asked: the store's
+    assert DiskTier(store).counters.capacity == 8 * 4096 + 2048  # no cap asked: the store's
 
 
 def test_resize_evicts_least_recently_used_down_to_the_new_cap(store: Path) -> None:

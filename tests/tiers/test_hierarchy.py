@@ -1,6 +1,7 @@
 """The tier invariants of tiers/hierarchy.py, one test (or more) each."""
 
 import io
+import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -15,6 +16,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 import kvtier.tiers.hierarchy as hierarchy
 import kvtier.tiers.join as join
+import kvtier.tiers.tier as tier
 from kvtier.tiers.hierarchy import StoreConfig, TieredStore
 from kvtier.tiers.page import Namespace, PageGeometry, Source, page_keys
 from kvtier.tiers.tier import kv_to_host
@@ -125,7 +127,8 @@ def test_restored_kv_is_the_requests_own_copy():
 
 @pytest.mark.parametrize("layers", [range(2), range(1, 2)])
 def test_joined_pages_serve_any_read_pattern(layers):
-    """The file mx.load reads: reads of any size and offset give the .npy of the join."""
+    """The file mx.load reads: reads of any size and offset give a .npy holding the
+    join ``start`` bytes in (0 unless the whole payload came in one read), then slack."""
     hosts = [kv_to_host(KV[i]).view(GEOMETRY.storage_dtype).reshape(GEOMETRY.shape) for i in range(3)]
     expected = np.concatenate(hosts, axis=3)[layers.start : layers.stop]
     for step in (1, 7, 100, 1 << 20):
@@ -133,7 +136,11 @@ def test_joined_pages_serve_any_read_pattern(layers):
         data, chunk = bytearray(), bytearray(step)
         while n := f.readinto(chunk):
             data += chunk[:n]
-        assert np.array_equal(np.load(io.BytesIO(bytes(data))), expected)
+        flat = np.load(io.BytesIO(bytes(data))).view(np.uint8)
+        assert f.start == 0 or step == 1 << 20
+        assert len(flat) == expected.nbytes + join._SLACK
+        joined = flat[f.start : f.start + expected.nbytes].view(expected.dtype).reshape(expected.shape)
+        assert np.array_equal(joined, expected)
 
 
 def test_mx_load_reads_the_payload_in_one_call_into_the_arrays_own_memory():
@@ -172,6 +179,30 @@ def test_mx_load_reads_the_payload_in_one_call_into_the_arrays_own_memory():
     payload = [(at, n) for at, n, _ in reads if at + n > header]
     assert payload == [(header, data.nbytes)], "the payload must come in one read"
     assert reads[-1][2] == np.asarray(array).ctypes.data, "read straight into the array's memory"
+
+
+def test_l2_slots_and_joins_start_half_a_page_from_fresh_mlx_buffers_modulo_4k():
+    """The layout the join's copies rely on (tiers.tier.slot_arena): every L2 slot of
+    pages of 4 KiB or more, and every join of pages, starts SLOT_OFFSET past a 4 KiB
+    boundary, half a 4 KiB page from a fresh large mlx buffer; on Linux every mlx array
+    starts where the slots do modulo 16 (malloc's alignment, then mlx's 8-byte size)."""
+    geometry = PageGeometry(num_layers=2, num_kv_heads=1, head_dim=64, page_size=12, dtype="float32")  # 12 KiB
+    store = TieredStore(geometry, NS, StoreConfig(0, 3 * geometry.nbytes))
+    tokens = list(range(3 * 12 + 1))
+    keys = page_keys(NS, tokens)[:3]
+    for i, key in enumerate(keys):
+        store.publish(key, tokens[12 * i : 12 * i + 12], mx.zeros(geometry.shape))
+    slots = [store.l2.read(key).ctypes.data for key in keys]
+    assert len(slots) == 3 and all(address % 4096 == tier.SLOT_OFFSET for address in slots)
+    assert (tier.SLOT_OFFSET - tier._MLX_BUFFER_OFFSET) % 4096 == 2048
+    for _ in range(3):  # wherever mlx puts the buffer, the join starts where the slots do
+        restored = store.restore(keys, tokens)
+        assert restored.num_pages == 3 and np.asarray(restored.layers[0][0]).ctypes.data % 4096 == tier.SLOT_OFFSET
+        store.release(restored.keys)
+    if sys.platform == "linux":
+        array = mx.zeros(1 << 20, mx.uint8)
+        mx.eval(array)
+        assert (slots[0] - np.asarray(array).ctypes.data) % 16 == 0
 
 
 @pytest.mark.parametrize("pages, groups, pieces", [(1, 1, False), (3, 1, False), (3, 2, False), (3, 2, True)])

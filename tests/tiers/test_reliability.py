@@ -399,7 +399,8 @@ def test_records_of_another_format_version_are_never_served(store: Path) -> None
                 header, offset = RecordHeader.unpack(memoryview(value))
                 other = RecordHeader(FORMAT_VERSION + 1, *[getattr(header, f) for f in
                                                            ("namespace", "tokens", "codec", "raw_len", "checksum")])
-                txn.put(key(i), other.pack() + value[offset:], db=pages)
+                padded = other.pack(offset - len(header.pack()))  # the record keeps its length
+                txn.put(key(i), padded + value[offset:], db=pages)
     tier = DiskTier(store, 1 << 20)
     got = [tier.get(key(i), NS, TOKENS, 4096) for i in range(4)]
     assert got[1] is None and got[3] is None and got[0][0] == payload(0) and got[2][0] == payload(2)
