@@ -22,6 +22,7 @@ from kvtier.tiers.disk import DEFAULT_CAPACITY, format_bytes
 from kvtier.tiers.hierarchy import StoreConfig
 from kvtier.tiers.policy import ADMISSIONS, DEFAULT_POLICY, POLICIES
 
+from . import bench_report
 from .blas import blas_in_use
 from .paths import default_store_dir
 from .report import format_engine_totals, format_last_run, format_namespaces, format_prometheus, format_tier_table
@@ -731,8 +732,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report))
     else:
-        _print_bench(report)
-    return _save_plot(_plot, report, args.plot)
+        print(bench_report.format_restore(report))
+    return _save_plot(bench_report.plot_restore, report, args.plot)
 
 
 def cmd_bench_ttft(args: argparse.Namespace) -> int:
@@ -768,8 +769,8 @@ def cmd_bench_ttft(args: argparse.Namespace) -> int:
         print(f"kvtier: error: {err}", file=sys.stderr)
         return 1
     report["blas"] = blas_in_use()
-    print(json.dumps(report) if args.json else _format_ttft(report))
-    return _save_plot(_plot_ttft, report, args.plot)
+    print(json.dumps(report) if args.json else bench_report.format_ttft(report))
+    return _save_plot(bench_report.plot_ttft, report, args.plot)
 
 
 def _save_plot(draw: Callable[[dict, Path], None], report: dict, path: Path | None) -> int:
@@ -782,54 +783,6 @@ def _save_plot(draw: Callable[[dict, Path], None], report: dict, path: Path | No
         print(f"kvtier: error: cannot draw {path}: {' '.join(str(err).split())}", file=sys.stderr)
         return 1
     return 0
-
-
-def _format_ttft(report: dict) -> str:
-    tiers = report["sources"][1:]
-    lines = [f"model {report['model']}, page {report['page_size']} tokens, best of {report['rounds']} "
-             f"round(s); BLAS: {report['blas']}",
-             "TTFT as a ratio to recomputing the same prompt (below 1: restoring wins)",
-             f"{'tokens':>7} {'restored':>8} {'recompute s':>11} " + " ".join(f"{t:>6}" for t in tiers)]
-    for row in report["rows"]:
-        lines.append(f"{row['prompt_tokens']:>7} {row['restored_tokens']:>8} {row['ttft_s']['recompute']:>11.3f} "
-                     + " ".join(f"{row['ratio_to_recompute'][t]:>6.3f}" for t in tiers))
-    for tier, tokens in report["break_even_tokens"].items():
-        lines.append(f"{tier} beats recompute " + (f"from {tokens} tokens on (measured)" if tokens
-                                                   else "at no length measured up to the longest"))
-    return "\n".join(lines)
-
-
-def _plot_ttft(report: dict, path: Path) -> None:
-    """TTFT against prompt length, log scales; each tier's measured break-even ringed."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    lengths = [row["prompt_tokens"] for row in report["rows"]]
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for i, source in enumerate(report["sources"]):
-        seconds = [row["ttft_s"][source] for row in report["rows"]]
-        recompute = source == "recompute"
-        label = source if recompute else f"{source} ({report['rows'][-1]['ratio_to_recompute'][source]:.2g}x at {lengths[-1]})"
-        color = "black" if recompute else f"C{i - 1}"
-        ax.plot(lengths, seconds, marker="o", label=label, color=color, linewidth=2.5 if recompute else 1.5)
-        if (tokens := report["break_even_tokens"].get(source)) is not None:
-            ax.plot([tokens], [seconds[lengths.index(tokens)]], "o", markersize=14, markerfacecolor="none",
-                    markeredgecolor=color, markeredgewidth=1.5)
-    ax.plot([], [], "o", markersize=14, markerfacecolor="none", markeredgecolor="gray",
-            label="break-even (measured): restoring wins from here on")
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xticks(lengths, [str(n) for n in lengths])
-    ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
-    ax.set(xlabel="prompt tokens", ylabel="time to first token (s)",
-           title=f"kvtier TTFT: {report['model']}, page {report['page_size']}")
-    ax.grid(True, which="major", alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
 
 
 def _check_plot_path(path: Path) -> None:
@@ -846,41 +799,6 @@ def _check_plot_path(path: Path) -> None:
     kinds = FigureCanvasAgg.get_supported_filetypes()
     if path.suffix.lstrip(".").lower() not in kinds:
         raise UsageError(f"--plot {path}: use one of the suffixes .{', .'.join(sorted(kinds))}")
-
-
-def _print_bench(report: dict) -> None:
-    print(f"best of {report['rounds']} interleaved rounds; ratio: memcpy time (one thread) / restore time, same bytes")
-    print(f"{'restore':<12} {'pages':>6} {'MiB':>8} {'GiB/s':>7} {'memcpy':>7} {'2thr':>6} {'ratio':>6}")
-    for row in report["restores"]:
-        print(f"{row['row']:<12} {row['pages']:>6} {row['bytes'] / (1 << 20):>8.1f} {row['gib_s']:>7.2f} "
-              f"{row['memcpy_gib_s']:>7.2f} {row['memcpy_2_threads_gib_s']:>6.2f} {row['ratio_to_memcpy']:>6.2f}")
-    limits, peer = report["limits"], report["peer"]
-    print(f"\nwhole prompt ({limits['bytes'] / (1 << 20):.0f} MiB): memcpy {limits['memcpy_gib_s']:.2f} GiB/s "
-          f"(two threads {limits['memcpy_2_threads_gib_s']:.2f}), LMDB zero-copy read "
-          f"{limits['lmdb_zero_copy_read_gib_s']:.2f}, zstd decompress {limits['zstd_decompress_gib_s']:.2f}")
-    print(f"restore from L3, every checksum verified, {peer['ours_l3_gib_s']:.2f} GiB/s vs mlx_lm "
-          f"load_prompt_cache {peer['load_prompt_cache_gib_s']:.2f} GiB/s: {peer['ratio']:.2f}x")
-    for tier, tokens in report["break_even_tokens"].items():
-        print(f"break-even prompt length for {tier}: {tokens if tokens else 'never (recompute wins)'} tokens")
-
-
-def _plot(report: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for name in dict.fromkeys(r["row"] for r in report["restores"]):
-        rows = [r for r in report["restores"] if r["row"] == name]
-        ax.plot([r["bytes"] / (1 << 20) for r in rows], [r["gib_s"] for r in rows], marker="o", label=name)
-    rows = [r for r in report["restores"] if r["row"] == "L2->L1"]
-    ax.plot([r["bytes"] / (1 << 20) for r in rows], [r["memcpy_gib_s"] for r in rows], "k:", label="memcpy")
-    ax.set(xscale="log", xlabel="restore size (MiB)", ylabel="GiB/s",
-           title=f"kvtier restore bandwidth (best of {report['rounds']} rounds)")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path)
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
