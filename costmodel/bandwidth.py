@@ -156,7 +156,7 @@ def measure(geometry: PageGeometry, store_dir: Path, page_counts: tuple[int, ...
         frame = zstandard.ZstdCompressor(level=3).compress(
             np.random.default_rng(0).standard_normal(geometry.nbytes // 4, dtype=np.float32).tobytes())
         decompressor = zstandard.ZstdDecompressor()
-        calls["lmdb_zero_copy_read"] = Call(lambda: raw_l3.store.disk.read_through(raw_l3.keys))
+        calls["lmdb_zero_copy_read"] = Call(lambda: raw_l3.store.read_through_l3(raw_l3.keys))
         calls["zstd_decompress"] = Call(lambda: [decompressor.decompress(frame) for _ in range(pages)])
         calls["load_prompt_cache"] = Call(lambda: mx.eval([c.state[:2] for c in load_prompt_cache(peer_path)]))
         tick()
@@ -273,4 +273,3 @@ def break_even_tokens(profile: Profile, geometry: PageGeometry, longest: int = 1
                 found[tier.value] = n
                 break
     return found
-

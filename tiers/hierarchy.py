@@ -450,6 +450,11 @@ class TieredStore:
         if self.disk is not None:
             self.disk.put_meta(name, value)
 
+    def read_through_l3(self, keys: Sequence[PageKey]) -> int:
+        """Read and hash L3's records of ``keys``, keeping nothing: the floor under a
+        restore that benchmarks compare against. Bytes read; 0 without L3."""
+        return self.disk.read_through(keys) if self.disk is not None else 0
+
     def drop_l2(self) -> None:
         """Forget L2's copies (calibration: the next restore reads L3); freed slots stay warm."""
         with self._lock:
