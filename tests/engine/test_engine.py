@@ -5,6 +5,7 @@ import dataclasses
 import mlx.core as mx
 import numpy as np
 import pytest
+from mlx_lm.models.cache import make_prompt_cache
 
 from kvtier.engine.engine import Engine, EngineConfig, InputError
 from kvtier.engine.request import SamplingParams
@@ -95,6 +96,14 @@ def test_recomputed_tokens_are_the_tokens_run_through_the_model(loaded):
         assert request.sources()["recomputed"] == 1
 
 
+# Restore-then-compute and one full forward reduce attention in different orders, so
+# their float32 logits differ by rounding that depends on the BLAS (0 on mlx's reference
+# BLAS; up to about 4e-4 of the largest logit with OpenBLAS's blocked kernels). The
+# tolerance is scaled to the logits compared, with room for BLAS we cannot run here
+# (Accelerate); what must be exact is what the engine uses: the argmax and the greedy tokens.
+LOGIT_RTOL_OF_MAX = 5e-3
+
+
 def test_next_token_logits_after_restore_match_full_recompute(loaded):
     prompt = text_prompt(loaded, 6 * PAGE + 10, seed=11)
     engine = make_engine(loaded)
@@ -102,13 +111,20 @@ def test_next_token_logits_after_restore_match_full_recompute(loaded):
     keys = page_keys(engine.namespace, prompt)[: reusable_pages(len(prompt), PAGE)]
     restored = engine.store.restore(keys, prompt)
     cut = restored.num_pages * PAGE
-    cache = engine._cache_from(restored.layers, cut)
-    after_restore = loaded.model(mx.array([prompt[cut:]]), cache=cache)[0, -1]
-    full = loaded.model(mx.array([prompt]))[0, -1]
     assert cut == 6 * PAGE
-    # float32; the two differ only in how attention is chunked: measured max 4e-4 on logits of magnitude ~1
-    np.testing.assert_allclose(np.array(after_restore), np.array(full), atol=2e-3, rtol=0)
-    assert mx.argmax(after_restore).item() == mx.argmax(full).item()
+    cache = make_prompt_cache(loaded.model)
+    for layer, (k, v) in zip(cache, restored.layers):
+        layer.state = (k, v, cut)
+    after_restore = np.array(loaded.model(mx.array([prompt[cut:]]), cache=cache)[0, -1])
+    full = np.array(loaded.model(mx.array([prompt]))[0, -1])
+    scale = float(np.abs(full).max())
+    np.testing.assert_allclose(after_restore, full, atol=LOGIT_RTOL_OF_MAX * scale, rtol=0)
+    assert after_restore.argmax() == full.argmax()
+    greedy = [int(after_restore.argmax())]
+    for _ in range(GREEDY.max_tokens - 1):
+        greedy.append(int(mx.argmax(loaded.model(mx.array([greedy[-1:]]), cache=cache)[0, -1]).item()))
+    expected = mlx_lm_greedy(loaded, prompt, GREEDY.max_tokens)  # EOS excluded: maybe shorter
+    assert expected and greedy[: len(expected)] == expected
 
 
 def test_pages_are_published_after_every_prefill_step(loaded):
