@@ -1,0 +1,61 @@
+"""Online refinement learns only from what it can read cleanly: a throttled link times
+the throttle's sleep, and a batched step's time is shared by its requests."""
+
+from kvtier.costmodel.models import LinkModel
+from kvtier.costmodel.plan import Profile
+from kvtier.engine.engine import Engine, EngineConfig
+from kvtier.engine.request import SamplingParams
+from kvtier.tiers.hierarchy import StoreConfig
+
+from .conftest import text_prompt
+
+PAGE = 64
+GREEDY = SamplingParams(max_tokens=4)
+
+
+def engine_for(loaded, store_dir=None, throttle=None, step=2048) -> Engine:
+    store = StoreConfig(l1_bytes=1 << 30, l2_bytes=1 << 30, l3_bytes=1 << 30, store_dir=store_dir,
+                        throttle=throttle or {})
+    return Engine(loaded, EngineConfig(page_size=PAGE, store=store, prefill_step_size=step))
+
+
+def test_a_throttled_link_is_not_refined_from_its_restores(loaded, tmp_path):
+    prompt = text_prompt(loaded, 4 * PAGE + 3, seed=41)
+    first = engine_for(loaded, tmp_path)
+    first.generate([prompt], GREEDY)
+    first.close()
+    engine = engine_for(loaded, tmp_path, throttle={"L3": 1 << 30})
+    engine.profile = Profile({**Profile.defaults().links, "L3->L1": LinkModel.of(0.0, 1 << 40)},
+                             Profile.defaults().compute)  # restoring always wins
+    samples = len(engine.profile.links["L3->L1"].samples)
+    (request,) = engine.generate([prompt], GREEDY)
+    engine.close()
+    assert request.sources()["L3"] == 4 * PAGE, "the pages must have crossed the throttled link"
+    assert len(engine.profile.links["L3->L1"].samples) == samples
+
+
+def test_the_unthrottled_link_is_refined_from_the_same_restore(loaded, tmp_path):
+    """The control for the test above: without the throttle the same restore is a sample."""
+    prompt = text_prompt(loaded, 4 * PAGE + 3, seed=41)
+    first = engine_for(loaded, tmp_path)
+    first.generate([prompt], GREEDY)
+    first.close()
+    engine = engine_for(loaded, tmp_path)
+    engine.profile = Profile({**Profile.defaults().links, "L3->L1": LinkModel.of(0.0, 1 << 40)},
+                             Profile.defaults().compute)
+    samples = len(engine.profile.links["L3->L1"].samples)
+    (request,) = engine.generate([prompt], GREEDY)
+    engine.close()
+    assert request.sources()["L3"] == 4 * PAGE
+    assert len(engine.profile.links["L3->L1"].samples) == samples + 1
+
+
+def test_prefill_is_refined_only_from_steps_that_ran_one_request(loaded):
+    engine = engine_for(loaded, step=PAGE)
+    alone = len(engine.profile.compute.samples)
+    engine.generate([text_prompt(loaded, 4 * PAGE + 1, seed=1)], GREEDY)
+    after_alone = len(engine.profile.compute.samples)
+    assert after_alone > alone, "a request prefilling alone is a clean sample"
+    together = [text_prompt(loaded, 4 * PAGE + 1, seed=s) for s in (2, 3)]
+    engine.generate(together, GREEDY)  # every prefill step batches both requests
+    assert len(engine.profile.compute.samples) == after_alone
