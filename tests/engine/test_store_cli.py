@@ -3,8 +3,10 @@ intact, store management, Ctrl-C, streaming, help. A fresh process per command."
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -167,16 +169,30 @@ def test_stats_reads_a_store_without_writing_it(store):
     assert rows["L1"][1] == rows["L2"][1] == "-" and rows["L3"][1] == str(32 << 30)
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root writes anywhere")
-def test_stats_works_on_a_read_only_store(store, tmp_path):
-    import shutil
+def without_dac_override() -> None:
+    """A child's ``preexec_fn``: as root, drop the capabilities that ignore file modes
+    (CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH) from its bounding set, so a read-only
+    directory is read-only to it as it is to any user (CI runs as root)."""
+    if os.geteuid() != 0:
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    for cap in (1, 2):
+        if libc.prctl(24, cap, 0, 0, 0) != 0:  # PR_CAPBSET_DROP
+            raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP)")
 
+
+def test_stats_works_on_a_read_only_store(store, tmp_path):
     copy = tmp_path / "ro"
     shutil.copytree(store, copy)
     for path in (copy / "data.mdb", copy / "lock.mdb", copy):
         path.chmod(0o555 if path.is_dir() else 0o444)
     try:
-        assert json.loads(kvtier("stats", "--json", "--store", str(copy)).stdout)["tiers"]["L3"]["pages"] == 7
+        done = subprocess.run([sys.executable, "-m", "kvtier.engine.cli", "stats", "--json", "--store", str(copy)],
+                              capture_output=True, text=True, timeout=120, preexec_fn=without_dac_override)
+        assert done.returncode == 0, done.stderr
+        assert json.loads(done.stdout)["tiers"]["L3"]["pages"] == 7
+        probe = subprocess.run(["touch", str(copy / "x")], preexec_fn=without_dac_override, capture_output=True)
+        assert probe.returncode != 0, "the store must be read-only to the child"
     finally:
         copy.chmod(0o755)
 
