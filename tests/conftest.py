@@ -4,16 +4,19 @@ import tempfile
 
 import kvtier  # noqa: F401  (loads OpenBLAS before mlx, when installed)
 
-_HOME = tempfile.mkdtemp(prefix="kvtier-test-")
+_WORKER = "PYTEST_XDIST_WORKER" in os.environ
 
 
 def pytest_configure(config):
     # One private kvtier home for the whole run, even when the user exported one: the
     # default model is written once and shared with CLI subprocesses; the user's cache
-    # is never touched, and the home is removed at the end.
-    os.environ["KVTIER_HOME"] = _HOME
+    # is never touched, and the home is removed at the end. Under pytest-xdist the
+    # controller makes it and its workers inherit it (they start after this hook).
+    if not _WORKER:
+        os.environ["KVTIER_HOME"] = tempfile.mkdtemp(prefix="kvtier-test-")
     os.environ["KVTIER_NO_AUTO_CALIBRATE"] = "1"  # tests that want it unset it
 
 
 def pytest_unconfigure(config):
-    shutil.rmtree(_HOME, ignore_errors=True)
+    if not _WORKER:
+        shutil.rmtree(os.environ["KVTIER_HOME"], ignore_errors=True)
