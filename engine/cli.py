@@ -5,10 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import math
 import os
 import queue
-import re
 import shutil
 import signal
 import socket
@@ -23,6 +21,8 @@ from kvtier.tiers.hierarchy import StoreConfig
 from kvtier.tiers.policy import ADMISSIONS, DEFAULT_POLICY, POLICIES
 
 from . import bench_report
+from .args import (name_list, redis_url, store_arg, l2_sweep, non_negative_int, parse_size, parse_throttle,
+                   port_number, positive_int, positive_ints, temperature, top_p)
 from .blas import blas_in_use
 from .paths import default_store_dir
 from .report import format_engine_totals, format_last_run, format_namespaces, format_prometheus, format_tier_table
@@ -30,8 +30,6 @@ from .report import format_engine_totals, format_last_run, format_namespaces, fo
 if TYPE_CHECKING:
     from .engine import Engine
 
-_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": 10**6, "mb": 10**6,
-          "mib": 1 << 20, "g": 10**9, "gb": 10**9, "gib": 1 << 30, "t": 10**12, "tb": 10**12, "tib": 1 << 40}
 
 
 class UsageError(Exception):
@@ -64,109 +62,6 @@ environment:
   KVTIER_NO_AUTO_CALIBRATE=1  never calibrate on first use of a store (--no-auto-calibrate)"""
 
 
-def parse_size(text: str) -> int:
-    """Bytes from ``512MiB``, ``4GiB``, ``1.5GB`` or a plain number. Kept over a library:
-    bitmath refuses plain bytes and ``4gib`` (lenient, it reads ``4k`` as 4096); humanfriendly has no release since 2021."""
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
-    if not match or match.group(2).lower() not in _UNITS:
-        raise argparse.ArgumentTypeError(f"bad size {text!r} (use e.g. 512MiB, 4GiB or bytes)")
-    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
-
-
-def positive_int(text: str) -> int:
-    if not text.isdigit() or int(text) <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive whole number, got {text!r}")
-    return int(text)
-
-
-def non_negative_int(text: str) -> int:
-    if not text.isdigit():
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {text!r}")
-    return int(text)
-
-
-def _number(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}")
-    return value
-
-
-def temperature(text: str) -> float:
-    if (value := _number(text)) < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0 (0 is greedy), got {text!r}")
-    return value
-
-
-def top_p(text: str) -> float:
-    if not 0 < (value := _number(text)) <= 1:
-        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text!r}")
-    return value
-
-
-def positive_ints(text: str) -> list[int]:
-    """``512,1024,2048`` -> [512, 1024, 2048]."""
-    parts = [part.strip() for part in text.split(",")]
-    if not all(part.isdigit() and int(part) > 0 for part in parts):
-        raise argparse.ArgumentTypeError(f"expected positive whole numbers separated by commas, got {text!r}")
-    return [int(part) for part in parts]
-
-
-def port_number(text: str) -> int:
-    if not text.isdigit() or int(text) > 65535:
-        raise argparse.ArgumentTypeError(f"expected a port number 0..65535, got {text!r}")
-    return int(text)
-
-
-def parse_throttle(text: str) -> tuple[str, float]:
-    """``L3=2MiB/s`` -> ("L3", bytes per second)."""
-    tier, _, rate = text.partition("=")
-    if tier not in ("L2", "L3") or not rate.endswith("/s"):
-        raise argparse.ArgumentTypeError(f"bad throttle {text!r} (use e.g. L3=2MiB/s or L2=1GiB/s)")
-    bytes_per_s = parse_size(rate[:-2])
-    if bytes_per_s <= 0:
-        raise argparse.ArgumentTypeError(f"throttle rate must be positive in {text!r}")
-    return tier, float(bytes_per_s)
-
-
-def _choices(allowed: Sequence[str]):
-    """An argparse type: a comma-separated list of names from ``allowed``."""
-    def parse(text: str) -> list[str]:
-        names = [n.strip() for n in text.split(",") if n.strip()]
-        bad = [n for n in names if n not in allowed]
-        if bad or not names:
-            raise argparse.ArgumentTypeError(f"bad choice {bad[0] if bad else text!r} "
-                                             f"(choose from {', '.join(allowed)})")
-        return names
-    return parse
-
-
-def _sweep(text: str) -> list[int]:
-    """``l2-bytes=1GiB,4GiB`` -> L2 sizes in bytes."""
-    name, _, sizes = text.partition("=")
-    if name != "l2-bytes" or not sizes:
-        raise argparse.ArgumentTypeError(f"bad sweep {text!r} (use e.g. l2-bytes=1GiB,4GiB,16GiB)")
-    return [parse_size(size) for size in sizes.split(",")]
-
-
-def _store_arg(text: str) -> Path | str:
-    """A ``--store``: a Redis / Valkey URL as it is, anything else a directory."""
-    from kvtier.tiers.l3 import is_url
-
-    return text if is_url(text) else Path(text)
-
-
-def _redis_url(text: str) -> str:
-    from kvtier.tiers.l3 import is_url
-
-    if not is_url(text):
-        raise argparse.ArgumentTypeError(f"expected a redis://, rediss:// or redis+cluster:// URL, got {text!r}")
-    return text
-
-
 def _no_data(store: Path | str) -> bool:
     """An LMDB directory holding no store yet (a URL always names a store to ask)."""
     return isinstance(store, Path) and not (store / "data.mdb").exists()
@@ -196,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     def engine_flags(parser: argparse.ArgumentParser) -> None:
         """The model, engine and store flags that ``run`` and ``serve`` share."""
         parser.add_argument("--model", help=model_help)
-        parser.add_argument("--store", type=_store_arg, default=None, metavar="STORE", help=store_help)
+        parser.add_argument("--store", type=store_arg, default=None, metavar="STORE", help=store_help)
         parser.add_argument("--l1-bytes", type=parse_size, default="1GiB", metavar="S",
                          help="L1 (device) capacity; more than the machine's memory is refused")
         parser.add_argument("--l2-bytes", type=parse_size, default="4GiB", metavar="S",
@@ -239,14 +134,14 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--json", action="store_true", help="one JSON object per request, then counters")
 
     calibrate = command(sub, "calibrate", "measure links and prefill; store the cost profile")
-    calibrate.add_argument("--store", type=_store_arg, default=None, metavar="STORE", help=store_help)
+    calibrate.add_argument("--store", type=store_arg, default=None, metavar="STORE", help=store_help)
     calibrate.add_argument("--model", help=model_help)
     calibrate.add_argument("--page-size", type=positive_int, default=128, metavar="N", help="tokens per KV page")
 
     bench = command(sub, "bench", "measure the store on this machine")
     bench_sub = bench.add_subparsers(dest="bench", required=True, parser_class=_Parser)
     restore = command(bench_sub, "restore", "restore bandwidth per link against size, beside memcpy")
-    restore.add_argument("--store", type=_store_arg, default=None, metavar="DIR",
+    restore.add_argument("--store", type=store_arg, default=None, metavar="DIR",
                          help=f"a scratch store is made inside DIR (default: {default_store_dir()})")
     restore.add_argument("--model", help=model_help)
     restore.add_argument("--page-size", type=positive_int, default=128, metavar="N", help="tokens per KV page")
@@ -257,7 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
     ttft = command(bench_sub, "ttft", "time to first token against prompt length: recomputed, and with the "
                                       "prompt's prefix restored from L1, L2, L3 (after a restart) and Redis")
     ttft.add_argument("--model", help=model_help)
-    ttft.add_argument("--store", type=_store_arg, default=None, metavar="DIR",
+    ttft.add_argument("--store", type=store_arg, default=None, metavar="DIR",
                       help=f"a scratch store is made inside DIR (default: {default_store_dir()})")
     ttft.add_argument("--lengths", type=positive_ints, default=None, metavar="N,N,...",
                       help="prompt lengths in tokens (default: 512,1024,2048,4096,8192, the longest capped "
@@ -265,7 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
     ttft.add_argument("--page-size", type=positive_int, default=128, metavar="N", help="tokens per KV page")
     ttft.add_argument("--rounds", type=positive_int, default=1, metavar="N",
                       help="each cell is the best of N runs, each round on fresh prompts")
-    ttft.add_argument("--redis", type=_redis_url, metavar="URL",
+    ttft.add_argument("--redis", type=redis_url, metavar="URL",
                       help="also restore from this Redis / Valkey server, under a scratch prefix removed after")
     ttft.add_argument("--json", action="store_true", help="the report as one JSON object")
     ttft.add_argument("--plot", type=Path, metavar="FILE.png",
@@ -279,17 +174,17 @@ def build_parser() -> argparse.ArgumentParser:
     geometry.add_argument("--kv-bytes-per-token", type=positive_int, metavar="N",
                           help="full-size KV bytes of one token (default: the model's)")
     geometry.add_argument("--model", help="take the KV size (and the calibrated profile) from this model")
-    replay.add_argument("--store", type=_store_arg, default=None, help="where the model's calibrated profile is")
+    replay.add_argument("--store", type=store_arg, default=None, help="where the model's calibrated profile is")
     replay.add_argument("--profile", type=Path, metavar="FILE.json", help="a saved cost profile to use")
     replay.add_argument("--l1-bytes", type=parse_size, default=parse_size("1GiB"))
     replay.add_argument("--l2-bytes", type=parse_size, default=parse_size("4GiB"))
     replay.add_argument("--l3-bytes", type=parse_size, default=parse_size("32GiB"))
-    replay.add_argument("--policy", type=_choices([*POLICIES, "belady"]), default=list(POLICIES),
+    replay.add_argument("--policy", type=name_list([*POLICIES, "belady"]), default=list(POLICIES),
                         help=f"comma-separated, each replayed: {','.join(POLICIES)}, or belady (the "
                              "offline bound for the same total capacity)")
-    replay.add_argument("--l3-admit", type=_choices(ADMISSIONS), default=["always"],
+    replay.add_argument("--l3-admit", type=name_list(ADMISSIONS), default=["always"],
                         help=f"comma-separated L3 admission filters: {','.join(ADMISSIONS)}")
-    replay.add_argument("--sweep", type=_sweep, metavar="l2-bytes=S,S,...", help="replay at each L2 size")
+    replay.add_argument("--sweep", type=l2_sweep, metavar="l2-bytes=S,S,...", help="replay at each L2 size")
     replay.add_argument("--speed", type=float, default=1.0,
                         help="arrival timestamps divided by this (0.02 stretches them 50 times)")
     replay.add_argument("--json", action="store_true", help="one JSON object")
@@ -317,7 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="on SIGTERM/SIGINT, let requests in flight finish this long, then cancel them")
 
     stats = command(sub, "stats", "counters persisted in a store (read-only unless --reset)")
-    stats.add_argument("--store", type=_store_arg, default=None, metavar="STORE", help=store_help)
+    stats.add_argument("--store", type=store_arg, default=None, metavar="STORE", help=store_help)
     fmt = stats.add_mutually_exclusive_group()
     fmt.add_argument("--json", action="store_true", help="one JSON object")
     fmt.add_argument("--prometheus", action="store_true", help="Prometheus text format")
@@ -334,7 +229,7 @@ def build_parser() -> argparse.ArgumentParser:
     resize = command(store_sub, "resize", "change the store's L3 cap, evicting least-recently-used pages")
     resize.add_argument("--l3-bytes", type=parse_size, required=True, metavar="S", help="the new cap")
     for each in (ls, clear, resize, store_sub.choices["compact"]):
-        each.add_argument("--store", type=_store_arg, default=None, metavar="STORE", help=store_help)
+        each.add_argument("--store", type=store_arg, default=None, metavar="STORE", help=store_help)
     return parser
 
 

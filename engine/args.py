@@ -1,0 +1,116 @@
+"""The argument types of the ``kvtier`` command line: sizes, counts, rates, ports and
+store addresses, each one ``argparse`` type that turns bad text into one clear line."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import re
+from pathlib import Path
+from typing import Sequence
+
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": 10**6, "mb": 10**6,
+          "mib": 1 << 20, "g": 10**9, "gb": 10**9, "gib": 1 << 30, "t": 10**12, "tb": 10**12, "tib": 1 << 40}
+
+
+def parse_size(text: str) -> int:
+    """Bytes from ``512MiB``, ``4GiB``, ``1.5GB`` or a plain number. Kept over a library:
+    bitmath refuses plain bytes and ``4gib`` (lenient, it reads ``4k`` as 4096); humanfriendly has no release since 2021."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    if not match or match.group(2).lower() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"bad size {text!r} (use e.g. 512MiB, 4GiB or bytes)")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def positive_int(text: str) -> int:
+    if not text.isdigit() or int(text) <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive whole number, got {text!r}")
+    return int(text)
+
+
+def non_negative_int(text: str) -> int:
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {text!r}")
+    return int(text)
+
+
+def _number(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}")
+    return value
+
+
+def temperature(text: str) -> float:
+    if (value := _number(text)) < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0 (0 is greedy), got {text!r}")
+    return value
+
+
+def top_p(text: str) -> float:
+    if not 0 < (value := _number(text)) <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text!r}")
+    return value
+
+
+def positive_ints(text: str) -> list[int]:
+    """``512,1024,2048`` -> [512, 1024, 2048]."""
+    parts = [part.strip() for part in text.split(",")]
+    if not all(part.isdigit() and int(part) > 0 for part in parts):
+        raise argparse.ArgumentTypeError(f"expected positive whole numbers separated by commas, got {text!r}")
+    return [int(part) for part in parts]
+
+
+def port_number(text: str) -> int:
+    if not text.isdigit() or int(text) > 65535:
+        raise argparse.ArgumentTypeError(f"expected a port number 0..65535, got {text!r}")
+    return int(text)
+
+
+def parse_throttle(text: str) -> tuple[str, float]:
+    """``L3=2MiB/s`` -> ("L3", bytes per second)."""
+    tier, _, rate = text.partition("=")
+    if tier not in ("L2", "L3") or not rate.endswith("/s"):
+        raise argparse.ArgumentTypeError(f"bad throttle {text!r} (use e.g. L3=2MiB/s or L2=1GiB/s)")
+    bytes_per_s = parse_size(rate[:-2])
+    if bytes_per_s <= 0:
+        raise argparse.ArgumentTypeError(f"throttle rate must be positive in {text!r}")
+    return tier, float(bytes_per_s)
+
+
+def name_list(allowed: Sequence[str]):
+    """An argparse type: a comma-separated list of names from ``allowed``."""
+    def parse(text: str) -> list[str]:
+        names = [n.strip() for n in text.split(",") if n.strip()]
+        bad = [n for n in names if n not in allowed]
+        if bad or not names:
+            raise argparse.ArgumentTypeError(f"bad choice {bad[0] if bad else text!r} "
+                                             f"(choose from {', '.join(allowed)})")
+        return names
+    return parse
+
+
+def l2_sweep(text: str) -> list[int]:
+    """``l2-bytes=1GiB,4GiB`` -> L2 sizes in bytes."""
+    name, _, sizes = text.partition("=")
+    if name != "l2-bytes" or not sizes:
+        raise argparse.ArgumentTypeError(f"bad sweep {text!r} (use e.g. l2-bytes=1GiB,4GiB,16GiB)")
+    return [parse_size(size) for size in sizes.split(",")]
+
+
+def store_arg(text: str) -> Path | str:
+    """A ``--store``: a Redis / Valkey URL as it is, anything else a directory."""
+    from kvtier.tiers.l3 import is_url
+
+    return text if is_url(text) else Path(text)
+
+
+def redis_url(text: str) -> str:
+    from kvtier.tiers.l3 import is_url
+
+    if not is_url(text):
+        raise argparse.ArgumentTypeError(f"expected a redis://, rediss:// or redis+cluster:// URL, got {text!r}")
+    return text
