@@ -22,6 +22,13 @@ def parse_size(text: str) -> int:
     return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
 
 
+def positive_size(text: str) -> int:
+    """A size that must hold something: an L3 cap of 0 bytes is no store (L1 and L2 may be 0: the tier is off)."""
+    if (size := parse_size(text)) <= 0:
+        raise argparse.ArgumentTypeError(f"must be more than 0 bytes, got {text!r}")
+    return size
+
+
 def positive_int(text: str) -> int:
     if not text.isdigit() or int(text) <= 0:
         raise argparse.ArgumentTypeError(f"expected a positive whole number, got {text!r}")
@@ -41,6 +48,19 @@ def _number(text: str) -> float:
         value = math.nan
     if not math.isfinite(value):
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}")
+    return value
+
+
+def seconds(text: str) -> float:
+    """A duration: a finite number of seconds, 0 or more."""
+    if (value := _number(text)) < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 seconds or more, got {text!r}")
+    return value
+
+
+def positive_number(text: str) -> float:
+    if (value := _number(text)) <= 0:
+        raise argparse.ArgumentTypeError(f"must be more than 0, got {text!r}")
     return value
 
 

@@ -22,7 +22,8 @@ from kvtier.tiers.policy import ADMISSIONS, DEFAULT_POLICY, POLICIES
 
 from . import bench_report
 from .args import (name_list, redis_url, store_arg, l2_sweep, non_negative_int, parse_size, parse_throttle,
-                   port_number, positive_int, positive_ints, temperature, top_p)
+                   port_number, positive_int, positive_ints, positive_number, positive_size, seconds, temperature,
+                   top_p)
 from .blas import blas_in_use
 from .paths import default_store_dir
 from .report import format_engine_totals, format_last_run, format_namespaces, format_prometheus, format_tier_table
@@ -96,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
                          help="L1 (device) capacity; more than the machine's memory is refused")
         parser.add_argument("--l2-bytes", type=parse_size, default="4GiB", metavar="S",
                          help="L2 (host RAM) capacity; more than the machine's memory is refused")
-        parser.add_argument("--l3-bytes", type=parse_size, default=None, metavar="S",
+        parser.add_argument("--l3-bytes", type=positive_size, default=None, metavar="S",
                          help=f"L3 cap of a new store (default: {format_bytes(DEFAULT_CAPACITY)}); an existing "
                               "store keeps its own (`kvtier store resize` changes it)")
         parser.add_argument("--page-size", type=positive_int, default=128, metavar="N", help="tokens per KV page")
@@ -185,7 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
     replay.add_argument("--l3-admit", type=name_list(ADMISSIONS), default=["always"],
                         help=f"comma-separated L3 admission filters: {','.join(ADMISSIONS)}")
     replay.add_argument("--sweep", type=l2_sweep, metavar="l2-bytes=S,S,...", help="replay at each L2 size")
-    replay.add_argument("--speed", type=float, default=1.0,
+    replay.add_argument("--speed", type=positive_number, default=1.0,
                         help="arrival timestamps divided by this (0.02 stretches them 50 times)")
     replay.add_argument("--json", action="store_true", help="one JSON object")
     replay.add_argument("--plot", type=Path, metavar="FILE.png",
@@ -208,7 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-running", type=positive_int, default=32, help="requests decoded together")
     serve.add_argument("--max-waiting", type=positive_int, default=64,
                        help="requests queued for a batch slot; more answer 429")
-    serve.add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS",
+    serve.add_argument("--drain-timeout", type=seconds, default=30.0, metavar="SECONDS",
                        help="on SIGTERM/SIGINT, let requests in flight finish this long, then cancel them")
 
     stats = command(sub, "stats", "counters persisted in a store (read-only unless --reset)")
@@ -227,7 +228,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="a namespace as `kvtier store ls` shows it (a unique prefix will do; repeatable)")
     command(store_sub, "compact", "rewrite data.mdb without its free pages (stop other kvtier processes first)")
     resize = command(store_sub, "resize", "change the store's L3 cap, evicting least-recently-used pages")
-    resize.add_argument("--l3-bytes", type=parse_size, required=True, metavar="S", help="the new cap")
+    resize.add_argument("--l3-bytes", type=positive_size, required=True, metavar="S", help="the new cap")
     for each in (ls, clear, resize, store_sub.choices["compact"]):
         each.add_argument("--store", type=store_arg, default=None, metavar="STORE", help=store_help)
     return parser
