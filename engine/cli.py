@@ -203,7 +203,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=port_number, default=8000, help="0 takes a free port (printed)")
     engine_flags(serve)
-    serve.add_argument("--served-model-name", help="the model id clients send (default: --model as given)")
+    serve.add_argument("--served-model-name",
+                       help="the model id clients send (default: --model as given, else kvtier-default)")
     serve.add_argument("--max-tokens", type=positive_int, default=512,
                        help="tokens to generate when a request names no limit")
     serve.add_argument("--max-running", type=positive_int, default=32, help="requests decoded together")
@@ -517,7 +518,7 @@ class _Printer:
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from .server import KVTierServer, ServerConfig
+    from .server import DEFAULT_MODEL_ID, KVTierServer, ServerConfig
 
     family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
     try:  # bound before the model loads: a busy port fails at once; --port 0 takes a free one
@@ -528,8 +529,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     _check_sizes(args, store_dir)
     loaded = _load_model(args.model)
     engine = _open_engine(args, loaded, store_dir, max_running=args.max_running, publish_answers=True)
-    server = KVTierServer(engine,
-                          ServerConfig(args.served_model_name or loaded.label, args.max_waiting, args.max_tokens))
+    model_id = args.served_model_name or args.model or DEFAULT_MODEL_ID
+    server = KVTierServer(engine, ServerConfig(model_id, args.max_waiting, args.max_tokens))
     uv = uvicorn.Server(uvicorn.Config(server.app, lifespan="on", log_level="info" if args.verbose else "warning",
                                        timeout_graceful_shutdown=args.drain_timeout))
     # uvicorn handles SIGTERM/SIGINT (stop accepting, drain), then raises the signal again
@@ -541,7 +542,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGPIPE, signal.SIG_IGN)
     server.start()
     port = sock.getsockname()[1]
-    print(f"kvtier: serving {server.config.model_name} on http://{args.host}:{port}", file=sys.stderr, flush=True)
+    shown = model_id if model_id == loaded.label else f"{model_id} ({loaded.label})"
+    print(f"kvtier: serving {shown} on http://{args.host}:{port}", file=sys.stderr, flush=True)
     try:
         uv.run(sockets=[sock])
     finally:

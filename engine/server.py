@@ -39,6 +39,10 @@ from .text import OutputText
 log = logging.getLogger(__name__)
 
 ANTHROPIC_PATHS = ("/v1/messages",)
+# The id of a server started without --model or --served-model-name: the same whichever
+# default model is installed (SmolLM2-135M-Instruct or kvtier-tiny), so the README's
+# examples and a client's settings work on either.
+DEFAULT_MODEL_ID = "kvtier-default"
 
 
 @dataclass

@@ -26,9 +26,9 @@ PAGE = 16  # small pages: short prompts span several
 class ServerProcess:
     """``kvtier serve --port 0`` in a child process; knows its URL once it is listening."""
 
-    def __init__(self, store: Path, *flags: str) -> None:
-        cmd = [sys.executable, "-m", "kvtier.engine.cli", *on_tiny_model(
-            ["serve", "--port", "0", "--store", str(store), "--page-size", str(PAGE), *flags])]
+    def __init__(self, store: Path, *flags: str, tiny: bool = True) -> None:
+        args = ["serve", "--port", "0", "--store", str(store), "--page-size", str(PAGE), *flags]
+        cmd = [sys.executable, "-m", "kvtier.engine.cli", *(on_tiny_model(args) if tiny else args)]
         self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=dict(os.environ))
         self.log: list[str] = []
         deadline = time.monotonic() + 120
@@ -89,7 +89,7 @@ def _sum_usage(usage) -> None:
 
 def test_ops_endpoints(server, model):
     assert server.http.get("/health").json()["status"] == "ok"
-    assert [m.id for m in server.openai.models.list().data] == [model]
+    assert [m.id for m in server.openai.models.list().data] == [model] == ["kvtier-tiny"]  # --model as given
     _chat(server, model, [{"role": "user", "content": "warm the metrics up " * 3}], max_tokens=2)
     metrics = server.http.get("/metrics").text
     for name in ('kvtier_tier_capacity{tier="L1"}', 'kvtier_link_bytes_total{link="L2->L1"}',
@@ -159,6 +159,37 @@ def test_multi_turn_restores_previous_prompt_and_answer(server, model, loaded):
         answer = reply.choices[0].message.content
         shared = len(prompt) + len(loaded.tokenizer.encode(answer))  # its prompt and answer
         messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": f"and turn {turn}?"}]
+
+
+def test_without_model_flags_the_id_is_the_one_the_readme_sends(tmp_path):
+    """The README's snippets send ``kvtier-default``: a server started without --model or
+    --served-model-name answers it (openai client and raw HTTP), and a body without
+    ``model``; another id is a 404 that names the served one."""
+    srv = ServerProcess(tmp_path / "store", tiny=False)
+    try:
+        assert [m.id for m in srv.openai.models.list().data] == ["kvtier-default"]
+        hello = [{"role": "user", "content": "Hello"}]
+        reply = srv.openai.chat.completions.create(model="kvtier-default", max_tokens=4, messages=hello)
+        assert reply.model == "kvtier-default" and reply.usage.completion_tokens > 0
+        raw = srv.http.post("/v1/chat/completions", json={"model": "kvtier-default", "messages": hello,
+                                                          "max_tokens": 4})
+        assert raw.status_code == 200 and raw.json()["model"] == "kvtier-default"
+        assert srv.http.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 2}).status_code == 200
+        other = srv.http.post("/v1/completions", json={"model": "gpt-4o", "prompt": "Hello", "max_tokens": 2})
+        assert other.status_code == 404 and "'kvtier-default'" in other.json()["error"]["message"]
+    finally:
+        assert srv.stop() == 0, "".join(srv.log)
+
+
+def test_served_model_name_is_the_id(tmp_path):
+    srv = ServerProcess(tmp_path / "store", "--served-model-name", "team/model-a")
+    try:
+        assert [m.id for m in srv.openai.models.list().data] == ["team/model-a"]
+        reply = srv.openai.completions.create(model="team/model-a", prompt="x", max_tokens=2)
+        assert reply.model == "team/model-a"
+        assert srv.http.post("/v1/completions", json={"model": "kvtier-tiny", "prompt": "x"}).status_code == 404
+    finally:
+        assert srv.stop() == 0, "".join(srv.log)
 
 
 # -- bad input -------------------------------------------------------------------
