@@ -21,12 +21,12 @@ from kvtier.tiers.hierarchy import StoreConfig
 from kvtier.tiers.policy import ADMISSIONS, DEFAULT_POLICY, POLICIES
 
 from . import bench_report
-from .args import (name_list, redis_url, store_arg, l2_sweep, non_negative_int, parse_size, parse_throttle,
-                   port_number, positive_int, positive_ints, positive_number, positive_size, seconds, temperature,
-                   top_p)
+from .args import (l2_sweep, name_list, non_negative_int, parse_size, parse_throttle, port_number, positive_int,
+                   positive_ints, positive_number, positive_size, redis_url, seconds, store_arg, temperature, top_p)
 from .blas import blas_in_use
 from .paths import default_store_dir
 from .report import format_engine_totals, format_last_run, format_namespaces, format_prometheus, format_tier_table
+from .text import OutputText
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -504,13 +504,12 @@ class _Printer:
     def _print_all(self) -> None:
         while (request := self.requests.get()) is not None:
             print(f"── request {request.rid}: {len(request.prompt)} prompt tokens", flush=True)
-            detokenizer = self.tokenizer.detokenizer
+            text = OutputText(self.tokenizer.detokenizer, [])  # whole characters only
             for token in request.stream():
-                detokenizer.add_token(token)
-                print(detokenizer.last_segment, end="", flush=True)
-            detokenizer.finalize()
+                print(text.add(token), end="", flush=True)
+            tail = text.finish()
             r = self.result(request)
-            print(detokenizer.last_segment)
+            print(tail)
             print(f"   ttft {r['ttft_s'] * 1000:.0f} ms, {len(r['output_token_ids'])} tokens out; sources: "
                   + "  ".join(f"{k}={v}" for k, v in r["sources"].items()), flush=True)
 

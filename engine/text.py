@@ -3,9 +3,23 @@
 Streaming must never send text that a stop string later claims, so the end of the
 text that could begin a stop string is held back until more text shows that it does
 not (or the request ends).
+
+Nor does the text ever end in half a character: mlx-lm's streaming detokenizers hold
+back bytes that do not yet make a whole UTF-8 character, and when generation ends
+there (``max_tokens`` cut a character), their ``finalize`` turns them into U+FFFD,
+which is dropped here.
 """
 
 from __future__ import annotations
+
+REPLACEMENT = "\ufffd"  # what a UTF-8 decoder makes of bytes that are not a whole character
+
+
+def without_broken_end(text: str) -> str:
+    """``text`` without the replacement characters that end it: the bytes of a character
+    whose rest was never generated. (A model that generates U+FFFD itself as the very last
+    character loses it too; after decoding the two cannot be told apart.)"""
+    return text.rstrip(REPLACEMENT)
 
 
 class OutputText:
@@ -24,7 +38,7 @@ class OutputText:
     def finish(self) -> str:
         """The generation ended: whatever text is still held back."""
         self._detokenizer.finalize()
-        return self._take(self._detokenizer.last_segment, final=True)
+        return self._take(without_broken_end(self._detokenizer.last_segment), final=True)
 
     def _take(self, segment: str, final: bool) -> str:
         if self.stop_string is not None:
