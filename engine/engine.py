@@ -30,7 +30,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import make_prompt_cache
-from mlx_lm.sample_utils import apply_top_p, make_sampler
+from mlx_lm.sample_utils import apply_top_p, make_logits_processors, make_sampler
 
 from kvtier.costmodel.plan import READ_LINKS, Profile, plan_restore, plan_wait
 from kvtier.tiers.counters import add_into
@@ -41,14 +41,19 @@ from kvtier.tiers.page import PageKey, Source, page_keys, reusable_pages
 from .flights import FlightCoordinator
 from .metrics import RateWindow
 from .model import LoadedModel
-from .request import CANCELLED, ERROR, Request, SamplingParams
+from .request import CANCELLED, ERROR, Request, SamplingParams, TokenLogprob
 from .scheduler import Scheduler
+from .text import without_broken_end
 
 log = logging.getLogger(__name__)
 
 
 class InputError(ValueError):
-    """A prompt the model cannot take (one clear line)."""
+    """A prompt or setting the model cannot take (one clear line); ``param`` names the setting."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 def check_prompt(loaded: LoadedModel, tokens: Sequence[int], params: SamplingParams) -> None:
@@ -64,6 +69,9 @@ def check_prompt(loaded: LoadedModel, tokens: Sequence[int], params: SamplingPar
     bad = [t for t in tokens if t < 0 or (vocab and t >= vocab)]
     if bad:
         raise InputError(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
+    bad = [t for t in params.logit_bias or {} if t < 0 or (vocab and t >= vocab)]
+    if bad:  # mlx-lm would fail the whole batch on it
+        raise InputError(f"logit_bias token id {bad[0]} is outside the vocabulary (0..{vocab - 1})", "logit_bias")
 
 
 @dataclass
@@ -273,6 +281,9 @@ class Engine:
             caches=[cache],
             all_tokens=[request.prompt[:done]],
             samplers=[_sampler(request.params)],
+            logits_processors=[make_logits_processors(request.params.logit_bias,
+                                                      presence_penalty=request.params.presence_penalty,
+                                                      frequency_penalty=request.params.frequency_penalty)],
         )
         self._running[request.uid] = request
         if self._prefix_flight:
@@ -447,6 +458,8 @@ class Engine:
             request.t_first_token = now
         if response.finish_reason != "stop":  # the EOS token is not part of the output
             request.output.append(response.token)
+            if request.params.logprobs is not None:  # before the token: a reader of the stream finds both
+                request.logprobs.append(_token_logprob(response.logprobs, response.token, request.params.logprobs))
             request._tokens.put(response.token)
         if response.finish_reason is None:
             return
@@ -500,7 +513,7 @@ class Engine:
             "model": self.loaded.name,
             "model_name": self.loaded.label,
             "output_token_ids": request.output,
-            "text": self.loaded.tokenizer.decode(request.output),
+            "text": without_broken_end(self.loaded.tokenizer.decode(request.output)),
             "finish_reason": request.finish_reason,
             "error": request.error,
             "plan": request.plan.to_dict() if request.plan else None,
@@ -569,6 +582,18 @@ def _sampler(params: SamplingParams):
         return mx.random.categorical(logprobs * (1 / params.temperature), key=draw)
 
     return sample
+
+
+def _token_logprob(logprobs: mx.array, token: int, top: int) -> TokenLogprob:
+    """The chosen token's log-probability and the ``top`` best at its position, from the
+    vector mlx-lm sampled from."""
+    chosen = logprobs[token].item()
+    if not top:
+        return TokenLogprob(chosen, [])
+    ids = mx.argpartition(-logprobs, kth=top - 1)[:top]
+    order = mx.argsort(-logprobs[ids])
+    ids = ids[order]
+    return TokenLogprob(chosen, list(zip(ids.tolist(), logprobs[ids].tolist())))
 
 
 def _one_line(exc: BaseException) -> str:

@@ -22,6 +22,21 @@ class SamplingParams:
     temperature: float = 0.0  # 0 is greedy
     top_p: float = 1.0
     seed: int | None = None  # its own random stream (temperature > 0)
+    # mlx-lm's logits processors: added to the logits of these token ids, and subtracted
+    # from those of tokens among the sequence's last 20 (once, or once per occurrence)
+    logit_bias: dict[int, float] | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: int | None = None  # keep each output token's log-probability and this many top alternatives
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """An output token's log-probability (after logit_bias and penalties, before temperature
+    and top_p: mlx-lm's) and the most likely tokens at its position, best first."""
+
+    logprob: float
+    top: list[tuple[int, float]]
 
 
 @dataclass(eq=False)  # a request is itself: compared and hashed by identity
@@ -58,6 +73,7 @@ class Request:
     wait_deadline: float | None = None  # perf_counter after which it never waits again
     t_held: float | None = None  # when it was last held
     output: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output token, if params.logprobs is set
     finish_reason: str | None = None
     error: str | None = None  # one line, when finish_reason is "error"
     t_submit: float = field(default_factory=time.perf_counter)
