@@ -17,9 +17,10 @@ import json
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
+from pydantic_core import PydanticCustomError
 
 RESTORED = ("L1", "L2", "L3")
 
@@ -30,9 +31,10 @@ class APIError(Exception):
     """An answer other than 200: one status and one error object, never a traceback."""
 
     def __init__(self, status: int, message: str, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None) -> None:
+                 param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers  # e.g. a 429's Retry-After
 
     def body(self, anthropic: bool = False) -> dict:
         """OpenAI's error object; Anthropic clients read the same ``error`` with ``type: error`` beside it."""
@@ -44,13 +46,38 @@ def invalid(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param=param)
 
 
+def unsupported(param: str, what: str) -> APIError:
+    return APIError(400, f"{param}: {what} is not supported by kvtier serve", param=param, code="unsupported")
+
+
+def refuse_unless(ok: bool, param: str, what: str) -> None:
+    """A setting the server does not implement, given another value than the one it always uses."""
+    if not ok:
+        raise unsupported(param, what)
+
+
 # -- request bodies ---------------------------------------------------------------
 
 
 class _Body(BaseModel):
-    # Strict: a string is not a number, a number is not a string. Unknown fields are
-    # ignored, as clients send many (user, logprobs: false, metadata, ...).
-    model_config = ConfigDict(strict=True, extra="ignore")
+    # Strict: a string is not a number, a number is not a string. A field the server does
+    # not know is a 400 that names it, never silently ignored: a setting that changes the
+    # answer must not be dropped. Fields that change nothing here (user, metadata, ...)
+    # are declared, and ignored on purpose.
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
+def _text_only(*kinds: str):
+    """Content parts other than ``kinds`` (images, audio, files, documents) get one clear
+    line instead of pydantic's list of union failures."""
+    def check(parts: Any) -> Any:
+        for part in parts if isinstance(parts, list) else []:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if isinstance(kind, str) and kind not in kinds:
+                raise PydanticCustomError("unsupported", "content of type '{kind}' is not supported by kvtier "
+                                          "serve (it takes {kinds})", {"kind": kind, "kinds": ", ".join(kinds)})
+        return parts
+    return BeforeValidator(check)
 
 
 class StreamOptions(_Body):
@@ -67,6 +94,16 @@ class _OpenAISampling(_Body):
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None  # token id (as text) -> added to its logit, -100..100
+    # Accepted and ignored: they describe the caller, not the answer.
+    user: str | None = None
+    metadata: dict | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None  # every prefix is cached here anyway
+    safety_identifier: str | None = None
 
     def stop_strings(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -75,10 +112,26 @@ class _OpenAISampling(_Body):
         return stops
 
     def checked(self) -> "_OpenAISampling":
-        if self.n != 1:
-            raise invalid("only n = 1 is supported", "n")
+        refuse_unless(self.n == 1, "n", "more than one choice (n = 1 only)")
         self.stop_strings()
+        self.token_bias()
         return self
+
+    def token_bias(self) -> dict[int, float] | None:
+        """``logit_bias`` by token id; its keys are token ids written as text, as OpenAI's."""
+        if self.logit_bias is None:
+            return None
+        if not all(key.isdigit() for key in self.logit_bias):
+            raise invalid("logit_bias: keys must be token ids (e.g. \"1234\")", "logit_bias")
+        if not all(-100 <= bias <= 100 for bias in self.logit_bias.values()):
+            raise invalid("logit_bias: biases must be in [-100, 100]", "logit_bias")
+        return {int(key): bias for key, bias in self.logit_bias.items()}
+
+    def sampling(self) -> dict:
+        """The settings beyond max_tokens, temperature, top_p and seed, as SamplingParams takes them
+        (each request kind counts its ``top_logprobs_count`` as OpenAI defines it for that kind)."""
+        return {"logit_bias": self.token_bias(), "presence_penalty": self.presence_penalty,
+                "frequency_penalty": self.frequency_penalty, "logprobs": self.top_logprobs_count()}
 
     @property
     def include_usage(self) -> bool:
@@ -87,22 +140,33 @@ class _OpenAISampling(_Body):
 
 class CompletionRequest(_OpenAISampling):
     prompt: Union[str, list[int]]
+    logprobs: int | None = Field(None, ge=0, le=5)  # this many alternatives with each token's log-probability
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
 
     def checked(self) -> "CompletionRequest":
         if not self.prompt:
             raise invalid("prompt must not be empty", "prompt")
+        refuse_unless(not self.echo, "echo", "repeating the prompt in the answer (echo)")
+        refuse_unless(self.best_of in (None, 1), "best_of", "choosing among several completions (best_of = 1 only)")
+        refuse_unless(not self.suffix, "suffix", "text after the insertion point (suffix)")
         return super().checked()
+
+    def top_logprobs_count(self) -> int | None:
+        return self.logprobs
 
 
 class TextPart(_Body):
     type: Literal["text"]
     text: str
+    cache_control: dict | None = None  # Anthropic's cache hint: every prefix is cached here anyway
 
 
 class ChatMessage(_Body):
     model_config = ConfigDict(strict=True, extra="allow")  # tool_calls, name, ... reach the template
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Union[str, list[TextPart], None] = None
+    content: Annotated[Union[str, list[TextPart], None], _text_only("text")] = None
 
     def for_template(self) -> dict:
         message = self.model_dump(exclude_none=True)
@@ -114,12 +178,28 @@ class ChatCompletionRequest(_OpenAISampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, gt=0)
     tools: list[dict] | None = None
+    tool_choice: Union[str, dict, None] = None
+    parallel_tool_calls: bool | None = None  # accepted and ignored, as the template renders the tools as they are
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    response_format: dict | None = None
+    modalities: list[str] | None = None
 
     def checked(self) -> "ChatCompletionRequest":
         super().checked()
         if self.max_completion_tokens is not None:
             self.max_tokens = self.max_completion_tokens
+        if self.top_logprobs is not None and not self.logprobs:
+            raise invalid("top_logprobs: needs logprobs: true", "top_logprobs")
+        refuse_unless(self.response_format in (None, {"type": "text"}), "response_format",
+                      'a response format other than {"type": "text"} (JSON mode, JSON schema)')
+        refuse_unless(self.tool_choice in (None, "auto"), "tool_choice",
+                      'a tool_choice other than "auto" (the model decides; nothing forces or forbids a call)')
+        refuse_unless(self.modalities in (None, ["text"]), "modalities", "output other than text")
         return self
+
+    def top_logprobs_count(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def template_messages(self) -> list[dict]:
         return [m.for_template() for m in self.messages]
@@ -130,21 +210,23 @@ class ToolUse(_Body):
     id: str
     name: str
     input: dict
+    cache_control: dict | None = None
 
 
 class ToolResult(_Body):
     type: Literal["tool_result"]
     tool_use_id: str
-    content: Union[str, list[TextPart]] = ""
+    content: Annotated[Union[str, list[TextPart]], _text_only("text")] = ""
     is_error: bool = False
+    cache_control: dict | None = None
 
 
-AnthropicBlock = Union[TextPart, ToolUse, ToolResult]
+AnthropicBlock = Annotated[Union[TextPart, ToolUse, ToolResult], Field(discriminator="type")]
 
 
 class AnthropicMessage(_Body):
     role: Literal["user", "assistant"]
-    content: Union[str, list[AnthropicBlock]]
+    content: Annotated[Union[str, list[AnthropicBlock]], _text_only("text", "tool_use", "tool_result")]
 
     def for_template(self) -> dict:
         """One chat-template message: text as it is, tool calls and results as JSON text."""
@@ -174,10 +256,19 @@ class MessagesRequest(_Body):
     stop_sequences: list[str] = Field(default_factory=list)
     stream: bool = False
     tools: list[dict] | None = None
+    tool_choice: dict | None = None
+    top_k: int | None = None
+    thinking: dict | None = None
+    metadata: dict | None = None  # accepted and ignored, as OpenAI's user and metadata
+    service_tier: str | None = None
 
     def checked(self) -> "MessagesRequest":
         if any(not s for s in self.stop_sequences):
             raise invalid("stop_sequences must not hold empty strings", "stop_sequences")
+        refuse_unless(self.tool_choice in (None, {"type": "auto"}), "tool_choice",
+                      'a tool_choice other than {"type": "auto"}')
+        refuse_unless(self.top_k is None, "top_k", "top_k sampling (use top_p)")
+        refuse_unless(self.thinking in (None, {"type": "disabled"}), "thinking", "extended thinking")
         return self
 
     def template_messages(self) -> list[dict]:
@@ -211,7 +302,13 @@ def parse_body(raw: bytes, model: type[_Body]) -> Any:
     try:
         return model.model_validate(data).checked()
     except ValidationError as err:
-        first = err.errors(include_url=False)[0]
+        errors = err.errors(include_url=False)
+        # A field of its own that is unknown or not supported says more than a union's failures.
+        first = next((e for kind in ("unsupported", "extra_forbidden") for e in errors if e["type"] == kind),
+                     errors[0])
+        if first["type"] == "extra_forbidden":
+            raise unsupported(".".join(filter(None, (_field_path(first["loc"][:-1]), first["loc"][-1]))),
+                              "this field") from None
         param = _field_path(first["loc"]) or None
         raise invalid(f"{param}: {first['msg']}" if param else first["msg"], param) from None
 
@@ -234,6 +331,15 @@ class PromptUsage:
 
 
 @dataclass
+class TokenChoice:
+    """One output token's log-probability and the best alternatives at its place, as text."""
+
+    token: str
+    logprob: float
+    top: list[tuple[str, float]]
+
+
+@dataclass
 class Finished:
     """What the server knows once a request is over."""
 
@@ -242,6 +348,7 @@ class Finished:
     finish_reason: str  # "stop" (EOS or a stop string) or "length"
     stop_string: str | None  # the stop string that ended it, if one did
     prompt: PromptUsage
+    logprobs: list[TokenChoice] | None = None  # when the request asked for them
 
 
 def usage(done: Finished) -> dict:
@@ -270,6 +377,11 @@ def anthropic_usage(prompt: PromptUsage, output_tokens: int) -> dict:
 # -- OpenAI responses and chunks -------------------------------------------------------
 
 
+def _utf8(token: str) -> list[int] | None:
+    """A token's bytes, where its text holds them (a token that is part of a character has none)."""
+    return None if "\ufffd" in token else list(token.encode())
+
+
 class OpenAIShape:
     """Responses and SSE chunks of one OpenAI request (completion or chat)."""
 
@@ -277,31 +389,52 @@ class OpenAIShape:
         self.chat, self.model = chat, model
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
+        self._offset = 0  # characters of the completion's tokens so far: its text_offset
 
     def _envelope(self, obj: str, choices: list, **extra: Any) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
                 "choices": choices, **extra}
 
+    def logprobs(self, tokens: list[TokenChoice] | None) -> dict | None:
+        """OpenAI's ``logprobs`` of a choice or chunk: chat's ``content`` list, or the
+        completions API's four parallel lists; None when the request asked for none."""
+        if tokens is None:
+            return None
+        if self.chat:
+            return {"content": [{"token": t.token, "logprob": t.logprob, "bytes": _utf8(t.token),
+                                 "top_logprobs": [{"token": a, "logprob": lp, "bytes": _utf8(a)} for a, lp in t.top]}
+                                for t in tokens], "refusal": None}
+        offsets = []
+        for t in tokens:
+            offsets.append(self._offset)
+            self._offset += len(t.token)
+        return {"tokens": [t.token for t in tokens], "token_logprobs": [t.logprob for t in tokens],
+                "top_logprobs": [dict(t.top) for t in tokens], "text_offset": offsets}
+
     def response(self, done: Finished) -> dict:
+        logprobs = self.logprobs(done.logprobs)
         if self.chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": done.text},
-                      "finish_reason": done.finish_reason, "logprobs": None}
+                      "finish_reason": done.finish_reason, "logprobs": logprobs}
             return self._envelope("chat.completion", [choice], usage=usage(done))
-        choice = {"index": 0, "text": done.text, "finish_reason": done.finish_reason, "logprobs": None}
+        choice = {"index": 0, "text": done.text, "finish_reason": done.finish_reason, "logprobs": logprobs}
         return self._envelope("text_completion", [choice], usage=usage(done))
 
-    def chunk(self, text: str, finish_reason: str | None = None, first: bool = False) -> str:
+    def chunk(self, text: str, finish_reason: str | None = None, first: bool = False,
+              logprobs: list[TokenChoice] | None = None) -> str:
+        """One chunk; ``logprobs`` are those of the tokens whose text it brings."""
         if self.chat:
             delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
-            choice = {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
+            choice = {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": self.logprobs(logprobs)}
             return sse(self._envelope("chat.completion.chunk", [choice]))
-        choice = {"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}
+        choice = {"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": self.logprobs(logprobs)}
         return sse(self._envelope("text_completion", [choice]))
 
-    def final_chunks(self, done: Finished, include_usage: bool) -> list[str]:
-        """The chunk with the finish reason, the usage (its own chunk when the client asked
-        for ``include_usage``, as OpenAI sends it; else on the last chunk), then ``[DONE]``."""
-        last = json.loads(self.chunk("", done.finish_reason)[len("data: "):])
+    def final_chunks(self, done: Finished, include_usage: bool, logprobs: list[TokenChoice] | None = None) -> list[str]:
+        """The chunk with the finish reason (and the logprobs of tokens no chunk brought yet),
+        the usage (its own chunk when the client asked for ``include_usage``, as OpenAI
+        sends it; else on the last chunk), then ``[DONE]``."""
+        last = json.loads(self.chunk("", done.finish_reason, logprobs=logprobs)[len("data: "):])
         if include_usage:
             tail = [sse(last), sse(self._envelope(last["object"], [], usage=usage(done)))]
         else:
@@ -368,5 +501,9 @@ class AnthropicShape:
 # -- models list ---------------------------------------------------------------------
 
 
+def model_object(model: str, created: int) -> dict:
+    return {"id": model, "object": "model", "created": created, "owned_by": "kvtier"}
+
+
 def models_list(model: str, created: int) -> dict:
-    return {"object": "list", "data": [{"id": model, "object": "model", "created": created, "owned_by": "kvtier"}]}
+    return {"object": "list", "data": [model_object(model, created)]}

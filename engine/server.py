@@ -43,6 +43,7 @@ ANTHROPIC_PATHS = ("/v1/messages",)
 # default model is installed (SmolLM2-135M-Instruct or kvtier-tiny), so the README's
 # examples and a client's settings work on either.
 DEFAULT_MODEL_ID = "kvtier-default"
+RETRY_AFTER_S = 1  # a 429's Retry-After: a batch slot frees as soon as one request ends
 
 
 @dataclass
@@ -54,13 +55,26 @@ class ServerConfig:
 
 
 class Generation:
-    """One submitted request as the server follows it: its text, cut at a stop string."""
+    """One submitted request as the server follows it: its text, cut at a stop string, and
+    the log-probabilities of its tokens when it asked for them."""
 
-    def __init__(self, request: Request, text: OutputText, page_size: int) -> None:
+    def __init__(self, request: Request, text: OutputText, page_size: int, tokenizer) -> None:
         self.request = request
         self.text = text
         self.page_size = page_size
+        self.tokenizer = tokenizer
         self.tokens = 0  # generated tokens read, up to the one that completed a stop string
+        self._described = 0  # of them, those whose logprobs were handed out
+
+    def new_logprobs(self) -> list[api.TokenChoice] | None:
+        """The logprobs of the tokens read since the last call (None: none were asked for).
+        The engine records a token's logprobs before it streams the token."""
+        if self.request.params.logprobs is None:
+            return None
+        start, self._described = self._described, self.tokens
+        decode, request = self.tokenizer.decode, self.request
+        return [api.TokenChoice(decode([token]), entry.logprob, [(decode([t]), lp) for t, lp in entry.top])
+                for token, entry in zip(request.output[start:self.tokens], request.logprobs[start:self.tokens])]
 
     async def deltas(self) -> AsyncIterator[str]:
         """Pieces of text as tokens arrive (may be empty); ends with the request or a stop string."""
@@ -89,7 +103,8 @@ class Generation:
             raise APIError(500, f"generation failed: {self.request.error}", "server_error")
         else:
             raise APIError(503, "the request was cancelled (server shutting down)", "server_error")
-        return Finished(self.text.text, self.tokens, reason, self.text.stop_string, self.prompt_usage())
+        return Finished(self.text.text, self.tokens, reason, self.text.stop_string, self.prompt_usage(),
+                        self.new_logprobs())
 
 
 class KVTierServer:
@@ -109,6 +124,7 @@ class KVTierServer:
                 Route("/v1/completions", self.completions, methods=["POST"]),
                 Route("/v1/messages", self.messages, methods=["POST"]),
                 Route("/v1/models", self.models, methods=["GET"]),
+                Route("/v1/models/{model:path}", self.model, methods=["GET"]),
                 Route("/health", self.health, methods=["GET"]),
                 Route("/metrics", self.prometheus, methods=["GET"]),
                 Route("/v1/kvtier/stats", self.stats, methods=["GET"]),
@@ -155,23 +171,27 @@ class KVTierServer:
 
     async def _openai(self, http: HTTPRequest, body, tokens: list[int], chat: bool) -> Response:
         shape = api.OpenAIShape(chat, self._model(body.model))
-        gen = await self._submit(tokens, body.max_tokens, body.temperature, body.top_p, body.seed,
-                                 body.stop_strings(), "prompt" if not chat else "messages")
+        params = SamplingParams(body.max_tokens or 0, body.temperature, body.top_p, body.seed, **body.sampling())
+        gen = await self._submit(tokens, params, body.stop_strings(), "prompt" if not chat else "messages")
         if not body.stream:
             return JSONResponse(shape.response(await self._collect(gen, http)))
 
         async def events() -> AsyncIterator[str]:
             yield shape.chunk("", first=True)
+            held: list[api.TokenChoice] = []  # logprobs of tokens whose text is held back (a stop string may start)
             async for piece in gen.deltas():
+                held += gen.new_logprobs() or []
                 if piece:
-                    yield shape.chunk(piece)
+                    yield shape.chunk(piece, logprobs=held if params.logprobs is not None else None)
+                    held = []
             try:
                 done = gen.finished()
             except APIError as err:
                 for chunk in shape.error_chunks(err):
                     yield chunk
                 return
-            for chunk in shape.final_chunks(done, body.include_usage):
+            tail = held + done.logprobs if done.logprobs is not None else None
+            for chunk in shape.final_chunks(done, body.include_usage, tail):
                 yield chunk
 
         return self._sse(events(), gen.request)
@@ -182,7 +202,7 @@ class KVTierServer:
         body = api.parse_body(await self._read(http), api.MessagesRequest)
         shape = api.AnthropicShape(self._model(body.model))
         tokens = await anyio.to_thread.run_sync(self._render, body.template_messages(), body.tools)
-        gen = await self._submit(tokens, body.max_tokens, body.temperature, body.top_p, None,
+        gen = await self._submit(tokens, SamplingParams(body.max_tokens, body.temperature, body.top_p),
                                  body.stop_sequences, "messages")
         if not body.stream:
             return JSONResponse(shape.response(await self._collect(gen, http)))
@@ -211,6 +231,10 @@ class KVTierServer:
 
     async def models(self, http: HTTPRequest) -> Response:
         return JSONResponse(api.models_list(self.config.model_name, self.created))
+
+    async def model(self, http: HTTPRequest) -> Response:
+        self._model(http.path_params["model"])
+        return JSONResponse(api.model_object(self.config.model_name, self.created))
 
     async def health(self, http: HTTPRequest) -> Response:
         return JSONResponse({"status": "ok", "model": self.config.model_name})
@@ -252,26 +276,26 @@ class KVTierServer:
         except Exception as err:  # jinja and template errors come in many types
             raise api.invalid(f"the chat template cannot render these messages: {err}", "messages") from None
 
-    async def _submit(self, tokens: list[int], max_tokens: int | None, temperature: float, top_p: float,
-                      seed: int | None, stops: list[str], param: str) -> Generation:
+    async def _submit(self, tokens: list[int], params: SamplingParams, stops: list[str], param: str) -> Generation:
+        """Check and submit; ``params.max_tokens`` 0 takes the server's default (capped by the context)."""
         if len(tokens) >= self.context:
             raise api.invalid(f"the prompt is {len(tokens)} tokens; this model's context is {self.context}",
                               param)
         room = self.context - len(tokens)
-        if max_tokens is not None and max_tokens > room:
-            raise api.invalid(f"max_tokens is {max_tokens}, but the {len(tokens)}-token prompt leaves room "
+        if params.max_tokens > room:
+            raise api.invalid(f"max_tokens is {params.max_tokens}, but the {len(tokens)}-token prompt leaves room "
                               f"for {room} in this model's context of {self.context}", "max_tokens")
         if self.engine.scheduler.pending() >= self.config.max_waiting:
             raise APIError(429, f"{self.config.max_waiting} requests are already waiting; try again shortly",
-                           "rate_limit_error", code="queue_full")
-        params = SamplingParams(max_tokens or min(self.config.default_max_tokens, room), temperature, top_p,
-                                seed=seed)
+                           "rate_limit_error", code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)})
+        params.max_tokens = params.max_tokens or min(self.config.default_max_tokens, room)
         try:
             request = await anyio.to_thread.run_sync(self.engine.submit, tokens, params)
         except InputError as err:
-            raise api.invalid(str(err), param) from None
+            raise api.invalid(str(err), err.param or param) from None
         self._live[request.rid] = request
-        return Generation(request, OutputText(self.tokenizer.detokenizer, stops), self.engine.config.page_size)
+        return Generation(request, OutputText(self.tokenizer.detokenizer, stops), self.engine.config.page_size,
+                          self.tokenizer)
 
     async def _collect(self, gen: Generation, http: HTTPRequest) -> Finished:
         """Run a request to its end; cancel it if the client goes away first."""
@@ -303,7 +327,8 @@ class KVTierServer:
     # -- errors ---------------------------------------------------------------------
 
     async def _api_error(self, http: HTTPRequest, err: APIError) -> Response:
-        return JSONResponse(err.body(anthropic=http.url.path in ANTHROPIC_PATHS), status_code=err.status)
+        return JSONResponse(err.body(anthropic=http.url.path in ANTHROPIC_PATHS), status_code=err.status,
+                            headers=err.headers)
 
     async def _http_error(self, http: HTTPRequest, err: HTTPException) -> Response:
         kind = "not_found_error" if err.status_code == 404 else "invalid_request_error"

@@ -100,6 +100,9 @@ def test_ops_endpoints(server, model):
     stats = server.stats()
     assert set(stats["tiers"]) == {"L1", "L2", "L3"} and stats["engine"]["requests"] >= 1
     assert stats["server"] == {"waiting": 0, "running": 0}
+    assert server.openai.models.retrieve(model).id == model
+    unknown = server.http.get("/v1/models/gpt-4o")
+    assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "model_not_found"
 
 
 def test_chat_stream_equals_non_stream_with_usage(server, model):
@@ -192,6 +195,77 @@ def test_served_model_name_is_the_id(tmp_path):
         assert srv.stop() == 0, "".join(srv.log)
 
 
+# -- sampling settings, logprobs, whole characters ------------------------------------------
+
+# Byte tokens 0xC3 0xA9 are "é": biased far above the rest, with a presence penalty that
+# makes the two alternate, the tiny model writes "ééé..."; 5 tokens end inside the third.
+ACCENTS = {"logit_bias": {"195": 100, "169": 99}, "presence_penalty": 1.5}
+
+
+def test_logit_bias_and_penalties_steer_and_text_ends_on_whole_characters(server, model):
+    kw = dict(model=model, prompt="the cache", max_tokens=5, temperature=0)
+    plain = server.openai.completions.create(**kw)
+    steered = server.openai.completions.create(**kw, extra_body=ACCENTS)
+    assert steered.choices[0].text == "éé" != plain.choices[0].text
+    assert steered.usage.completion_tokens == 5 and steered.choices[0].finish_reason == "length"
+    pieces = [c.choices[0].text for c in server.openai.completions.create(**kw, extra_body=ACCENTS, stream=True)
+              if c.choices]
+    assert "".join(pieces) == "éé" and not any("\ufffd" in p for p in pieces)
+    messages = [{"role": "user", "content": "the cache"}]
+    chat = _chat(server, model, messages, max_tokens=5, extra_body=ACCENTS)
+    assert chat.choices[0].message.content == "éé"
+    streamed = [c.choices[0].delta.content or "" for c in _chat(server, model, messages, max_tokens=5, stream=True,
+                                                                extra_body=ACCENTS) if c.choices]
+    assert "".join(streamed) == "éé" and not any("\ufffd" in p for p in streamed)
+    unbiased = _chat(server, model, messages, max_tokens=5, extra_body={"logit_bias": {"195": 100}})
+    assert unbiased.choices[0].message.content == ""  # five lone lead bytes: nothing whole to show
+
+
+def test_logprobs_stream_and_not_in_openai_shapes(server, model):
+    """Greedy: each chosen token is the best of its top_logprobs, with the same value;
+    the streamed chunks carry the same entries as the whole response, one per token."""
+    messages = [{"role": "user", "content": "log the probabilities"}]
+    full = _chat(server, model, messages, max_tokens=8, logprobs=True, top_logprobs=3)
+    content = full.choices[0].logprobs.content
+    assert len(content) == full.usage.completion_tokens == 8
+    assert "".join(t.token for t in content) == full.choices[0].message.content
+    for entry in content:
+        assert len(entry.top_logprobs) == 3 and entry.top_logprobs[0].token == entry.token
+        assert entry.top_logprobs[0].logprob == entry.logprob <= 0
+        assert [t.logprob for t in entry.top_logprobs] == sorted((t.logprob for t in entry.top_logprobs), reverse=True)
+    chunks = list(_chat(server, model, messages, max_tokens=8, logprobs=True, top_logprobs=3, stream=True))
+    streamed = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
+    assert _chat(server, model, messages, max_tokens=2).choices[0].logprobs is None
+
+    text = server.openai.completions.create(model=model, prompt="log", max_tokens=6, temperature=0, logprobs=2)
+    logprobs = text.choices[0].logprobs
+    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == len(logprobs.top_logprobs) == 6
+    assert "".join(logprobs.tokens) == text.choices[0].text
+    assert logprobs.text_offset == [sum(map(len, logprobs.tokens[:i])) for i in range(6)]
+    assert all(max(top.values()) == lp for top, lp in zip(logprobs.top_logprobs, logprobs.token_logprobs))
+    stream = server.openai.completions.create(model=model, prompt="log", max_tokens=6, temperature=0, logprobs=2,
+                                              stream=True)
+    streamed = [lp for c in stream if c.choices and c.choices[0].logprobs
+                for lp in c.choices[0].logprobs.token_logprobs]
+    assert streamed == logprobs.token_logprobs
+
+
+def test_unsupported_settings_through_the_clients(server, model):
+    messages = [{"role": "user", "content": "x"}]
+    for kw, param in ((dict(response_format={"type": "json_object"}), "response_format"), (dict(n=2), "n"),
+                      (dict(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {
+                          "url": "https://example.invalid/cat.png"}}]}]), "messages.0.content")):
+        with pytest.raises(openai.BadRequestError) as caught:
+            server.openai.chat.completions.create(**{"model": model, "messages": messages, **kw})
+        assert caught.value.body["param"] == param and "not supported" in caught.value.body["message"]
+    with pytest.raises(openai.BadRequestError, match="echo"):
+        server.openai.completions.create(model=model, prompt="x", echo=True)
+    with pytest.raises(anthropic.BadRequestError, match="not supported"):
+        server.anthropic.messages.create(model=model, max_tokens=2, messages=[{"role": "user", "content": [
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}}]}])
+
+
 # -- bad input -------------------------------------------------------------------
 
 
@@ -272,6 +346,7 @@ def test_full_queue_answers_429_and_hung_up_streams_are_cancelled(server, model)
     refused = server.http.post("/v1/completions", json={"model": model, "prompt": "one more", "max_tokens": 1})
     hang_up.set()
     assert refused.status_code == 429 and refused.json()["error"]["code"] == "queue_full"
+    assert int(refused.headers["retry-after"]) > 0
     for thread, _ in streams:
         thread.join(timeout=120)
     _wait_for(lambda: server.stats()["engine"]["cancelled"] - before["cancelled"] == 4, "four cancellations")
