@@ -16,6 +16,7 @@ from kvtier.tiers.hierarchy import StoreConfig
 ERROR_KEYS = {"message", "type", "param", "code"}
 
 text = st.text(st.characters(codec="utf-8"), max_size=30)
+json_values_base = st.none() | st.booleans() | st.integers(-3, 300) | st.floats(-2, 3, allow_nan=False) | text
 tokens = st.lists(st.integers(0, 255), min_size=1, max_size=20)
 # Valid bodies (max_tokens small, so that they run quickly) ...
 sampling = {
@@ -26,14 +27,24 @@ sampling = {
     "stream": st.booleans(),
 }
 openai = {**sampling, "max_tokens": st.integers(1, 3), "stop": st.text(min_size=1, max_size=3) | st.lists(st.text(min_size=1, max_size=3), max_size=3),
-          "n": st.just(1), "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()})}
+          "n": st.just(1), "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}),
+          "presence_penalty": st.floats(-2, 2), "frequency_penalty": st.floats(-2, 2),
+          "logit_bias": st.dictionaries(st.integers(0, 258).map(str), st.floats(-100, 100), max_size=3),
+          "user": text}
+completion = {**openai, "logprobs": st.integers(0, 5), "echo": st.just(False), "best_of": st.just(1)}
+chat = {**openai, "max_completion_tokens": st.integers(1, 3), "logprobs": st.booleans(),
+        "top_logprobs": st.integers(0, 20), "response_format": st.just({"type": "text"})}
+# Fields that are refused whatever else the body holds: each one's 400 names it.
+refused = {"echo": st.just(True), "best_of": st.integers(2, 5), "n": st.integers(2, 4),
+           "response_format": st.just({"type": "json_object"}), "frobnicate": json_values_base,
+           "image": st.just([{"type": "image_url", "image_url": {"url": "data:,"}}])}
 message = st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "system"]),
                                  "content": text | st.lists(st.fixed_dictionaries({"type": st.just("text"),
                                                                                    "text": text}), max_size=2)})
 valid = {
-    "/v1/completions": st.fixed_dictionaries({"prompt": text.filter(bool) | tokens}, optional=openai),
+    "/v1/completions": st.fixed_dictionaries({"prompt": text.filter(bool) | tokens}, optional=completion),
     "/v1/chat/completions": st.fixed_dictionaries({"messages": st.lists(message, min_size=1, max_size=3)},
-                                                  optional={**openai, "max_completion_tokens": st.integers(1, 3)}),
+                                                  optional=chat),
     "/v1/messages": st.fixed_dictionaries(
         {"max_tokens": st.integers(1, 3),
          "messages": st.lists(message.map(lambda m: {**m, "role": "user"}), min_size=1, max_size=2)},
@@ -42,11 +53,25 @@ valid = {
 }
 # ... and any JSON in any field, whole bodies of any JSON, and bytes that are not JSON.
 json_values = st.recursive(
-    st.none() | st.booleans() | st.integers(-3, 300) | st.floats(-2, 3, allow_nan=False) | text,
+    json_values_base,
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
     max_leaves=8,
 )
-FIELDS = sorted({*openai, "prompt", "messages", "system", "stop_sequences", "max_completion_tokens"})
+FIELDS = sorted({*completion, *chat, "prompt", "messages", "system", "stop_sequences"})
+
+
+def _refusing(path: str):
+    """A valid body with one refused field (an image block goes into the first message)."""
+    def add(pair):
+        body, (name, value) = pair
+        if name == "image":
+            first = body["messages"][0] if "messages" in body else None
+            if first is None:
+                return body, None
+            return {**body, "messages": [{**first, "content": value}, *body["messages"][1:]]}, "messages.0.content"
+        return {**body, name: value}, name
+    return st.tuples(valid[path], st.sampled_from(sorted(refused)).flatmap(
+        lambda name: st.tuples(st.just(name), refused[name]))).map(add)
 
 
 def bodies(path: str):
@@ -92,6 +117,46 @@ def test_any_body_gets_a_result_or_an_error_object(client, before, request):
         assert response.text.rstrip().endswith(("data: [DONE]", '{"type":"message_stop"}'))
     else:
         assert response.json()["usage"]
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                                  HealthCheck.too_slow])
+@given(request=st.sampled_from(["/v1/completions", "/v1/chat/completions"]).flatmap(
+    lambda path: st.tuples(st.just(path), _refusing(path))))
+def test_a_refused_field_is_a_400_naming_it_whatever_the_rest(client, before, request):
+    path, (body, param) = request
+    response = client.post(path, json=body)
+    if param is None:
+        return  # a completion has no message to put an image in
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert set(error) == ERROR_KEYS and error["param"] == param and "not supported" in error["message"]
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                                  HealthCheck.too_slow])
+@given(body=valid["/v1/completions"].map(lambda b: {**b, "logprobs": 2, "max_tokens": 3,
+                                                    "logit_bias": {"195": 100, "169": 99}}))
+def test_text_and_logprobs_agree_in_any_valid_completion(client, before, body):
+    """Whatever the other settings, with the bytes of "é" (C3 A9) pushed up so that
+    max_tokens often cuts one: no U+FFFD ends the text, and one logprob entry per token."""
+    response = client.post("/v1/completions", json=body)
+    assert response.status_code in (200, 400), response.text
+    if response.status_code != 200:
+        return
+    if body.get("stream"):
+        events = [json.loads(line[len("data: "):]) for line in response.text.splitlines()
+                  if line.startswith("data: {")]
+        text = "".join(e["choices"][0]["text"] for e in events if e["choices"])
+        entries = [t for e in events if e["choices"] and e["choices"][0]["logprobs"]
+                   for t in e["choices"][0]["logprobs"]["token_logprobs"]]
+        tokens = next(e["usage"] for e in events if e.get("usage"))["completion_tokens"]
+    else:
+        choice = response.json()["choices"][0]
+        text, entries = choice["text"], choice["logprobs"]["token_logprobs"]
+        tokens = response.json()["usage"]["completion_tokens"]
+    assert not text.endswith("\ufffd")
+    assert len(entries) == tokens
 
 
 def test_the_store_and_the_output_survive_the_fuzzing(client, before):
