@@ -29,8 +29,9 @@ from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from . import api
-from .api import APIError, Finished, PromptUsage
+from . import api, responses
+from .api import APIError
+from .responses import Finished, PromptUsage
 from .engine import Engine, InputError
 from .prometheus import ServerMetrics
 from .request import Request, SamplingParams
@@ -66,14 +67,14 @@ class Generation:
         self.tokens = 0  # generated tokens read, up to the one that completed a stop string
         self._described = 0  # of them, those whose logprobs were handed out
 
-    def new_logprobs(self) -> list[api.TokenChoice] | None:
+    def new_logprobs(self) -> list[responses.TokenChoice] | None:
         """The logprobs of the tokens read since the last call (None: none were asked for).
         The engine records a token's logprobs before it streams the token."""
         if self.request.params.logprobs is None:
             return None
         start, self._described = self._described, self.tokens
         decode, request = self.tokenizer.decode, self.request
-        return [api.TokenChoice(decode([token]), entry.logprob, [(decode([t]), lp) for t, lp in entry.top])
+        return [responses.TokenChoice(decode([token]), entry.logprob, [(decode([t]), lp) for t, lp in entry.top])
                 for token, entry in zip(request.output[start:self.tokens], request.logprobs[start:self.tokens])]
 
     async def deltas(self) -> AsyncIterator[str]:
@@ -170,7 +171,7 @@ class KVTierServer:
         return await self._openai(http, body, tokens, chat=True)
 
     async def _openai(self, http: HTTPRequest, body, tokens: list[int], chat: bool) -> Response:
-        shape = api.OpenAIShape(chat, self._model(body.model))
+        shape = responses.OpenAIShape(chat, self._model(body.model))
         params = SamplingParams(body.max_tokens or 0, body.temperature, body.top_p, body.seed, **body.sampling())
         gen = await self._submit(tokens, params, body.stop_strings(), "prompt" if not chat else "messages")
         if not body.stream:
@@ -178,7 +179,7 @@ class KVTierServer:
 
         async def events() -> AsyncIterator[str]:
             yield shape.chunk("", first=True)
-            held: list[api.TokenChoice] = []  # logprobs of tokens whose text is held back (a stop string may start)
+            held: list[responses.TokenChoice] = []  # of tokens whose text is held back (a stop string may start)
             async for piece in gen.deltas():
                 held += gen.new_logprobs() or []
                 if piece:
@@ -200,7 +201,7 @@ class KVTierServer:
 
     async def messages(self, http: HTTPRequest) -> Response:
         body = api.parse_body(await self._read(http), api.MessagesRequest)
-        shape = api.AnthropicShape(self._model(body.model))
+        shape = responses.AnthropicShape(self._model(body.model))
         tokens = await anyio.to_thread.run_sync(self._render, body.template_messages(), body.tools)
         gen = await self._submit(tokens, SamplingParams(body.max_tokens, body.temperature, body.top_p),
                                  body.stop_sequences, "messages")
@@ -230,11 +231,11 @@ class KVTierServer:
     # -- the rest of the API -----------------------------------------------------------
 
     async def models(self, http: HTTPRequest) -> Response:
-        return JSONResponse(api.models_list(self.config.model_name, self.created))
+        return JSONResponse(responses.models_list(self.config.model_name, self.created))
 
     async def model(self, http: HTTPRequest) -> Response:
         self._model(http.path_params["model"])
-        return JSONResponse(api.model_object(self.config.model_name, self.created))
+        return JSONResponse(responses.model_object(self.config.model_name, self.created))
 
     async def health(self, http: HTTPRequest) -> Response:
         return JSONResponse({"status": "ok", "model": self.config.model_name})

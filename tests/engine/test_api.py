@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from kvtier.engine import api
+from kvtier.engine import api, responses
 from kvtier.engine.text import OutputText
 
 
@@ -106,25 +106,25 @@ def test_chat_and_messages_bodies_become_template_messages():
                        api.MessagesRequest)
 
 
-def _done(sources: dict, completion: int = 5) -> api.Finished:
-    prompt = api.PromptUsage(sum(sources.values()), sources, 16, {"restore_pages": 2})
-    return api.Finished("text", completion, "length", None, prompt)
+def _done(sources: dict, completion: int = 5) -> responses.Finished:
+    prompt = responses.PromptUsage(sum(sources.values()), sources, 16, {"restore_pages": 2})
+    return responses.Finished("text", completion, "length", None, prompt)
 
 
 def test_usage_splits_the_prompt_by_source_without_double_counting():
     done = _done({"L1": 16, "L2": 0, "L3": 32, "recomputed": 9})
-    usage = api.usage(done)
+    usage = responses.usage(done)
     details = usage["prompt_tokens_details"]
     assert usage["prompt_tokens"] == sum(details["sources"].values()) == 57
     assert details["cached_tokens"] == 48
     assert usage["total_tokens"] == 62
     assert usage["kvtier"]["plan"] == {"restore_pages": 2}
-    anthropic = api.anthropic_usage(done.prompt, done.completion_tokens)
+    anthropic = responses.anthropic_usage(done.prompt, done.completion_tokens)
     assert anthropic["cache_read_input_tokens"] == 48 and anthropic["input_tokens"] == 9
 
 
 def test_streamed_openai_tail_carries_usage_and_ends_with_done():
-    shape = api.OpenAIShape(chat=True, model="m")
+    shape = responses.OpenAIShape(chat=True, model="m")
     done = _done({"L1": 0, "L2": 0, "L3": 0, "recomputed": 4})
     with_usage = shape.final_chunks(done, include_usage=True)
     assert with_usage[-1] == "data: [DONE]\n\n"
@@ -136,7 +136,7 @@ def test_streamed_openai_tail_carries_usage_and_ends_with_done():
 
 
 def test_anthropic_events_in_order():
-    shape = api.AnthropicShape("m")
+    shape = responses.AnthropicShape("m")
     done = _done({"L1": 16, "L2": 0, "L3": 0, "recomputed": 1})
     events = shape.start_events(done.prompt) + [shape.delta_event("hi")] + shape.final_events(done)
     names = [e.split("\n")[0].removeprefix("event: ") for e in events]
@@ -247,16 +247,16 @@ def test_sampling_settings_reach_the_engine_as_token_ids():
 
 
 def test_logprobs_in_openai_shapes():
-    tokens = [api.TokenChoice("ab", -0.5, [("ab", -0.5), ("x", -1.5)]), api.TokenChoice("\ufffd", -0.1, [])]
-    chat = api.OpenAIShape(chat=True, model="m").logprobs(tokens)
+    tokens = [responses.TokenChoice("ab", -0.5, [("ab", -0.5), ("x", -1.5)]), responses.TokenChoice("\ufffd", -0.1, [])]
+    chat = responses.OpenAIShape(chat=True, model="m").logprobs(tokens)
     assert chat["content"][0] == {"token": "ab", "logprob": -0.5, "bytes": [97, 98], "top_logprobs": [
         {"token": "ab", "logprob": -0.5, "bytes": [97, 98]}, {"token": "x", "logprob": -1.5, "bytes": [120]}]}
     assert chat["content"][1]["bytes"] is None  # part of a character: no bytes of its own in its text
-    shape = api.OpenAIShape(chat=False, model="m")
+    shape = responses.OpenAIShape(chat=False, model="m")
     first, second = shape.logprobs(tokens[:1]), shape.logprobs(tokens[1:])  # two chunks of one stream
     assert first == {"tokens": ["ab"], "token_logprobs": [-0.5], "top_logprobs": [{"ab": -0.5, "x": -1.5}],
                      "text_offset": [0]}
     assert second["text_offset"] == [2]
     assert shape.logprobs(None) is None
-    plain = api.OpenAIShape(chat=False, model="m").response(_done({"L1": 0, "L2": 0, "L3": 0, "recomputed": 1}))
+    plain = responses.OpenAIShape(chat=False, model="m").response(_done({"L1": 0, "L2": 0, "L3": 0, "recomputed": 1}))
     assert plain["choices"][0]["logprobs"] is None
