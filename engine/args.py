@@ -23,7 +23,8 @@ def parse_size(text: str) -> int:
 
 
 def positive_size(text: str) -> int:
-    """A size that must hold something: an L3 cap of 0 bytes is no store (L1 and L2 may be 0: the tier is off)."""
+    """A size that must hold something: resizing a store to 0 bytes would only empty it (``kvtier store clear``
+    does that). A new store's cap of 0 is allowed: its L3 drops every write."""
     if (size := parse_size(text)) <= 0:
         raise argparse.ArgumentTypeError(f"must be more than 0 bytes, got {text!r}")
     return size

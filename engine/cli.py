@@ -97,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
                          help="L1 (device) capacity; more than the machine's memory is refused")
         parser.add_argument("--l2-bytes", type=parse_size, default="4GiB", metavar="S",
                          help="L2 (host RAM) capacity; more than the machine's memory is refused")
-        parser.add_argument("--l3-bytes", type=positive_size, default=None, metavar="S",
+        parser.add_argument("--l3-bytes", type=parse_size, default=None, metavar="S",
                          help=f"L3 cap of a new store (default: {format_bytes(DEFAULT_CAPACITY)}); an existing "
                               "store keeps its own (`kvtier store resize` changes it)")
         parser.add_argument("--page-size", type=positive_int, default=128, metavar="N", help="tokens per KV page")

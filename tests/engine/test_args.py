@@ -12,8 +12,7 @@ from kvtier.engine.cli import UsageError, build_parser
 
 REFUSED = [  # (argv, words of the one line)
     (["store", "resize", "--l3-bytes", "0"], "more than 0 bytes"),
-    (["run", "--prompt", "x", "--l3-bytes", "0"], "more than 0 bytes"),
-    (["serve", "--l3-bytes", "0B"], "more than 0 bytes"),
+    (["store", "resize", "--l3-bytes", "0B"], "more than 0 bytes"),
     (["serve", "--drain-timeout", "-5"], "0 seconds or more"),
     (["serve", "--drain-timeout", "inf"], "expected a number"),
     (["serve", "--drain-timeout", "soon"], "expected a number"),
@@ -36,8 +35,9 @@ def test_sizes_durations_and_counts_that_make_no_sense_are_refused(argv, words):
     assert words in message and "\n" not in message
 
 
-ACCEPTED = [  # where 0 means something: a tier that is off, no draining, no refresh
-    (["run", "--prompt", "x", "--l1-bytes", "0", "--l2-bytes", "0"], {"l1_bytes": 0, "l2_bytes": 0}),
+ACCEPTED = [  # where 0 means something: a tier that is off (an L3 that drops writes), no draining, no refresh
+    (["run", "--prompt", "x", "--l1-bytes", "0", "--l2-bytes", "0", "--l3-bytes", "0"],
+     {"l1_bytes": 0, "l2_bytes": 0, "l3_bytes": 0}),
     (["serve", "--drain-timeout", "0"], {"drain_timeout": 0.0}),
     (["serve", "--drain-timeout", "2.5", "--l3-bytes", "1MiB"], {"drain_timeout": 2.5, "l3_bytes": 1 << 20}),
     (["run", "--prompt", "x", "--refresh-window", "0"], {"refresh_window": 0}),
