@@ -44,7 +44,8 @@ message = st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "
 valid = {
     "/v1/completions": st.fixed_dictionaries({"prompt": text.filter(bool) | tokens}, optional=completion),
     "/v1/chat/completions": st.fixed_dictionaries({"messages": st.lists(message, min_size=1, max_size=3)},
-                                                  optional=chat),
+                                                  optional=chat).map(  # top_logprobs needs logprobs
+        lambda b: {**b, "logprobs": True} if "top_logprobs" in b else b),
     "/v1/messages": st.fixed_dictionaries(
         {"max_tokens": st.integers(1, 3),
          "messages": st.lists(message.map(lambda m: {**m, "role": "user"}), min_size=1, max_size=2)},
