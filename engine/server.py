@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import AsyncIterator
 
 import anyio
+from mlx_lm.tokenizer_utils import TokenizerWrapper
 from starlette.applications import Starlette
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
@@ -31,10 +32,10 @@ from starlette.routing import Route
 
 from . import api, responses
 from .api import APIError
-from .responses import Finished, PromptUsage
 from .engine import Engine, InputError
 from .prometheus import ServerMetrics
 from .request import Request, SamplingParams
+from .responses import Finished, PromptUsage
 from .text import OutputText
 
 log = logging.getLogger(__name__)
@@ -59,7 +60,7 @@ class Generation:
     """One submitted request as the server follows it: its text, cut at a stop string, and
     the log-probabilities of its tokens when it asked for them."""
 
-    def __init__(self, request: Request, text: OutputText, page_size: int, tokenizer) -> None:
+    def __init__(self, request: Request, text: OutputText, page_size: int, tokenizer: TokenizerWrapper) -> None:
         self.request = request
         self.text = text
         self.page_size = page_size
