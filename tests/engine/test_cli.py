@@ -142,7 +142,7 @@ def test_bench_ttft_times_every_source_from_the_tier_it_names(ttft_bench):
         assert row["restored_tokens"] == (n - 1) // TTFT_PAGE * TTFT_PAGE
         assert set(row["ttft_s"]) == set(report["sources"]) and min(row["ttft_s"].values()) > 0
         for tier in ("L1", "L2", "L3"):
-            assert row["ratio_to_recompute"][tier] == pytest.approx(row["ttft_s"][tier] / row["ttft_s"]["recompute"], rel=1e-3)
+            assert row["ratio_to_recompute"][tier] == pytest.approx(row["ttft_s"][tier] / row["ttft_s"]["recompute"], abs=5e-5)  # rounded to 4 places
         for tier in ("L2", "L3"):
             assert row["sources"][tier] == restored_from(tier, n)
         assert row["sources"]["L1"] == {"L1": n - 1, "L2": 0, "L3": 0, "recomputed": 1}  # with its last partial page
