@@ -24,6 +24,7 @@ from kvtier.tiers.policy import ADMISSIONS, DEFAULT_POLICY, POLICIES
 
 from . import bench_report
 from .blas import blas_in_use
+from .interrupts import deferred_interrupt, ignored_interrupts, stop_on_signals
 from .paths import default_store_dir
 from .report import format_engine_totals, format_last_run, format_namespaces, format_prometheus, format_tier_table
 
@@ -353,7 +354,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"kvtier: error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print(f"kvtier: interrupted; {_pages_kept(args)}", file=sys.stderr)
+        with ignored_interrupts():  # a second Ctrl-C cannot cut the last line short
+            print(f"kvtier: interrupted; {_pages_kept(args)}", file=sys.stderr)
         return 130
 
 
@@ -560,28 +562,26 @@ def cmd_run(args: argparse.Namespace) -> int:
     except InputError as err:
         raise UsageError(str(err)) from None
     finally:
-        _close_uninterrupted(engine, cancel=not ended)
+        _close(engine, cancel=not ended)
+        if printer:  # every stream has ended: its last lines come before ours
+            printer.finish()
     if args.json:
         for request in requests:
             print(json.dumps(engine.result(request)))
         print(json.dumps({"counters": engine.stats()}))
     else:
-        printer.finish()
         _print_summary(engine.stats())
     return 0
 
 
-def _close_uninterrupted(engine: Engine, cancel: bool) -> None:
-    """Close with Ctrl-C held off, so a second one cannot cut the store's flush short;
-    after an interruption, the requests still running are cancelled first (their
-    published pages stay), instead of being run to the end."""
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
+def _close(engine: Engine, cancel: bool) -> None:
+    """Close with Ctrl-C held until the store's flush is done; after an interruption,
+    the requests still running are cancelled first (their published pages stay),
+    instead of being run to the end."""
+    with deferred_interrupt():
         if cancel:
             engine.stop(cancel=True)
         engine.close()
-    finally:
-        signal.signal(signal.SIGINT, previous)
 
 
 class _Printer:
@@ -614,14 +614,14 @@ class _Printer:
             detokenizer.finalize()
             r = self.result(request)
             print(detokenizer.last_segment)
-            print(f"   ttft {r['ttft_s'] * 1000:.0f} ms, {len(r['output_token_ids'])} tokens out; sources: "
+            ttft = (f"{r['finish_reason']} before the first token" if r["ttft_s"] is None
+                    else f"ttft {r['ttft_s'] * 1000:.0f} ms")
+            print(f"   {ttft}, {len(r['output_token_ids'])} tokens out; sources: "
                   + "  ".join(f"{k}={v}" for k, v in r["sources"].items()), flush=True)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
-    from .server import KVTierServer, ServerConfig
+    from .server import DrainingServer, KVTierServer, ServerConfig
 
     family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
     try:  # bound before the model loads: a busy port fails at once; --port 0 takes a free one
@@ -632,24 +632,21 @@ def cmd_serve(args: argparse.Namespace) -> int:
     _check_sizes(args, store_dir)
     loaded = _load_model(args.model)
     engine = _open_engine(args, loaded, store_dir, max_running=args.max_running, publish_answers=True)
-    server = KVTierServer(engine,
-                          ServerConfig(args.served_model_name or loaded.label, args.max_waiting, args.max_tokens))
-    uv = uvicorn.Server(uvicorn.Config(server.app, lifespan="on", log_level="info" if args.verbose else "warning",
-                                       timeout_graceful_shutdown=args.drain_timeout))
-    # uvicorn handles SIGTERM/SIGINT (stop accepting, drain), then raises the signal again
-    # once it has shut down; these handlers take that second delivery, so the store is
-    # flushed below and the exit status is 0.
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: None)
-    if hasattr(signal, "SIGPIPE"):  # a client gone before its answer is written is an error, not our end
-        signal.signal(signal.SIGPIPE, signal.SIG_IGN)
-    server.start()
-    port = sock.getsockname()[1]
-    print(f"kvtier: serving {server.config.model_name} on http://{args.host}:{port}", file=sys.stderr, flush=True)
     try:
+        server = KVTierServer(engine, ServerConfig(args.served_model_name or loaded.label, args.max_waiting,
+                                                   args.max_tokens))
+        uv = DrainingServer(server, args.drain_timeout, "info" if args.verbose else "warning")
+        stop_on_signals(uv)  # from here on SIGTERM / SIGINT drain, flush and exit 0
+        if hasattr(signal, "SIGPIPE"):  # a client gone before its answer is written is an error, not our end
+            signal.signal(signal.SIGPIPE, signal.SIG_IGN)
+        server.start()
+        port = sock.getsockname()[1]
+        print(f"kvtier: serving {server.config.model_name} on http://{args.host}:{port}", file=sys.stderr,
+              flush=True)
         uv.run(sockets=[sock])
     finally:
-        server.close()
+        _close(engine, cancel=True)
+    print(f"kvtier: stopped; {_pages_kept(args)}", file=sys.stderr)
     return 0
 
 
