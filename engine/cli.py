@@ -26,7 +26,7 @@ from . import bench_report
 from .blas import blas_in_use
 from .interrupts import deferred_interrupt, ignored_interrupts, stop_on_signals
 from .paths import default_store_dir
-from .report import format_engine_totals, format_last_run, format_namespaces, format_prometheus, format_tier_table
+from .report import format_engine_totals, format_last_run, format_namespaces, format_tier_table
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -882,7 +882,9 @@ def cmd_stats(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(counters))
     elif args.prometheus:
-        print(format_prometheus(counters), end="")
+        from .prometheus import format_stats
+
+        print(format_stats(counters), end="")
     else:
         l3 = counters["tiers"]["L3"]
         print(format_tier_table(counters))
