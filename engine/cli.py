@@ -563,8 +563,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise UsageError(str(err)) from None
     finally:
         _close(engine, cancel=not ended)
-        if printer:  # every stream has ended: its last lines come before ours
-            printer.finish()
+        if printer:  # its last lines come before ours
+            printer.finish(timeout=None if ended else _PRINTER_GRACE_S)
     if args.json:
         for request in requests:
             print(json.dumps(engine.result(request)))
@@ -572,6 +572,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     else:
         _print_summary(engine.stats())
     return 0
+
+
+# A Ctrl-C can land after the engine took a request from its queue and before it ran
+# it: that request is never ended and its stream never closes, so after an interrupt
+# the printer is given this long, not waited for.
+_PRINTER_GRACE_S = 2.0
 
 
 def _close(engine: Engine, cancel: bool) -> None:
@@ -600,9 +606,9 @@ class _Printer:
     def add(self, request) -> None:
         self.requests.put(request)
 
-    def finish(self) -> None:
+    def finish(self, timeout: float | None = None) -> None:
         self.requests.put(None)
-        self.thread.join()
+        self.thread.join(timeout)
 
     def _print_all(self) -> None:
         while (request := self.requests.get()) is not None:
