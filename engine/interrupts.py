@@ -29,7 +29,11 @@ _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 @contextmanager
 def deferred_interrupt() -> Iterator[None]:
     """Inside the block Ctrl-C is recorded instead of raised; if one came, it is raised
-    as ``KeyboardInterrupt`` when the block has finished."""
+    as ``KeyboardInterrupt`` when the block has finished. Where Ctrl-C raises nothing
+    anyway (``serve`` once :func:`stop_on_signals` took it), the block runs as it is."""
+    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        yield
+        return
     caught: list[int] = []
     previous = signal.signal(signal.SIGINT, lambda sig, frame: caught.append(sig))
     try:
