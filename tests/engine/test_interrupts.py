@@ -182,12 +182,24 @@ def test_ctrl_c_with_a_request_in_flight_drains_and_flushes(tmp_path):
     child = Child(serve_args(tmp_path, "--drain-timeout", "1"))
     url = child.wait_for("err", r"on (http://\S+)\n").group(1)
     body = {"prompt": SHORT_PROMPT, "max_tokens": 20000, "stream": True}
-    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as response:
-        lines = response.iter_lines()
-        assert next(lines).startswith("data: ")  # the stream is open: the request is in flight
-        code = child.signal_and_wait()
-        rest = [line for line in lines if line]  # after the drain timeout: an error event, the end
-    assert "shutting down" in rest[-2] and rest[-1] == "data: [DONE]", rest[-3:]
+    lines, opened = [], threading.Event()
+
+    def read() -> None:  # a client reading its stream as it comes
+        try:
+            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as response:
+                for line in response.iter_lines():
+                    lines.append(line)
+                    opened.set()
+        except httpx.HTTPError as err:
+            lines.append(f"client: {err!r}")
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    assert opened.wait(120), "the stream never opened"  # the request is in flight
+    code = child.signal_and_wait()
+    reader.join(60)
+    rest = [line for line in lines if line]  # after the drain timeout: an error event, the end
+    assert "shutting down" in rest[-2] and rest[-1] == "data: [DONE]", (rest[-3:], child.text("err"))
     assert_stopped(child, code, tmp_path)
     assert store_pages(tmp_path) > 0, "the prompt's pages were flushed to L3"
 
