@@ -24,8 +24,9 @@ from . import bench_report
 from .args import (l2_sweep, name_list, non_negative_int, parse_size, parse_throttle, port_number, positive_int,
                    positive_ints, positive_number, positive_size, redis_url, seconds, store_arg, temperature, top_p)
 from .blas import blas_in_use
+from .interrupts import deferred_interrupt, ignored_interrupts, stop_on_signals
 from .paths import default_store_dir
-from .report import format_engine_totals, format_last_run, format_namespaces, format_prometheus, format_tier_table
+from .report import format_engine_totals, format_last_run, format_namespaces, format_tier_table
 from .text import OutputText
 
 if TYPE_CHECKING:
@@ -250,7 +251,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"kvtier: error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print(f"kvtier: interrupted; {_pages_kept(args)}", file=sys.stderr)
+        with ignored_interrupts():  # a second Ctrl-C cannot cut the last line short
+            print(f"kvtier: interrupted; {_pages_kept(args)}", file=sys.stderr)
         return 130
 
 
@@ -457,28 +459,32 @@ def cmd_run(args: argparse.Namespace) -> int:
     except InputError as err:
         raise UsageError(str(err)) from None
     finally:
-        _close_uninterrupted(engine, cancel=not ended)
+        _close(engine, cancel=not ended)
+        if printer:  # its last lines come before ours
+            printer.finish(timeout=None if ended else _PRINTER_GRACE_S)
     if args.json:
         for request in requests:
             print(json.dumps(engine.result(request)))
         print(json.dumps({"counters": engine.stats()}))
     else:
-        printer.finish()
         _print_summary(engine.stats())
     return 0
 
 
-def _close_uninterrupted(engine: Engine, cancel: bool) -> None:
-    """Close with Ctrl-C held off, so a second one cannot cut the store's flush short;
-    after an interruption, the requests still running are cancelled first (their
-    published pages stay), instead of being run to the end."""
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
+# A Ctrl-C can land after the engine took a request from its queue and before it ran
+# it: that request is never ended and its stream never closes, so after an interrupt
+# the printer is given this long, not waited for.
+_PRINTER_GRACE_S = 2.0
+
+
+def _close(engine: Engine, cancel: bool) -> None:
+    """Close with Ctrl-C held until the store's flush is done; after an interruption,
+    the requests still running are cancelled first (their published pages stay),
+    instead of being run to the end."""
+    with deferred_interrupt():
         if cancel:
             engine.stop(cancel=True)
         engine.close()
-    finally:
-        signal.signal(signal.SIGINT, previous)
 
 
 class _Printer:
@@ -497,9 +503,9 @@ class _Printer:
     def add(self, request) -> None:
         self.requests.put(request)
 
-    def finish(self) -> None:
+    def finish(self, timeout: float | None = None) -> None:
         self.requests.put(None)
-        self.thread.join()
+        self.thread.join(timeout)
 
     def _print_all(self) -> None:
         while (request := self.requests.get()) is not None:
@@ -510,14 +516,14 @@ class _Printer:
             tail = text.finish()
             r = self.result(request)
             print(tail)
-            print(f"   ttft {r['ttft_s'] * 1000:.0f} ms, {len(r['output_token_ids'])} tokens out; sources: "
+            ttft = (f"{r['finish_reason']} before the first token" if r["ttft_s"] is None
+                    else f"ttft {r['ttft_s'] * 1000:.0f} ms")
+            print(f"   {ttft}, {len(r['output_token_ids'])} tokens out; sources: "
                   + "  ".join(f"{k}={v}" for k, v in r["sources"].items()), flush=True)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
-    from .server import DEFAULT_MODEL_ID, KVTierServer, ServerConfig
+    from .server import DEFAULT_MODEL_ID, DrainingServer, KVTierServer, ServerConfig
 
     family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
     try:  # bound before the model loads: a busy port fails at once; --port 0 takes a free one
@@ -528,25 +534,21 @@ def cmd_serve(args: argparse.Namespace) -> int:
     _check_sizes(args, store_dir)
     loaded = _load_model(args.model)
     engine = _open_engine(args, loaded, store_dir, max_running=args.max_running, publish_answers=True)
-    model_id = args.served_model_name or args.model or DEFAULT_MODEL_ID
-    server = KVTierServer(engine, ServerConfig(model_id, args.max_waiting, args.max_tokens))
-    uv = uvicorn.Server(uvicorn.Config(server.app, lifespan="on", log_level="info" if args.verbose else "warning",
-                                       timeout_graceful_shutdown=args.drain_timeout))
-    # uvicorn handles SIGTERM/SIGINT (stop accepting, drain), then raises the signal again
-    # once it has shut down; these handlers take that second delivery, so the store is
-    # flushed below and the exit status is 0.
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: None)
-    if hasattr(signal, "SIGPIPE"):  # a client gone before its answer is written is an error, not our end
-        signal.signal(signal.SIGPIPE, signal.SIG_IGN)
-    server.start()
-    port = sock.getsockname()[1]
-    shown = model_id if model_id == loaded.label else f"{model_id} ({loaded.label})"
-    print(f"kvtier: serving {shown} on http://{args.host}:{port}", file=sys.stderr, flush=True)
     try:
+        model_id = args.served_model_name or args.model or DEFAULT_MODEL_ID
+        server = KVTierServer(engine, ServerConfig(model_id, args.max_waiting, args.max_tokens))
+        uv = DrainingServer(server, args.drain_timeout, "info" if args.verbose else "warning")
+        stop_on_signals(uv)  # from here on SIGTERM / SIGINT drain, flush and exit 0
+        if hasattr(signal, "SIGPIPE"):  # a client gone before its answer is written is an error, not our end
+            signal.signal(signal.SIGPIPE, signal.SIG_IGN)
+        server.start()
+        port = sock.getsockname()[1]
+        shown = model_id if model_id == loaded.label else f"{model_id} ({loaded.label})"
+        print(f"kvtier: serving {shown} on http://{args.host}:{port}", file=sys.stderr, flush=True)
         uv.run(sockets=[sock])
     finally:
-        server.close()
+        _close(engine, cancel=True)
+    print(f"kvtier: stopped; {_pages_kept(args)}", file=sys.stderr)
     return 0
 
 
@@ -782,7 +784,9 @@ def cmd_stats(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(counters))
     elif args.prometheus:
-        print(format_prometheus(counters), end="")
+        from .prometheus import format_stats
+
+        print(format_stats(counters), end="")
     else:
         l3 = counters["tiers"]["L3"]
         print(format_tier_table(counters))

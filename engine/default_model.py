@@ -108,7 +108,8 @@ def ensure_real_model(progress: Callable[[int, int], None] | None = None) -> Pat
 
     The directory is named after the distribution's version, so an upgrade imports
     again; an existing import of this importer version is used without re-reading
-    the GGUF (hashing it would cost every start).
+    the GGUF (hashing it would cost every start), and listed in the index of imports,
+    so that ``kvtier import-gguf`` of the same file finds it.
     """
     source = packaged_gguf()
     if source is None:
@@ -116,6 +117,7 @@ def ensure_real_model(progress: Callable[[int, int], None] | None = None) -> Pat
     version = importlib.metadata.version(REAL_MODEL_DISTRIBUTION)
     directory = kvtier_home() / "models" / f"{REAL_MODEL}-{version}-{_REAL_MODEL_DTYPE}"
     if gguf.is_imported(directory, _REAL_MODEL_DTYPE):
+        gguf.register_import(directory)
         return directory
     return gguf.import_gguf(source, directory, _REAL_MODEL_DTYPE, progress)
 

@@ -17,7 +17,12 @@ but its text is poor (the real-model tests check the perplexity of both).
 
 Importing is deterministic (same file and dtype, same bytes) and the directory is
 written once: a ``kvtier-import.json`` beside the model names the source's digest,
-and a later import of the same file into the same directory does nothing.
+and a later import of the same file into the same directory does nothing. Every
+import is also listed by that digest in ``<kvtier home>/models/imports.json``, so the
+same content under another file name (a copy, an Ollama blob, the GGUF the default
+model came from) is not written a second time when no ``out`` is named: the listed
+directory is returned. An entry is trusted only while its directory's marker still
+matches; a lost entry (two processes writing the index at once) only costs a copy.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ log = logging.getLogger(__name__)
 IMPORTER_VERSION = 1
 DTYPES = ("float32", "float16", "bfloat16", "keep")
 MARKER = "kvtier-import.json"
+IMPORTS_INDEX = "imports.json"  # under <kvtier home>/models: {digest-dtype-version: directory}
 _GGUF_MAGIC = b"GGUF"
 _GROUP_SIZE = 32  # every GGUF block type mx.load understands has 32 weights per block
 
@@ -95,17 +101,22 @@ def import_gguf(source: Path, out: Path | None = None, dtype: str = "float32",
                 progress: Callable[[int, int], None] | None = None) -> Path:
     """Write (once) the mlx-lm model directory of ``source`` and return it.
 
-    ``out`` defaults to ``<kvtier home>/models/<file stem>-<dtype>``. ``progress`` is
-    called with (bytes converted so far, bytes in all) after each tensor.
+    ``out`` defaults to an earlier import of the same content and dtype (whatever the
+    file was called), else ``<kvtier home>/models/<file stem>-<dtype>``. ``progress``
+    is called with (bytes converted so far, bytes in all) after each tensor.
     Raises :class:`GGUFError` for a file that is not a readable, supported GGUF.
     """
     if dtype not in DTYPES:
         raise GGUFError(f"unknown dtype {dtype!r} (choose from {', '.join(DTYPES)})")
     source = Path(source)
-    out = Path(out) if out is not None else default_import_dir(source, dtype)
     marker = {"importer_version": IMPORTER_VERSION, "dtype": dtype, "source_blake2b": _digest(source)}
+    if out is None and (known := _imported_as(marker)) is not None:
+        log.info("%s is already imported as %s", source.name, known)
+        return known
+    out = Path(out) if out is not None else default_import_dir(source, dtype)
     if _read_marker(out) == marker:
         log.info("%s already holds %s", out, source.name)
+        register_import(out)
         return out
     if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / MARKER).exists())):
         raise GGUFError(f"{out} exists and is not a kvtier import; choose another --out")
@@ -123,7 +134,54 @@ def import_gguf(source: Path, out: Path | None = None, dtype: str = "float32",
             _write_json(tmp / MARKER, marker)
     except OSError as err:
         raise GGUFError(f"cannot write {out}: {err.strerror or err}") from None
+    register_import(out)
     return out
+
+
+def register_import(directory: Path) -> None:
+    """List the import in ``directory`` by its source's digest (read from its marker, so
+    an import made before the index existed registers without hashing its source
+    again). An index kvtier cannot write is logged, not an error: it only saves copies."""
+    marker = _read_marker(directory)
+    if marker is None:
+        return
+    index, listed = _read_index(), str(Path(directory).resolve())
+    if index.get(_index_key(marker)) == listed:
+        return  # the default model's every start comes here: no write
+    index[_index_key(marker)] = listed
+    index = {key: path for key, path in index.items() if _read_marker(Path(path)) is not None}  # drop removed ones
+    path = _index_path()
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _write_json(tmp, index)
+        os.replace(tmp, path)
+    except OSError as err:
+        log.warning("cannot update %s: %s", path, err.strerror or err)
+        tmp.unlink(missing_ok=True)
+
+
+def _imported_as(marker: dict) -> Path | None:
+    """The directory the index lists for this source digest, dtype and importer version,
+    if it still holds that import."""
+    listed = _read_index().get(_index_key(marker))
+    return Path(listed) if listed is not None and _read_marker(Path(listed)) == marker else None
+
+
+def _index_key(marker: dict) -> str:
+    return f"{marker.get('source_blake2b')}-{marker.get('dtype')}-v{marker.get('importer_version')}"
+
+
+def _index_path() -> Path:
+    return kvtier_home() / "models" / IMPORTS_INDEX
+
+
+def _read_index() -> dict[str, str]:
+    try:
+        index = json.loads(_index_path().read_text())
+    except (OSError, ValueError):
+        return {}
+    return {k: v for k, v in index.items() if isinstance(v, str)} if isinstance(index, dict) else {}
 
 
 def is_imported(directory: Path, dtype: str) -> bool:
@@ -148,7 +206,8 @@ def _read(source: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     if magic != _GGUF_MAGIC:
         raise GGUFError(f"{source} is not a GGUF file")
     try:
-        tensors, metadata = mx.load(str(source), return_metadata=True)
+        # by its magic, not its name: Ollama keeps GGUFs as blobs named sha256-<digest>
+        tensors, metadata = mx.load(str(source), format="gguf", return_metadata=True)
     except (RuntimeError, ValueError, KeyError) as err:  # mlx: truncated file, unknown tensor type, ...
         reason = _one_line(err)
         if "to_f16" in reason or isinstance(err, KeyError):

@@ -1,6 +1,14 @@
-"""Prometheus metrics of a serving engine (DESIGN §5): read from ``Engine.stats()`` at
-every scrape, so they are never stale and never counted twice, plus the latency
-histograms that only the server sees (time to first token, time in the queue).
+"""Prometheus metrics (DESIGN §5): the one place where every series is named.
+
+The server's ``GET /metrics`` and ``kvtier stats --prometheus`` both render a stats
+dict through :class:`StatsCollector`, so a series has the same name and type in
+both: counters end in ``_total`` (``kvtier_prompt_tokens_total{source}``,
+``kvtier_link_pages_total{link}``), gauges do not (``kvtier_tier_pages{tier}``). The
+server reads ``Engine.stats()`` at every scrape, so its figures are never stale and
+never counted twice, and adds what only it sees: the latency histograms (time to
+first token, time in the queue) and its waiting and running requests. A store's
+persisted counters have no window and no cost model; they add the size of the
+store's file.
 """
 
 from __future__ import annotations
@@ -14,31 +22,44 @@ from prometheus_client.registry import Collector
 from kvtier.tiers.counters import GAUGES
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+# What describes a tier now; every other tier field, and every link field, only grows.
+TIER_GAUGES = (*GAUGES, "file_bytes")
+ENGINE_COUNTERS = ("requests", "generated_tokens", "l1_hit_loss_tokens", "store_seconds")
 
 
 class StatsCollector(Collector):
-    """Turns one ``Engine.stats()`` dict into metric families, labelled by tier, link, source."""
+    """Turns one stats dict into metric families, labelled by tier, link, source: an
+    ``Engine.stats()`` or the counters a store persisted (parts it lacks are left out)."""
 
     def __init__(self, stats: Callable[[], dict]) -> None:
         self._stats = stats
 
     def collect(self) -> Iterator[Metric]:
         stats = self._stats()
-        yield from _table("tier", stats.get("tiers", {}), gauges=GAUGES)
+        yield from _table("tier", stats.get("tiers", {}), gauges=TIER_GAUGES)
         yield from _table("link", stats.get("links", {}), gauges=())
-        engine = stats["engine"]
-        sources = CounterMetricFamily("kvtier_prompt_tokens", "prompt tokens by where they came from",
-                                      labels=["source"])
-        for source, tokens in engine["sources"].items():
-            sources.add_metric([source], tokens)
-        yield sources
-        for name in ("requests", "generated_tokens", "l1_hit_loss_tokens", "store_seconds"):
-            yield CounterMetricFamily(f"kvtier_{name}", f"kvtier engine {name}", value=engine[name])
-        window = stats["windowed"]
-        yield GaugeMetricFamily("kvtier_cached_tokens_per_second",
-                                f"restored prompt tokens per second over the last {window['window_s']:.0f} s",
-                                value=window["cached_tokens_per_s"])
-        yield from _costmodel_errors(stats["costmodel"])
+        if engine := stats.get("engine"):
+            sources = CounterMetricFamily("kvtier_prompt_tokens", "prompt tokens by where they came from",
+                                          labels=["source"])
+            for source, tokens in engine.get("sources", {}).items():
+                sources.add_metric([source], tokens)
+            yield sources
+            for name in ENGINE_COUNTERS:
+                if name in engine:
+                    yield CounterMetricFamily(f"kvtier_{name}", f"kvtier engine {name}", value=engine[name])
+        if window := stats.get("windowed"):
+            yield GaugeMetricFamily("kvtier_cached_tokens_per_second",
+                                    f"restored prompt tokens per second over the last {window['window_s']:.0f} s",
+                                    value=window["cached_tokens_per_s"])
+        if "costmodel" in stats:
+            yield from _costmodel_errors(stats["costmodel"])
+
+
+def format_stats(stats: dict) -> str:
+    """``stats`` in the Prometheus text exposition format (``kvtier stats --prometheus``)."""
+    registry = CollectorRegistry()
+    registry.register(StatsCollector(lambda: stats))
+    return generate_latest(registry).decode()
 
 
 def _table(label: str, rows: dict[str, dict], gauges: tuple[str, ...]) -> Iterator[Metric]:

@@ -1,4 +1,4 @@
-"""Counters as people and scrapers read them: text tables and the Prometheus format.
+"""Counters as people read them: text tables (the Prometheus format is engine/prometheus.py).
 
 Input is the dict of ``Engine.stats()`` or the counters a store persisted (``kvtier
 stats``): ``{"tiers": {name: fields}, "links": {name: fields}, "engine": {...}}``.
@@ -9,9 +9,7 @@ absent from the dict and shown as ``-``, never as 0.
 from __future__ import annotations
 
 import time
-from typing import Iterator
 
-from kvtier.tiers.counters import GAUGES
 from kvtier.tiers.disk import format_bytes
 
 _TIER_COLUMNS = ("capacity", "bytes_used", "pages", "lookups", "hit_pages", "hit_tokens",
@@ -78,36 +76,3 @@ def format_namespaces(listing: dict) -> str:
     total = (f"{listing['pages']} pages, {format_bytes(listing['bytes_used'])} of a "
              f"{format_bytes(listing['capacity'])} cap; data.mdb {format_bytes(listing['file_bytes'])} on disk")
     return "\n".join([*_aligned(rows), "", f"{listing['path']}: {total}"])
-
-
-def format_prometheus(stats: dict) -> str:
-    """Counters in the Prometheus text exposition format: gauges for what describes a
-    tier now (capacity, bytes used, pages, file size), counters for what only grows."""
-    from prometheus_client import CollectorRegistry, generate_latest
-
-    registry = CollectorRegistry()
-    registry.register(_Collector(stats))
-    return generate_latest(registry).decode()
-
-
-class _Collector:
-    """One metric family per field, labelled by row: ``kvtier_tier_pages{tier="L1"}``,
-    ``kvtier_link_bytes_total{link="L3->L1"}``."""
-
-    def __init__(self, stats: dict) -> None:
-        engine = stats.get("engine", {})
-        self.tables = (("tier", stats.get("tiers", {})), ("link", stats.get("links", {})),
-                       ("source", {s: {"prompt_tokens": v} for s, v in engine.get("sources", {}).items()}))
-
-    def collect(self) -> Iterator:
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-
-        for label, table in self.tables:
-            names = dict.fromkeys(name for fields in table.values() for name in fields)
-            for name in names:
-                kind = GaugeMetricFamily if name in GAUGES or name == "file_bytes" else CounterMetricFamily
-                family = kind(f"kvtier_{label}_{name}", f"kvtier {name} per {label}", labels=[label])
-                for row, fields in table.items():
-                    if name in fields:
-                        family.add_metric([row], fields[name])
-                yield family

@@ -9,19 +9,22 @@ A request's life here: read the body (413 past the limit), check it (``engine/ap
 400 or 404), render and tokenize the prompt, check it against the context, refuse it
 with 429 if the waiting queue is full, submit, then stream or collect the text, cut at
 the first stop string. A client that goes away cancels its request (batch slot and
-pins released). On shutdown the live requests are cancelled and the engine closes,
-which flushes L1 and L2 to L3.
+pins released). On shutdown (:class:`DrainingServer`) the server stops accepting, lets
+the requests in flight run for the drain timeout, then cancels those left, whose
+streams end with an error event; then the engine closes, which flushes L1 and L2 to L3.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import AsyncIterator
 
 import anyio
+import uvicorn
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from starlette.applications import Starlette
 from starlette.background import BackgroundTask
@@ -46,6 +49,9 @@ ANTHROPIC_PATHS = ("/v1/messages",)
 # examples and a client's settings work on either.
 DEFAULT_MODEL_ID = "kvtier-default"
 RETRY_AFTER_S = 1  # a 429's Retry-After: a batch slot frees as soon as one request ends
+# After the drain timeout the requests left are cancelled and end at the engine's next
+# step; uvicorn kills what is still open this much later (it logs each as a traceback).
+_DRAIN_GRACE_S = 10.0
 
 
 @dataclass
@@ -145,6 +151,12 @@ class KVTierServer:
         """Cancel what is still running, stop the engine and flush the store to L3 (idempotent)."""
         self.engine.stop(cancel=True)
         self.engine.close()
+
+    def cancel_live(self) -> None:
+        """Cancel every request in flight (from any thread): each ends at the engine's next
+        step, a stream with an error event, a plain request with a 503."""
+        for request in list(self._live.values()):
+            request.cancel()
 
     @asynccontextmanager
     async def _lifespan(self, app: Starlette):
@@ -354,3 +366,24 @@ def _context_length(engine: Engine) -> int:
     length = getattr(args, "max_position_embeddings", None) or getattr(engine.loaded.tokenizer, "model_max_length", 0)
     return int(length) if length and length < 10**9 else 32768
 
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn serving ``server.app``, whose graceful shutdown ends the requests itself.
+
+    On the first SIGTERM / SIGINT uvicorn stops accepting and waits for the requests in
+    flight; ``drain_timeout`` seconds later those left are cancelled (:meth:`KVTierServer.cancel_live`),
+    so every response ends as the API says (an error event, a 503) instead of being cut
+    by uvicorn, whose own timeout comes ``_DRAIN_GRACE_S`` later as a backstop. A
+    second Ctrl-C is uvicorn's forced exit.
+    """
+
+    def __init__(self, server: KVTierServer, drain_timeout: float, log_level: str) -> None:
+        super().__init__(uvicorn.Config(server.app, lifespan="on", log_level=log_level,
+                                        timeout_graceful_shutdown=drain_timeout + _DRAIN_GRACE_S))
+        self._cancel_later = threading.Timer(drain_timeout, server.cancel_live)
+        self._cancel_later.daemon = True
+
+    def handle_exit(self, sig: int, frame) -> None:
+        if not self.should_exit:  # the first stop signal starts the drain clock
+            self._cancel_later.start()
+        super().handle_exit(sig, frame)

@@ -63,7 +63,7 @@ def test_stats_reads_what_runs_persisted(tmp_path):
     assert "# TYPE kvtier_tier_pages gauge" in text and 'kvtier_tier_pages{tier="L3"}' in text
     assert re.search(r"# TYPE kvtier_tier_lookups(_total)? counter", text) and 'kvtier_tier_lookups_total{tier="L3"}' in text
     assert re.search(r"# TYPE kvtier_link_bytes(_total)? counter", text)
-    assert 'kvtier_source_prompt_tokens_total{source="L3"}' in text
+    assert 'kvtier_prompt_tokens_total{source="L3"}' in text
 
 
 def test_damaged_store_warns_and_runs_without_l3(tmp_path):

