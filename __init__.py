@@ -6,7 +6,7 @@ The repository's top-level folders are this package's subpackages
 engine -> costmodel -> tiers.
 """
 
-from .engine.blas import preload_openblas
+from kvtier.engine.blas import preload_openblas
 
 preload_openblas()  # before anything imports mlx.core
 
@@ -16,10 +16,10 @@ __version__ = "0.2.0"
 def __getattr__(name: str):
     """``from kvtier import Engine`` without importing mlx for ``import kvtier`` alone."""
     if name in ("Engine", "EngineConfig", "SamplingParams", "load_model", "StoreConfig", "TieredStore"):
-        from .engine.engine import Engine, EngineConfig
-        from .engine.model import load_model
-        from .engine.request import SamplingParams
-        from .tiers.hierarchy import StoreConfig, TieredStore
+        from kvtier.engine.engine import Engine, EngineConfig
+        from kvtier.engine.model import load_model
+        from kvtier.engine.request import SamplingParams
+        from kvtier.tiers.hierarchy import StoreConfig, TieredStore
 
         return locals()[name]
     raise AttributeError(f"module 'kvtier' has no attribute {name!r}")

@@ -26,3 +26,20 @@ def test_source_tree_and_install_import_the_same_package():
     package_file, page_file = out.split()
     assert Path(package_file) == REPO / "__init__.py"
     assert Path(page_file) == REPO / "tiers" / "page.py"
+
+
+def test_the_suite_runs_from_a_checkout_whatever_its_folder_is_called(tmp_path):
+    """pytest imports the checkout's own ``__init__.py`` under the folder's name (the
+    repository root is the package): a clone into ``kv.tier-2`` (or ``mktemp -d``'s
+    ``tmp.XXXX``) must run the tests as ``main`` does."""
+    clone = tmp_path / "kv.tier-2"
+    subprocess.run(["git", "clone", "-q", str(REPO), str(clone)], check=True, capture_output=True, timeout=120)
+    for path in (REPO / "__init__.py", REPO / "tests"):  # the working tree as it is, committed or not
+        target = clone / path.relative_to(REPO)
+        if path.is_dir():
+            subprocess.run(["cp", "-r", f"{path}/.", str(target)], check=True)
+        else:
+            target.write_bytes(path.read_bytes())
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "0",
+                           "tests/engine/test_flights.py"], cwd=clone, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:]
