@@ -285,10 +285,14 @@ def _synopses(text: str) -> dict[str, set[str]]:
     return found
 
 
-def _usage_flags(command: str) -> set[str]:
+def _help(command: str) -> str:
     done = subprocess.run([str(BIN / "kvtier"), *command.split(), "-h"], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
-    usage = done.stdout.split("\n\n", 1)[0]
+    return done.stdout
+
+
+def _usage_flags(command: str) -> set[str]:
+    usage = _help(command).split("\n\n", 1)[0]
     return set(re.findall(r"--[a-z0-9-]+", usage)) - {"--help", "--verbose"}
 
 
@@ -302,7 +306,13 @@ def test_flags_are_the_commands_flags():
         assert flags == _usage_flags(command), f"kvtier {command}"
     serve = _usage_flags("serve")
     assert listed <= serve and serve - listed <= synopses["run"], sorted(serve ^ listed)
-    assert _synopses(block("kvtier serve [--host 127.0.0.1]").text)["serve"] <= serve
+    serve_block = block("kvtier serve [--host 127.0.0.1]").text
+    assert _synopses(serve_block)["serve"] <= serve
+    options = " ".join(_help("serve").split("options:", 1)[1].split())
+    shown = re.findall(r"\[(--[a-z-]+) (\d[\d.]*)\]", serve_block)  # the defaults it shows
+    assert shown
+    for flag, default in shown:
+        assert re.search(rf"{flag} \S+ (?:(?! --).)*\(default: {re.escape(default)}\)", options), (flag, default)
     version = subprocess.run([str(BIN / "kvtier"), "--version"], capture_output=True, text=True, timeout=60)
     assert version.stdout.strip() == f"kvtier {importlib.metadata.version('kvtier')}"
 
