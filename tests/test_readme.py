@@ -34,12 +34,12 @@ from .redis_servers import free_port, needs_redis
 
 # The first line of each block (its start) -> the test that runs it, or why no test can.
 COVERAGE = {
-    "python3 -m venv .venv && .venv/bin/pip install -e . &&": "test_first_run_shared_prefixes_and_a_second_process",
+    "python3 -m venv .venv && .venv/bin/pip install -e . &&": "test_first_run_and_shared_prefixes",
     "python3 -m venv .venv && .venv/bin/pip install -e '.[test]'": "test_the_test_command_is_what_ci_runs",
-    "importing model:": "test_first_run_shared_prefixes_and_a_second_process",
-    ".venv/bin/kvtier run --chat --sequential": "test_first_run_shared_prefixes_and_a_second_process",
-    "── request 0: 177 prompt tokens": "test_first_run_shared_prefixes_and_a_second_process",
-    '.venv/bin/kvtier run --json --store /tmp/kv --prompt': "test_first_run_shared_prefixes_and_a_second_process",
+    "importing model:": "test_first_run_and_shared_prefixes",
+    ".venv/bin/kvtier run --chat --sequential": "test_first_run_and_shared_prefixes",
+    "── request 0: 177 prompt tokens": "test_first_run_and_shared_prefixes",
+    '.venv/bin/kvtier run --json --store /tmp/kv --prompt': "test_a_second_process_restores_from_l3",
     ".venv/bin/kvtier run --json --store /tmp/kv --throttle":
         "not run: the throttle demo's rate is being rewritten with its own test (issue 21, item 4)",
     "from pathlib import Path": "test_engine_snippet",
@@ -107,10 +107,9 @@ def _json_lines(stdout: str) -> tuple[list[dict], dict]:
 
 
 @slow
-def test_first_run_shared_prefixes_and_a_second_process(tmp_path):
+def test_first_run_and_shared_prefixes(tmp_path):
     """The newcomer's path in order, on a fresh home: the set-up command's run (model
-    import and quick calibration on first use), the agent prompts, then two
-    processes on /tmp/kv and what `stats` and `store ls` say of that store."""
+    import and quick calibration on first use), then the agent prompts on its store."""
     home, cwd = tmp_path / "home", tmp_path / "cwd"
     cwd.mkdir()
     sh = Shell(cwd, readme_env(home, auto_calibrate=True), tmp=tmp_path)
@@ -130,6 +129,11 @@ def test_first_run_shared_prefixes_and_a_second_process(tmp_path):
     agents = sh.run(block(".venv/bin/kvtier run --chat --sequential").text)
     assert normalized(agents.stdout) == normalized(block("── request 0: 177 prompt tokens").text)
 
+
+@slow
+def test_a_second_process_restores_from_l3(shell):
+    """Two processes on /tmp/kv, then what `stats` and `store ls` say of that store."""
+    sh, home = shell, Path(shell.env["KVTIER_HOME"])
     computes, restores = block('.venv/bin/kvtier run --json --store /tmp/kv --prompt').commands()
     (one,), _ = _json_lines(sh.run(computes).stdout)
     (two,), _ = _json_lines(sh.run(restores).stdout)
