@@ -72,7 +72,8 @@ def test_every_block_is_run_or_says_why_not():
     found = blocks()
     assert found, "README.md has no fenced blocks"
     for b in found:
-        assert len(_covering(b)) == 1, f"README line {b.line}: block {b.first!r} is in COVERAGE {len(_covering(b))} times"
+        times = len(_covering(b))
+        assert times == 1, f"README line {b.line}: block {b.first!r} is in COVERAGE {times} times"
     for prefix, by in COVERAGE.items():
         assert any(b.first.startswith(prefix) for b in found), f"COVERAGE names a block that is gone: {prefix!r}"
         assert by.startswith("not run: ") or callable(globals().get(by)), f"{prefix!r}: no test {by}"
@@ -176,7 +177,8 @@ def test_engine_snippet(shell):
     snippet = block("from pathlib import Path").text
     printed = shell.python(snippet).strip().splitlines()[-1]
     tokens, reason = re.fullmatch(r"\[([\d, ]+)\] (\w+)", printed).groups()
-    claim = re.search(r"It prints the (\d+) token ids as they come, then `(\w+)`", after(block("from pathlib"))).groups()
+    claim = re.search(r"It prints the (\d+) token ids as they come, then `(\w+)`", after(block("from pathlib")))
+    claim = claim.groups()
     assert (len(tokens.split(", ")), reason) == (int(claim[0]), claim[1])
     assert (shell.cwd / "store" / "data.mdb").is_file(), "the Engine snippet's store was not written"
 
