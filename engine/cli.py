@@ -201,7 +201,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "fastest on CPU)")
 
     serve = command(sub, "serve", "OpenAI- and Anthropic-compatible HTTP server on the engine")
-    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
     serve.add_argument("--port", type=port_number, default=8000, help="0 takes a free port (printed)")
     engine_flags(serve)
     serve.add_argument("--served-model-name",

