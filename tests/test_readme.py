@@ -197,10 +197,10 @@ def test_serve_snippets(shell):
 
     server = shell.start(block(".venv/bin/kvtier serve --port 8000").text)
     try:
-        serving = server.wait_for(r"serving (\S+) on http://127\.0\.0\.1:(\d+)")
+        serving = server.wait_for(r"serving (\S+)(?: \([^)]*\))? on http://127\.0\.0\.1:(\d+)")
         shell.values["port"] = int(serving.group(2))
         base = f"http://127.0.0.1:{shell.values['port']}"
-        said = re.search(r"The model id is `--served-model-name`, else `--model` as given \(`([^`]+)`\)",
+        said = re.search(r"The model id is `--served-model-name`, else `--model` as given, else `([^`]+)`",
                          after(block("kvtier serve [--host 127.0.0.1]")))
         check("model id", lambda: _assert_model_id(base, said.group(1)))
         replies: dict[str, dict] = {}
