@@ -18,6 +18,7 @@ import mlx.core as mx
 import numpy as np
 
 from .counters import TierCounters
+from .layout import slot_arena
 from .page import PageGeometry, PageKey
 from .policy import EvictionPolicy
 
@@ -121,29 +122,6 @@ class HostPage:
 
     tokens: tuple[int, ...]
     slot: int
-
-
-# malloc returns 16-byte aligned memory and mlx puts its 8-byte size first: mlx's arrays
-# start 8 past a 16-byte boundary; a fresh large one (a new mapping, behind malloc's 16-byte
-# header) 24 past a 4 KiB boundary. An L1 page's bytes are such an array.
-_MLX_BUFFER_OFFSET = 24
-_MEMORY_PAGE = 4096
-# Where L2 slots, raw L3 payloads (modulo 64) and every join's output start in a 4 KiB page.
-SLOT_OFFSET = _MLX_BUFFER_OFFSET + _MEMORY_PAGE // 2
-
-
-def slot_arena(slots: int, nbytes: int) -> np.ndarray:
-    """``slots`` rows of ``nbytes`` (uint8) for page bytes. When ``nbytes`` is at least
-    4 KiB, rows are a whole number of 4 KiB apart and each starts ``SLOT_OFFSET`` past a
-    4 KiB boundary, as the join's output does (``tiers.join``): the join's copies pair
-    aligned loads with aligned stores, and their sources never lie a few bytes behind
-    their destinations modulo 4 KiB (such loads stall on false store-to-load
-    dependencies: 4K aliasing). L1 pages lie half a 4 KiB page from it, at the same
-    offset within a cache line."""
-    stride = -(-nbytes // _MEMORY_PAGE) * _MEMORY_PAGE if nbytes >= _MEMORY_PAGE else nbytes
-    raw = np.empty(slots * stride + _MEMORY_PAGE, dtype=np.uint8)
-    start = (SLOT_OFFSET - raw.ctypes.data) % _MEMORY_PAGE
-    return raw[start : start + slots * stride].reshape(slots, stride)[:, :nbytes]
 
 
 class HostTier(Tier[HostPage]):

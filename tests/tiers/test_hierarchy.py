@@ -16,7 +16,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 import kvtier.tiers.hierarchy as hierarchy
 import kvtier.tiers.join as join
-import kvtier.tiers.tier as tier
+import kvtier.tiers.layout as layout
 from kvtier.tiers.hierarchy import StoreConfig, TieredStore
 from kvtier.tiers.page import Namespace, PageGeometry, Source, page_keys
 from kvtier.tiers.tier import kv_to_host
@@ -182,7 +182,7 @@ def test_mx_load_reads_the_payload_in_one_call_into_the_arrays_own_memory():
 
 
 def test_l2_slots_and_joins_start_half_a_page_from_fresh_mlx_buffers_modulo_4k():
-    """The layout the join's copies rely on (tiers.tier.slot_arena): every L2 slot of
+    """The layout the join's copies rely on (tiers.layout.slot_arena): every L2 slot of
     pages of 4 KiB or more, and every join of pages, starts SLOT_OFFSET past a 4 KiB
     boundary, half a 4 KiB page from a fresh large mlx buffer; on Linux every mlx array
     starts where the slots do modulo 16 (malloc's alignment, then mlx's 8-byte size)."""
@@ -193,11 +193,11 @@ def test_l2_slots_and_joins_start_half_a_page_from_fresh_mlx_buffers_modulo_4k()
     for i, key in enumerate(keys):
         store.publish(key, tokens[12 * i : 12 * i + 12], mx.zeros(geometry.shape))
     slots = [store.l2.read(key).ctypes.data for key in keys]
-    assert len(slots) == 3 and all(address % 4096 == tier.SLOT_OFFSET for address in slots)
-    assert (tier.SLOT_OFFSET - tier._MLX_BUFFER_OFFSET) % 4096 == 2048
+    assert len(slots) == 3 and all(address % 4096 == layout.SLOT_OFFSET for address in slots)
+    assert (layout.SLOT_OFFSET - layout.MLX_BUFFER_OFFSET) % 4096 == 2048
     for _ in range(3):  # wherever mlx puts the buffer, the join starts where the slots do
         restored = store.restore(keys, tokens)
-        assert restored.num_pages == 3 and np.asarray(restored.layers[0][0]).ctypes.data % 4096 == tier.SLOT_OFFSET
+        assert restored.num_pages == 3 and np.asarray(restored.layers[0][0]).ctypes.data % 4096 == layout.SLOT_OFFSET
         store.release(restored.keys)
     if sys.platform == "linux":
         array = mx.zeros(1 << 20, mx.uint8)
