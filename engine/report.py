@@ -12,7 +12,7 @@ import time
 from typing import Iterator
 
 from kvtier.tiers.counters import GAUGES
-from kvtier.tiers.disk import format_bytes
+from kvtier.tiers.text import format_bytes
 
 _TIER_COLUMNS = ("capacity", "bytes_used", "pages", "lookups", "hit_pages", "hit_tokens",
                  "inserts", "evictions", "checksum_failures", "writes_dropped")

@@ -55,11 +55,12 @@ import numpy as np
 from xxhash import xxh3_64_intdigest
 
 from .counters import LINKS, LinkCounters, add_into
-from .l3 import L3Store, Snapshot, StoreError, open_l3
+from .l3.base import L3Store, Snapshot, StoreError
+from .l3.open import open_l3
 from .page import Namespace, PageGeometry, PageKey, Source, partial_key, shared_start
 from .join import Joined, in_parallel, join_pages, keep_buffers_for_restores, shares
 from .policy import DEFAULT_POLICY, L3Admission, make_policy
-from .record import StoredRecord
+from .l3.record import StoredRecord
 from .tier import DevicePage, DeviceTier, HostTier, Tier, kv_to_host
 
 log = logging.getLogger(__name__)
@@ -133,7 +134,7 @@ class StoreConfig:
     l1_bytes: int = 1 << 30
     l2_bytes: int = 4 << 30
     l3_bytes: int | None = None  # None: the store's own cap (a new store: 32 GiB)
-    store_dir: Path | str | None = None  # an LMDB directory, or a redis:// URL (tiers.l3.open_l3)
+    store_dir: Path | str | None = None  # an LMDB directory, or a redis:// URL (tiers.l3.open.open_l3)
     codec: str = "raw"
     # Tier ("L2" or "L3") -> bytes per second: reads from that tier take at least
     # bytes / rate (the rest is slept), and the link counters show it (tests, demos).

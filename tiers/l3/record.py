@@ -25,7 +25,7 @@ import numpy as np
 import zstandard
 from xxhash import xxh3_64_intdigest
 
-from .layout import SLOT_OFFSET as RAW_PAYLOAD_OFFSET
+from ..layout import SLOT_OFFSET as RAW_PAYLOAD_OFFSET
 
 FORMAT_VERSION = 1
 CODECS = ("raw", "zstd", "zstd-shuffle")

@@ -1,8 +1,9 @@
 """L3, the persistent page store shared beyond one process: the interface every backend
-implements (LMDB on this machine, ``tiers.disk``; Redis / Valkey for a fleet,
-``tiers.redis_store``) and the background writer they share.
+implements (LMDB on this machine, ``tiers.l3.lmdb_store``; Redis / Valkey for a fleet,
+``tiers.l3.redis_store``) and the background writer they share. The factory that picks a
+backend is ``tiers.l3.open``, above both.
 
-A backend stores records (``tiers.record``) under 16-byte page keys and keeps beside
+A backend stores records (``tiers.l3.record``) under 16-byte page keys and keeps beside
 them the store's meta (format version, ``put_meta`` entries such as cost profiles),
 cumulative counters and a namespaces table. The hierarchy talks to this interface only:
 ``contains``, ``snapshot`` (find a run of records, read once), ``verified`` / ``accept``
@@ -21,22 +22,19 @@ Invariants kept here for every backend:
 from __future__ import annotations
 
 import logging
-import tempfile
 import threading
 from abc import ABC, abstractmethod
-from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
-from typing import ContextManager, Iterator, Sequence
+from typing import ContextManager, Sequence
 
 import numpy as np
 
-from .counters import TierCounters
+from ..counters import TierCounters
+from ..text import one_line
 from .record import CODECS, CorruptRecord, StoredRecord, checked_record, token_bytes, verify_payload
 
 log = logging.getLogger(__name__)
 
-URL_SCHEMES = ("redis://", "rediss://", "redis+cluster://")
 _TOUCH_DELAY_S = 0.05  # uses alone wait this long, so many share one commit
 _MAX_TOUCHES = 4096  # uses are hints: past this many pending, the oldest are dropped
 
@@ -44,36 +42,6 @@ _MAX_TOUCHES = 4096  # uses are hints: past this many pending, the oldest are dr
 class StoreError(Exception):
     """L3 cannot be used (unwritable dir, damaged env, unreachable server, other format
     version); the message is one line."""
-
-
-def format_bytes(n: float) -> str:
-    """``1.5 GiB``, ``12 KiB``, ``512 B``: sizes as people read them."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
-
-
-def one_line(exc: BaseException) -> str:
-    return " ".join(str(exc).split()) or type(exc).__name__
-
-
-def is_url(store: str | Path | None) -> bool:
-    """Whether a ``--store`` names a server (Redis / Valkey) rather than a directory."""
-    return isinstance(store, str) and store.startswith(URL_SCHEMES)
-
-
-def open_l3(store: str | Path, capacity_bytes: int | None = None, **options) -> L3Store:
-    """The L3 backend a store string names: a ``redis://``, ``rediss://`` or
-    ``redis+cluster://`` URL, else an LMDB directory. StoreError when it cannot be used."""
-    if is_url(store):
-        from .redis_store import RedisTier  # imported on use: LMDB users never load redis
-
-        return RedisTier(str(store), capacity_bytes, **options)
-    from .disk import DiskTier
-
-    return DiskTier(Path(store), capacity_bytes, **options)
 
 
 @dataclass
@@ -412,18 +380,3 @@ class L3Store(ABC):
         with self._lock:
             for name, n in deltas.items():
                 setattr(self.counters, name, getattr(self.counters, name) + n)
-
-
-@contextmanager
-def scratch_location(store: str | Path) -> Iterator[str | Path]:
-    """A throwaway store beside ``store`` (same disk, same server) for measurements,
-    removed afterwards: a directory inside it, or the same server under its own prefix."""
-    if is_url(store):
-        from .redis_store import scratch_url
-
-        with scratch_url(str(store)) as url:
-            yield url
-        return
-    Path(store).mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=store, prefix="calibration-") as scratch:
-        yield Path(scratch)

@@ -2,7 +2,7 @@
 engine on every host that names the same server.
 
 Keys, all under a prefix (``kvtier:`` unless the URL says ``?prefix=...``):
-``<prefix>p:<16-byte page key>`` -> the record (``tiers.record``, the same bytes LMDB
+``<prefix>p:<16-byte page key>`` -> the record (``tiers.l3.record``, the same bytes LMDB
 stores); ``<prefix>meta`` (hash: ``format_version``, ``user/<name>`` -> msgpack, e.g. cost
 profiles); ``<prefix>counters`` (hash: cumulative counters flattened to ``a/b/c`` ->
 number, added with HINCRBY / HINCRBYFLOAT so concurrent engines never lose an update);
@@ -41,7 +41,8 @@ from redis.cluster import ClusterNode, RedisCluster
 from redis.retry import Retry
 from xxhash import xxh3_64_intdigest
 
-from .l3 import Batch, L3Store, Snapshot, StoreError, format_bytes, one_line
+from ..text import format_bytes, one_line
+from .base import Batch, L3Store, Snapshot, StoreError
 from .record import FORMAT_VERSION, encode_record
 
 log = logging.getLogger(__name__)
