@@ -283,7 +283,9 @@ def test_one_writer_killed_while_others_read_and_write(tmp_path: Path) -> None:
     def reader() -> None:  # reads whatever the killed writers committed
         try:
             while not stop.is_set():
-                for k, (mode, index, ns, toks) in list(log.written.items())[-300:]:
+                # dict.copy copies the table in one C call: iterating the shared dict while
+                # this test's main thread adds to it can raise (a collection may run mid-way)
+                for k, (mode, index, ns, toks) in list(log.written.copy().items())[-300:]:
                     got = other.get(k, ns, toks, len(crash_payload(mode, index)))
                     assert got is None or got[0] == crash_payload(mode, index)
         except BaseException as exc:  # reported below
