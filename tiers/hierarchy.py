@@ -54,11 +54,12 @@ import mlx.core as mx
 import numpy as np
 from xxhash import xxh3_64_intdigest
 
-from .counters import LINKS, LinkCounters, add_into
+from .counters import add_into
 from .l3.base import L3Store, Snapshot, StoreError
 from .l3.open import open_l3
 from .page import Namespace, PageGeometry, PageKey, Source, partial_key, shared_start
 from .join import Joined, in_parallel, join_pages, keep_buffers_for_restores, shares
+from .links import L1_L2, L1_L3, L2_L3, LinkLedger, Throttle
 from .policy import DEFAULT_POLICY, L3Admission, make_policy
 from .l3.record import StoredRecord
 from .tier import DevicePage, DeviceTier, HostTier, Tier, kv_to_host
@@ -117,6 +118,11 @@ class _Page:
     def stored(self) -> int:
         return self.record.stored if self.record is not None else 0
 
+    @property
+    def codec(self) -> str:
+        """How the page is stored where it was found (``tiers.links.links_crossed``)."""
+        return self.record.header.codec if self.record is not None else "raw"
+
 
 @dataclass
 class PendingRestore:
@@ -172,8 +178,9 @@ class TieredStore:
             self.disk.describe_namespace(self.ns_digest, {
                 "model": config.label or namespace.model_fingerprint[:12], "page_size": geometry.page_size,
                 "dtype": geometry.dtype, "salted": bool(namespace.cache_salt)})
-        self.throttle = _checked_throttle(config.throttle)
-        self.links = {name: LinkCounters() for name in LINKS}
+        self.throttle = Throttle(config.throttle)
+        self.ledger = LinkLedger()
+        self.links = self.ledger.links  # link name -> LinkCounters of this process
         self._pins: Counter[PageKey] = Counter()
         self._lock = threading.RLock()
         self._closed = False
@@ -242,7 +249,7 @@ class TieredStore:
                 pages = self._decode_compressed(pages)
                 digests = self._hash_raw_l3(pages) if ahead else [None] * len(pages)
                 l3_bytes = sum(p.stored for p in pages)
-                host_s = self._throttled("L3", l3_bytes, read_s + time.perf_counter() - t1) if l3_bytes else 0.0
+                host_s = self.throttle.wait("L3", l3_bytes, read_s + time.perf_counter() - t1) if l3_bytes else 0.0
             except BaseException:
                 self.release([p.key for p in pages])
                 raise
@@ -263,7 +270,8 @@ class TieredStore:
                 raise
             digests = [a if a is not None else b for a, b in zip(pending.digests, joined.digests)]
             good = self._cut(pages, self._first_bad(pages, digests))
-            self._record_restore(good, pending.host_s, pending.find_s + time.perf_counter() - t0)
+            self.ledger.record_restore([(p.source, p.codec, p.stored) for p in good], self.geometry.nbytes,
+                                       pending.host_s, pending.find_s + time.perf_counter() - t0, self.throttle)
             self._keep_in_l1(good)
             kept = len(good) * self.geometry.page_size
             layers = joined.layers if len(good) == len(pages) else \
@@ -389,42 +397,6 @@ class TieredStore:
         self.release([p.key for p in pages[n:]])
         return pages[:n]
 
-    def _record_restore(self, pages: list[_Page], host_s: float, join_s: float) -> None:
-        """Add a restore's bytes and seconds to the links its pages crossed: each page
-        takes an equal share of finding and joining (``join_s``), each L3 page an equal
-        share of the host work (decodes, checks, an L3 throttle's wait); an L2 throttle
-        stretches the joins. L1 pages cross no link: their shares are not counted."""
-        moved: dict[str, LinkCounters] = {}
-        l3 = sum(p.source is Source.L3 for p in pages)
-        for page in pages:
-            host = host_s / l3 if page.source is Source.L3 else 0.0
-            for link, nbytes, seconds in self._crossings(page, host, join_s / len(pages)):
-                moved.setdefault(link, LinkCounters()).record(nbytes, seconds)
-        if (joined := moved.get("L2->L1")) is not None and joined.seconds > 0:
-            joined.seconds = self._throttled("L2", joined.bytes, joined.seconds)
-        for name, link in moved.items():
-            self.links[name].record(link.bytes, link.seconds, link.pages)
-
-    def _crossings(self, page: _Page, check_s: float, join_s: float) -> tuple[tuple[str, int, float], ...]:
-        """(link, bytes, seconds) of each link a page crossed into the request's KV."""
-        if page.source is Source.L1:
-            return ()
-        joined = ("L2->L1", self.geometry.nbytes, join_s)
-        if page.source is Source.L2:
-            return (joined,)
-        if page.compressed:
-            return (("L3->L2", page.stored, check_s), joined)
-        return (("L3->L1", page.stored, check_s + join_s),)
-
-    def _throttled(self, tier: str, nbytes: int, seconds: float) -> float:
-        """Seconds a read of ``nbytes`` from ``tier`` took, after sleeping up to its throttle."""
-        rate = self.throttle.get(tier)
-        if rate is None or seconds >= nbytes / rate:
-            return seconds
-        t0 = time.perf_counter()
-        time.sleep(nbytes / rate - seconds)
-        return seconds + time.perf_counter() - t0
-
     def _shaped(self, data: np.ndarray | bytes) -> np.ndarray:
         return np.frombuffer(data, self.geometry.storage_dtype).reshape(self.geometry.shape)
 
@@ -528,7 +500,7 @@ class TieredStore:
                 if not self._partial(page):  # a partial page is dropped (publish_partial)
                     self._place_below_l1(victim, page.tokens, page.kv, cost)
             else:
-                self._write_l3(victim, self.l2.entries[victim].tokens, self.l2.read(victim), "L2->L3")
+                self._write_l3(victim, self.l2.entries[victim].tokens, self.l2.read(victim), L2_L3)
                 self.l2.pop(victim)
         return True
 
@@ -541,8 +513,8 @@ class TieredStore:
         data = kv_to_host(kv)
         if self._make_room(self.l2):
             self.l2.write(key, page_tokens, data, cost)
-            self.links["L1->L2"].record(len(data), time.perf_counter() - t0)
-        elif not self._write_l3(key, page_tokens, data, "L1->L3"):
+            self.ledger.record(L1_L2, len(data), time.perf_counter() - t0)
+        elif not self._write_l3(key, page_tokens, data, L1_L3):
             self.l2.counters.writes_dropped += 1
 
     def _write_l3(self, key: PageKey, page_tokens: tuple[int, ...], data: np.ndarray, link: str,
@@ -557,7 +529,7 @@ class TieredStore:
         t0 = time.perf_counter()
         queued = self.disk.put(key, self.ns_digest, page_tokens, data, wait=wait)
         if queued:
-            self.links[link].record(len(data), time.perf_counter() - t0)
+            self.ledger.record(link, len(data), time.perf_counter() - t0)
         return queued
 
     # -- lifecycle and numbers -------------------------------------------------
@@ -576,9 +548,9 @@ class TieredStore:
             for key in self.l1:
                 page = self.l1.entries[key]
                 if key not in self.l2 and not self._partial(page):
-                    self._write_l3(key, page.tokens, kv_to_host(page.kv), "L1->L3", wait=True)
+                    self._write_l3(key, page.tokens, kv_to_host(page.kv), L1_L3, wait=True)
             for key in self.l2:
-                self._write_l3(key, self.l2.entries[key].tokens, self.l2.read(key), "L2->L3", wait=True)
+                self._write_l3(key, self.l2.entries[key].tokens, self.l2.read(key), L2_L3, wait=True)
             self.disk.flush()
 
     def __enter__(self) -> TieredStore:
@@ -603,7 +575,7 @@ class TieredStore:
         tiers = {t.name: t.counters.cumulative() for t in (self.l1, self.l2)}
         if self.disk is not None:
             tiers["L3"] = self.disk.counters.cumulative()
-        links = {name: link.cumulative() for name, link in self.links.items()}
+        links = self.ledger.cumulative()
         return {"tiers": tiers, "links": links}
 
     def stats(self) -> dict:
@@ -612,17 +584,10 @@ class TieredStore:
             tiers = {t.name: asdict(t.counters) for t in (self.l1, self.l2)}
             if self.disk is not None:
                 tiers["L3"] = asdict(self.disk.counters)
-            links = {name: asdict(link) for name, link in self.links.items()}
+            links = self.ledger.stats()
             if self.disk is None:
                 return {"tiers": tiers, "links": links}
             return {"tiers": tiers, "links": links, "l3": {"backend": self.disk.backend, "location": self.disk.location}}
-
-
-def _checked_throttle(throttle: dict[str, float]) -> dict[str, float]:
-    for tier, rate in throttle.items():
-        if tier not in ("L2", "L3") or not rate > 0:
-            raise ValueError(f"bad throttle {tier}={rate!r}: tier L2 or L3, rate > 0 bytes/s")
-    return dict(throttle)
 
 
 def _open_disk(config: StoreConfig) -> L3Store | None:
