@@ -48,7 +48,8 @@ from collections import Counter
 from contextlib import ExitStack, nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import ContextManager, Sequence
+from types import MappingProxyType
+from typing import ContextManager, Mapping, Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -62,7 +63,7 @@ from .join import Joined, in_parallel, join_pages, keep_buffers_for_restores, sh
 from .links import L1_L2, L1_L3, L2_L3, LinkLedger, Throttle
 from .policy import DEFAULT_POLICY, L3Admission, make_policy
 from .l3.record import StoredRecord
-from .tier import DevicePage, DeviceTier, HostTier, Tier, kv_to_host
+from .tier import DevicePage, DeviceTier, HostTier, Tier, TierView, kv_to_host
 
 log = logging.getLogger(__name__)
 
@@ -133,6 +134,16 @@ class PendingRestore:
     find_s: float  # finding and pinning the pages
     host_s: float  # decoding and checking L3 pages, waiting out an L3 throttle
     snapshot: ExitStack  # holds the L3 snapshot open until finish
+
+
+@dataclass(frozen=True)
+class StoreView:
+    """The store's state at one moment, read-only: its in-process tiers and its pins."""
+
+    l1: TierView
+    l2: TierView
+    pins: Mapping[PageKey, int]  # pinned page -> pins held (a request's restore, each)
+    l3: bool  # an L3 backend is open
 
 
 @dataclass
@@ -410,6 +421,11 @@ class TieredStore:
 
     def pinned(self, key: PageKey) -> bool:
         return key in self._pins
+
+    def view(self) -> StoreView:
+        with self._lock:
+            return StoreView(self.l1.view(), self.l2.view(), MappingProxyType(dict(self._pins)),
+                             self.disk is not None and not self._closed)
 
     # -- publish and spill ---------------------------------------------------
 

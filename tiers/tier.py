@@ -11,7 +11,7 @@ Invariants kept here:
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Generic, Iterator, TypeVar
 
 import mlx.core as mx
@@ -23,6 +23,19 @@ from .page import PageGeometry, PageKey
 from .policy import EvictionPolicy
 
 Entry = TypeVar("Entry")
+
+
+@dataclass(frozen=True)
+class TierView:
+    """A tier's state at one moment, read-only (what tests and reports assert on)."""
+
+    name: str
+    pages: int  # indexed pages
+    max_pages: int  # the cap, in pages
+    bytes_used: int
+    follower_parents: int = 0  # L1: parents in the index of pages by their previous page
+    follower_pages: int = 0  # L1: pages in that index (every L1 page with a known parent)
+    free_slots: int = 0  # L2: arena slots neither filled nor reserved
 
 
 class Tier(Generic[Entry]):
@@ -73,6 +86,9 @@ class Tier(Generic[Entry]):
         self._update_gauges()
         return entry
 
+    def view(self) -> TierView:
+        return TierView(self.name, len(self.entries), self.max_pages, self.counters.bytes_used)
+
     def _update_gauges(self) -> None:
         self.counters.pages = len(self.entries)
         self.counters.bytes_used = len(self.entries) * self.page_nbytes
@@ -115,6 +131,12 @@ class DeviceTier(Tier[DevicePage]):
         """The pages whose previous page is ``parent`` (not marked used)."""
         return [(key, self.entries[key]) for key in self._after.get(parent, ())]
 
+    def view(self) -> TierView:
+        """With the size of the follower index: it holds no emptied set, so it never
+        outgrows the pages in L1."""
+        return replace(super().view(), follower_parents=len(self._after),
+                       follower_pages=sum(map(len, self._after.values())))
+
 
 @dataclass(frozen=True)
 class HostPage:
@@ -156,6 +178,9 @@ class HostTier(Tier[HostPage]):
 
     def give_back(self, slot: int) -> None:
         self.free_slots.append(slot)
+
+    def view(self) -> TierView:
+        return replace(super().view(), free_slots=len(self.free_slots))
 
     def read(self, key: PageKey) -> np.ndarray:
         """The page's bytes, a view into the arena (valid until the page leaves L2)."""

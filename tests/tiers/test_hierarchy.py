@@ -4,6 +4,7 @@ import io
 import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 
 import lmdb
 import mlx.core as mx
@@ -335,7 +336,7 @@ def test_a_failing_restore_leaves_nothing_pinned(tmp_path, monkeypatch, stage):
     monkeypatch.setattr(store, "_decode_compressed" if stage == "begin" else "_join", broken)
     with pytest.raises(OSError):
         store.restore(KEYS[:3], TOKENS)
-    assert not store._pins
+    assert store.view().pins == {}
     store.close()
 
 
@@ -509,3 +510,18 @@ def test_partial_pages_stay_in_l1_evicted_they_are_dropped_never_flushed(tmp_pat
     assert store.match_partial(KEYS[0], page_tokens(1)) is None
     assert store.l1.following(KEYS[0]) == store.l1.following(NS.digest()) == []
     store.close()
+
+
+def test_the_l1_follower_index_forgets_parents_whose_pages_left():
+    """L1's index of pages by their previous page holds a parent only while one of its
+    pages is in L1: pages coming and going under ever new parents never grow it."""
+    store = make_store(2, 0)
+    for i in range(6):  # each page evicts the one before last: L1 holds 2 pages
+        store.publish(KEYS[i], page_tokens(i), KV[i], parent=KEYS[i - 1] if i else NS.digest())
+        store.publish_partial(KEYS[i], page_tokens(i + 1)[:2], KV[i + 1][:, :, :, :2])
+        view = store.view().l1
+        assert view.follower_pages == view.pages == 2
+        assert view.follower_parents <= view.pages
+    for key in list(store.l1):
+        store.l1.pop(key)
+    assert store.view().l1 == replace(view, pages=0, bytes_used=0, follower_parents=0, follower_pages=0)
