@@ -15,7 +15,8 @@ Invariants (DESIGN §4), each tested in ``tests/tiers/test_hierarchy.py``:
    queued) is never sent again, so such a spill adds 0 bytes to ``L2->L3``.
 
 Placement is inclusive, and a page is kept where the next request will find it
-fastest. L1 holds pages computed on this device and pages restored from below it:
+fastest. L1 holds pages computed on this device (a page computed over a copy in L2 or L3
+too) and pages restored from below it:
 a page restored from L2 or L3 into a request is also kept in L1 (``_keep_in_l1``),
 subject to L1's cap and eviction policy like a published page (L1 makes room by
 moving its victims down, never evicting a pinned page), so a process reads a hot
@@ -457,19 +458,29 @@ class TieredStore:
 
     def publish(self, key: PageKey, tokens: Sequence[int], kv: mx.array, cost: float = 1.0,
                 parent: bytes | None = None) -> bool:
-        """Add a newly computed full page to L1; False if it was already stored.
+        """Add a computed full page to L1; False if L1 has it, or if L1 has no room and a
+        tier below has it. A page computed over a copy in L2 or L3 (a plan that loads
+        only some pages, or computes the first ones while later ones load) is kept in L1
+        like a restored page: the next request reads it from L1, not from below again.
         ``cost``: the seconds its recompute takes, for the ``cost`` eviction policy;
         ``parent``: the key of the page before it (``match_partial`` finds it by that)."""
         with self._lock:
             self.admission.seen(key)
-            if self.has(key):
+            if not self.wants(key):
                 return False
             page = DevicePage(tuple(tokens), kv, parent)
             if self._make_room(self.l1):
                 self.l1.add(key, page, cost)
-            else:
-                self._place_below_l1(key, page.tokens, kv, cost)
+                return True
+            if self.has(key):
+                return False
+            self._place_below_l1(key, page.tokens, kv, cost)
             return True
+
+    def wants(self, key: PageKey) -> bool:
+        """Whether ``publish`` would keep a computed page of ``key``: L1 lacks it."""
+        with self._lock:
+            return key not in self.l1
 
     def publish_partial(self, parent: bytes, tokens: Sequence[int], kv: mx.array) -> bool:
         """Keep a request's last, partial page (``kv``: its tokens along axis 3) in L1

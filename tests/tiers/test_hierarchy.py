@@ -302,6 +302,30 @@ def test_a_page_restored_from_l2_is_kept_in_l1_once():
     store.close()
 
 
+@pytest.mark.parametrize("below", [Source.L2, Source.L3])
+def test_a_page_computed_over_one_stored_below_l1_is_kept_in_l1(tmp_path, below):
+    """A request that computes pages L2 or L3 hold (its plan computes the first pages
+    while the later ones load, or loads only some) publishes them into L1 like the pages
+    it restored: the next request finds every page in L1, none read from below twice."""
+    if below is Source.L3:
+        store = make_store(0, 0, tmp_path)
+        publish(store, 0, 1)
+        store.close()
+        store = make_store(4, 4, tmp_path)  # a restart: L1 and L2 empty
+    else:
+        store = make_store(2, 4)
+        publish(store, 0, 1, 2, 3)  # pages 2 and 3 pushed pages 0 and 1 down to L2
+    loaded = store.finish(store.begin(KEYS[:2], TOKENS, first=1))  # page 0 computed meanwhile
+    store.release(loaded.keys)
+    assert store.publish(KEYS[0], page_tokens(0), KV[0], parent=NS.digest())
+    assert store.locate(KEYS[:2], TOKENS) == [Source.L1, Source.L1]
+    assert not store.publish(KEYS[0], page_tokens(0), KV[0]), "L1 has it: nothing to add"
+    again = store.restore(KEYS[:2], TOKENS)
+    assert again.sources == [Source.L1, Source.L1] and same_bytes(joined(again), mx.concatenate(KV[:2], axis=3))
+    store.release(again.keys)
+    store.close()
+
+
 def test_begin_leaves_l1_pages_to_the_joining_thread(tmp_path):
     """``begin`` runs beside the model (an overlapped restore's loader): it must not read
     device arrays. An L1 page's bytes are read by ``finish``, on the model's thread."""
