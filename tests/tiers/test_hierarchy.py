@@ -1,4 +1,4 @@
-"""The tier invariants of tiers/hierarchy.py, one test (or more) each."""
+"""The tier invariants of tiers/hierarchy.py (restore, placement, links), one test (or more) each."""
 
 import io
 import sys
@@ -15,7 +15,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-import kvtier.tiers.hierarchy as hierarchy
+import kvtier.tiers.restore as restore_module
 import kvtier.tiers.join as join
 import kvtier.tiers.layout as layout
 from kvtier.tiers.hierarchy import StoreConfig, TieredStore
@@ -333,15 +333,15 @@ def test_begin_leaves_l1_pages_to_the_joining_thread(tmp_path):
     publish(store, 0, 1)  # in L1
     store.flush()
     reads = []
-    real = hierarchy.kv_to_host
-    hierarchy.kv_to_host = lambda kv: reads.append(threading.current_thread()) or real(kv)
+    real = restore_module.kv_to_host
+    restore_module.kv_to_host = lambda kv: reads.append(threading.current_thread()) or real(kv)
     try:
         with ThreadPoolExecutor(1) as loader:
             pending = loader.submit(store.begin, KEYS[:2], TOKENS, 0, True).result()
         assert reads == []
         restored = store.finish(pending)
     finally:
-        hierarchy.kv_to_host = real
+        restore_module.kv_to_host = real
     assert reads == [threading.current_thread()] * 2
     assert restored.sources == [Source.L1] * 2
     assert same_bytes(joined(restored), mx.concatenate(KV[:2], axis=3))
@@ -357,7 +357,7 @@ def test_a_failing_restore_leaves_nothing_pinned(tmp_path, monkeypatch, stage):
     def broken(*args, **kwargs):
         raise OSError("injected")
 
-    monkeypatch.setattr(store, "_decode_compressed" if stage == "begin" else "_join", broken)
+    monkeypatch.setattr(store.restorer, "decode_compressed" if stage == "begin" else "join", broken)
     with pytest.raises(OSError):
         store.restore(KEYS[:3], TOKENS)
     assert store.view().pins == {}
