@@ -82,8 +82,8 @@ class Snapshot(ABC):
         """The record of ``key`` if its header matches this page, else None (a record
         with a bad header is rejected). Counts the lookup."""
         store = self.store
-        store._count(lookups=1)
-        if store._doomed(key):
+        store.count(lookups=1)
+        if store.doomed(key):
             return None  # a rejected record whose delete is not committed yet: a miss
         value = self._value(key)
         if value is None:
@@ -91,7 +91,7 @@ class Snapshot(ABC):
         try:
             return checked_record(key, value, namespace_digest, tokens, raw_nbytes)
         except CorruptRecord as exc:
-            store._reject(key, store._fingerprint(value), str(exc))
+            store.reject(key, value, str(exc))
             return None
 
 
@@ -204,7 +204,7 @@ class L3Store(ABC):
 
     def contains(self, key: bytes) -> bool:
         """A record exists and is not being deleted (unverified: a read verifies)."""
-        return not self._doomed(key) and self._exists(key)
+        return not self.doomed(key) and self._exists(key)
 
     def stored_prefix(self, keys: Sequence[bytes]) -> int:
         """How many leading ``keys`` have a record (a remote backend asks in one round trip)."""
@@ -234,7 +234,7 @@ class L3Store(ABC):
         try:
             raw = verify_payload(record.header, record.payload, out)
         except CorruptRecord as exc:
-            self._reject(record.key, self._fingerprint(record.value), str(exc))
+            self.reject(record.key, record.value, str(exc))
             return None
         self._hit(record)
         return raw
@@ -243,7 +243,7 @@ class L3Store(ABC):
         """Whether a raw record's payload, hashed by the caller while it copied it (the
         snapshot still open), matches its checksum; counted like ``verified``."""
         if digest != record.header.checksum:  # find checked the length
-            self._reject(record.key, self._fingerprint(record.value), "checksum mismatch")
+            self.reject(record.key, record.value, "checksum mismatch")
             return False
         self._hit(record)
         return True
@@ -261,7 +261,7 @@ class L3Store(ABC):
             if len(self._touches) == 1:
                 self._wake.notify_all()  # later touches ride along (see _next_batch)
 
-    def _doomed(self, key: bytes) -> bool:
+    def doomed(self, key: bytes) -> bool:
         """A read rejected this record and its delete has not committed yet.
 
         Such a key reads as absent, so a caller recomputes the page and may store it
@@ -271,8 +271,11 @@ class L3Store(ABC):
         with self._lock:
             return key in self._deletes or key in self._deleting
 
-    def _reject(self, key: bytes, fingerprint: object, reason: str) -> None:
+    def reject(self, key: bytes, value: memoryview | bytes, reason: str) -> None:
+        """A read found ``value`` of ``key`` bad: count it and queue its delete (spared if
+        the record is rewritten meanwhile: the delete names this value's fingerprint)."""
         log.warning("L3 record %s rejected (%s); deleting it", bytes(key).hex(), reason)
+        fingerprint = self._fingerprint(value)
         with self._lock:
             self.counters.checksum_failures += 1
             if not self.readonly:
@@ -360,7 +363,7 @@ class L3Store(ABC):
                 self._commit(batch)
             except Exception as exc:  # the writer must survive: lose the batch, not the tier
                 self._failed("write", exc, f" ({len(batch.puts)} pages dropped)")
-                self._count(writes_dropped=len(batch.puts))
+                self.count(writes_dropped=len(batch.puts))
             finally:
                 with self._lock:
                     self._in_flight = False
@@ -376,7 +379,8 @@ class L3Store(ABC):
         self._failures_seen.add(kind)
         log.log(level, "L3 %s failed: %s%s", what, one_line(exc), detail)
 
-    def _count(self, **deltas: int) -> None:
+    def count(self, **deltas: int) -> None:
+        """Add to this process's counters (thread-safe)."""
         with self._lock:
             for name, n in deltas.items():
                 setattr(self.counters, name, getattr(self.counters, name) + n)

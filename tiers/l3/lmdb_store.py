@@ -452,7 +452,7 @@ class DiskTier(L3Store):
             outcome = self._write(batch, records)
         except lmdb.MapFullError:
             outcome = self._retry_map_full(batch, records)
-        self._count(**vars(outcome))
+        self.count(**vars(outcome))
         self.refresh()
 
     def _retry_map_full(self, batch: Batch, records: list[tuple[bytes, bytes]]) -> _Outcome:
