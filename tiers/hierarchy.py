@@ -2,8 +2,9 @@
 
 Invariants (DESIGN §4), each tested in ``tests/tiers/test_hierarchy.py``:
 
-1. A published page is immutable: a key is published once and every tier holds
-   exactly the bytes that were computed (raw copies; L3 checks a checksum).
+1. A published page is immutable: a key names one page's bytes and every tier holds
+   exactly the bytes that were computed (raw copies; L3 checks a checksum). A page
+   computed again over a copy below L1 adds only an L1 copy (``publish``).
 2. A pinned page (being restored, or in use by a request) is never evicted from
    L1 or L2. An L3 restore reads inside one L3 snapshot (an LMDB read transaction
    no writer changes; for Redis, the values it read), which keeps its bytes; L3
