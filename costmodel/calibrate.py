@@ -20,7 +20,7 @@ import numpy as np
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
 from kvtier.tiers.hierarchy import StoreConfig, TieredStore
-from kvtier.tiers.l3 import scratch_location
+from kvtier.tiers.l3.open import scratch_location
 from kvtier.tiers.page import Namespace, PageGeometry, page_keys
 
 from .plan import Profile

@@ -7,21 +7,12 @@ from itertools import accumulate
 from dataclasses import dataclass
 from typing import Sequence
 
+from kvtier.tiers.links import READ_LINKS, links_crossed
 from kvtier.tiers.page import Source
 
 from .models import ComputeModel, LinkModel
 
 GIB = 1 << 30
-# The links that read from a tier (what a read throttle on that tier slows).
-READ_LINKS = {"L2": ("L2->L1",), "L3": ("L3->L1", "L3->L2")}
-
-
-def links_crossed(source: Source, codec: str = "raw") -> tuple[str, ...]:
-    """Links a page crosses on its way into a request's KV, by the tier it is found in
-    (a raw L3 page is read straight from the map, a compressed one decoded into L2)."""
-    if source is Source.L3:
-        return ("L3->L1",) if codec == "raw" else ("L3->L2", "L2->L1")
-    return ("L2->L1",) if source is Source.L2 else ()
 
 
 def machine_id() -> str:

@@ -124,13 +124,13 @@ def l2_sweep(text: str) -> list[int]:
 
 def store_arg(text: str) -> Path | str:
     """A ``--store``: a Redis / Valkey URL as it is, anything else a directory."""
-    from kvtier.tiers.l3 import is_url
+    from kvtier.tiers.l3.open import is_url
 
     return text if is_url(text) else Path(text)
 
 
 def redis_url(text: str) -> str:
-    from kvtier.tiers.l3 import is_url
+    from kvtier.tiers.l3.open import is_url
 
     if not is_url(text):
         raise argparse.ArgumentTypeError(f"expected a redis://, rediss:// or redis+cluster:// URL, got {text!r}")

@@ -31,7 +31,7 @@ from typing import Callable, Sequence
 from kvtier.costmodel.models import ComputeModel, LinkModel
 from kvtier.costmodel.plan import Profile
 from kvtier.tiers.hierarchy import StoreConfig
-from kvtier.tiers.l3 import scratch_location
+from kvtier.tiers.l3.open import scratch_location
 from kvtier.tiers.page import Source, reusable_pages
 
 from .engine import Engine, EngineConfig

@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Sequence
 
 from kvtier import __version__
-from kvtier.tiers.disk import DEFAULT_CAPACITY, format_bytes
+from kvtier.tiers.l3.lmdb_store import DEFAULT_CAPACITY
+from kvtier.tiers.text import format_bytes
 from kvtier.tiers.hierarchy import StoreConfig
 from kvtier.tiers.policy import ADMISSIONS, DEFAULT_POLICY, POLICIES
 
@@ -258,7 +259,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _pages_kept(args: argparse.Namespace | None) -> str:
     """What the store holds after an interrupted command (its writes were flushed)."""
-    from kvtier.tiers.l3 import StoreError, open_l3
+    from kvtier.tiers.l3.open import StoreError, open_l3
 
     if args is None or not hasattr(args, "store") or getattr(args, "no_offload", False):
         return "no store in use"
@@ -567,7 +568,7 @@ def _calibrate_into(loaded, geometry, store_dir: Path, quick: bool = False):
     from tqdm import tqdm
 
     from kvtier.costmodel.calibrate import calibrate, steps
-    from kvtier.tiers.l3 import StoreError, open_l3
+    from kvtier.tiers.l3.open import StoreError, open_l3
 
     try:
         desc = "calibrating (quick, first use)" if quick else "calibrating"
@@ -583,7 +584,7 @@ def _calibrate_into(loaded, geometry, store_dir: Path, quick: bool = False):
 def _calibrate_on_first_use(loaded, geometry, store_dir: Path) -> None:
     """Calibrate once per store, model and page size: the default cost model can be far
     off this machine, and online refinement needs many requests to correct it."""
-    from kvtier.tiers.l3 import StoreError, open_l3
+    from kvtier.tiers.l3.open import StoreError, open_l3
 
     if not _no_data(store_dir):
         try:
@@ -638,7 +639,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def cmd_bench_ttft(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from kvtier.tiers.l3 import StoreError, open_l3
+    from kvtier.tiers.l3.open import StoreError, open_l3
 
     from . import bench_ttft
 
@@ -705,7 +706,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
 
     from kvtier.costmodel import replay as rp
     from kvtier.costmodel.plan import Profile
-    from kvtier.tiers.l3 import StoreError, open_l3
+    from kvtier.tiers.l3.open import StoreError, open_l3
 
     if rp.BLOCK_TOKENS % args.page_size:
         raise UsageError(f"--page-size {args.page_size} does not divide {rp.BLOCK_TOKENS}")
@@ -756,7 +757,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
 
 def _open_store(path: Path | None, readonly: bool = False):
     """The store at ``path`` (it must exist): read-only for reports, writable to manage it."""
-    from kvtier.tiers.l3 import StoreError, open_l3
+    from kvtier.tiers.l3.open import StoreError, open_l3
 
     path = path or default_store_dir()
     if _no_data(path):
@@ -831,7 +832,7 @@ def _store_ls(args: argparse.Namespace) -> int:
 def _store_clear(args: argparse.Namespace) -> int:
     with _open_store(args.store, readonly=True) as disk:  # a bad --namespace writes nothing
         chosen = None if args.namespace is None else {_namespace(disk, prefix) for prefix in args.namespace}
-    from kvtier.tiers.l3 import StoreError
+    from kvtier.tiers.l3.open import StoreError
 
     with _open_store(args.store) as disk:
         try:
@@ -851,7 +852,8 @@ def _namespace(disk, prefix: str) -> bytes:
 
 
 def _store_compact(args: argparse.Namespace) -> int:
-    from kvtier.tiers.disk import StoreError, compact_store
+    from kvtier.tiers.l3.lmdb_admin import compact_store
+    from kvtier.tiers.l3.open import StoreError
 
     path = args.store or default_store_dir()
     try:

@@ -332,6 +332,7 @@ class Engine:
         try:
             cache = self._cache_from(head.layers, head.num_pages * size) or make_prompt_cache(self.loaded.model)
             self._prefill(cache, request.prompt[head.num_pages * size : plan.first_loaded * size])
+            self._publish(request, cache, plan.first_loaded)  # computed over stored copies: kept in L1 too
         finally:  # the loaded pages are pinned even when computing failed: they are released with the others
             tail = self.store.finish(loading.result())
             request.pinned += tail.keys
@@ -420,7 +421,7 @@ class Engine:
         keys, tokens = keys or request.keys, tokens or request.prompt
         pages = []
         for i in range(request.published, ready):
-            if self.store.has(keys[i]):  # recomputed over a stored page: nothing to copy out
+            if not self.store.wants(keys[i]):  # recomputed over an L1 page: nothing to copy out
                 continue
             pages.append((i, _page_kv(caches, i * size, (i + 1) * size)))
         mx.eval([kv for _, kv in pages])

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 
-from kvtier.tiers.disk import format_bytes
+from kvtier.tiers.text import format_bytes
 
 _TIER_COLUMNS = ("capacity", "bytes_used", "pages", "lookups", "hit_pages", "hit_tokens",
                  "inserts", "evictions", "checksum_failures", "writes_dropped")

@@ -1,11 +1,28 @@
 """Installing kvtier puts one import package, ``kvtier``, into site-packages."""
 
+import ast
+import re
 import subprocess
 import sys
 import zipfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+PRODUCT = ("tiers", "engine", "costmodel")
+
+
+def source_packages() -> set[str]:
+    """Every folder of the product that holds a module, as an import name."""
+    return {"kvtier"} | {"kvtier." + ".".join(module.parent.relative_to(REPO).parts)
+                         for top in PRODUCT for module in (REPO / top).rglob("*.py")}
+
+
+def test_every_subpackage_is_listed_for_setuptools():
+    """``[tool.setuptools] packages`` names each package of the source tree: an unlisted
+    one works in an editable install and is missing from the wheel."""
+    setuptools = (REPO / "pyproject.toml").read_text().split("[tool.setuptools]", 1)[1]
+    listed = ast.literal_eval(re.search(r"^packages = (\[.*?\])$", setuptools, re.M).group(1))
+    assert set(listed) == source_packages()
 
 
 def test_wheel_installs_only_the_kvtier_package(tmp_path):
@@ -15,8 +32,8 @@ def test_wheel_installs_only_the_kvtier_package(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     tops = {n.split("/")[0] for n in names}
     assert {t for t in tops if not t.endswith(".dist-info")} == {"kvtier"}
-    for sub in ("tiers", "engine", "costmodel"):
-        assert f"kvtier/{sub}/__init__.py" in names
+    for package in source_packages() - {"kvtier"}:
+        assert package.replace(".", "/") + "/__init__.py" in names
     assert not any(n.startswith(("kvtier/tests/", "kvtier/bench/")) for n in names)
 
 

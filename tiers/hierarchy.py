@@ -2,8 +2,9 @@
 
 Invariants (DESIGN §4), each tested in ``tests/tiers/test_hierarchy.py``:
 
-1. A published page is immutable: a key is published once and every tier holds
-   exactly the bytes that were computed (raw copies; L3 checks a checksum).
+1. A published page is immutable: a key names one page's bytes and every tier holds
+   exactly the bytes that were computed (raw copies; L3 checks a checksum). A page
+   computed again over a copy below L1 adds only an L1 copy (``publish``).
 2. A pinned page (being restored, or in use by a request) is never evicted from
    L1 or L2. An L3 restore reads inside one L3 snapshot (an LMDB read transaction
    no writer changes; for Redis, the values it read), which keeps its bytes; L3
@@ -15,8 +16,9 @@ Invariants (DESIGN §4), each tested in ``tests/tiers/test_hierarchy.py``:
    queued) is never sent again, so such a spill adds 0 bytes to ``L2->L3``.
 
 Placement is inclusive, and a page is kept where the next request will find it
-fastest. L1 holds pages computed on this device and pages restored from below it:
-a page restored from L2 or L3 into a request is also kept in L1 (``_keep_in_l1``),
+fastest. L1 holds pages computed on this device (a page computed over a copy in L2 or L3
+too) and pages restored from below it:
+a page restored from L2 or L3 into a request is also kept in L1 (``tiers.restore``),
 subject to L1's cap and eviction policy like a published page (L1 makes room by
 moving its victims down, never evicting a pinned page), so a process reads a hot
 prefix from below L1 at most once. The join writes the request's KV along tokens,
@@ -43,38 +45,27 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
-from collections import Counter
-from contextlib import ExitStack, nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import ContextManager, Sequence
+from types import MappingProxyType
+from typing import Mapping, Sequence
 
 import mlx.core as mx
-import numpy as np
-from xxhash import xxh3_64_intdigest
 
-from .counters import LINKS, LinkCounters, add_into
-from .l3 import L3Store, Snapshot, StoreError, open_l3
-from .page import Namespace, PageGeometry, PageKey, Source, partial_key, shared_start
-from .join import Joined, in_parallel, join_pages, keep_buffers_for_restores, shares
+from .counters import add_into
+from .l3.base import L3Store, StoreError
+from .l3.open import open_l3
+from .page import Namespace, PageGeometry, PageKey, Source, page_tokens, partial_key, shared_start
+from .join import keep_buffers_for_restores
+from .links import LinkLedger, Throttle
+from .placement import Pins, Placement
 from .policy import DEFAULT_POLICY, L3Admission, make_policy
-from .record import StoredRecord
-from .tier import DevicePage, DeviceTier, HostTier, Tier, kv_to_host
+from .restore import PendingRestore, RestoredPrefix, Restorer
+from .tier import DevicePage, DeviceTier, HostTier, TierView
+
+__all__ = ["PartialMatch", "PendingRestore", "RestoredPrefix", "StoreConfig", "StoreView", "TieredStore"]
 
 log = logging.getLogger(__name__)
-
-@dataclass
-class RestoredPrefix:
-    """Pages restored for one request, pinned until ``TieredStore.release``."""
-
-    keys: list[PageKey]
-    sources: list[Source]
-    layers: list[tuple[mx.array, mx.array]]  # per layer K, V: (1, kv_heads, tokens, head_dim)
-
-    @property
-    def num_pages(self) -> int:
-        return len(self.keys)
 
 
 @dataclass(frozen=True)
@@ -89,43 +80,14 @@ class PartialMatch:
         return self.kv.shape[3]
 
 
-@dataclass
-class _Page:
-    """One page of a restore being planned: where it is and a host view of its bytes."""
+@dataclass(frozen=True)
+class StoreView:
+    """The store's state at one moment, read-only: its in-process tiers and its pins."""
 
-    key: PageKey
-    tokens: tuple[int, ...]
-    source: Source
-    data: np.ndarray | None = None  # geometry.shape; None until an L3 page is verified (an L1 page: joined)
-    kv: mx.array | None = None  # an L1 page's device array: read on the joining thread
-    record: StoredRecord | None = None  # an L3 page's record, in the restore's snapshot
-    slot: int | None = None  # the L2 slot a compressed L3 page is decoded into
-    parent: bytes | None = None  # the key of the page before it
-
-    @property
-    def compressed(self) -> bool:
-        return self.record is not None and self.record.compressed
-
-    @property
-    def raw_l3(self) -> bool:
-        """Joined from the record as stored (LMDB's map, or the bytes Redis sent): its
-        checksum is taken from those bytes as they are copied."""
-        return self.record is not None and not self.record.compressed
-
-    @property
-    def stored(self) -> int:
-        return self.record.stored if self.record is not None else 0
-
-
-@dataclass
-class PendingRestore:
-    """A restore between its host work (``TieredStore.begin``) and its join (``finish``)."""
-
-    pages: list[_Page]  # pinned
-    digests: list[int | None]  # xxh3 of raw L3 pages checked ahead, else None
-    find_s: float  # finding and pinning the pages
-    host_s: float  # decoding and checking L3 pages, waiting out an L3 throttle
-    snapshot: ExitStack  # holds the L3 snapshot open until finish
+    l1: TierView
+    l2: TierView
+    pins: Mapping[PageKey, int]  # pinned page -> pins held (a request's restore, each)
+    l3_open: bool  # an L3 backend is open (False once ``close`` has flushed and closed it)
 
 
 @dataclass
@@ -133,7 +95,7 @@ class StoreConfig:
     l1_bytes: int = 1 << 30
     l2_bytes: int = 4 << 30
     l3_bytes: int | None = None  # None: the store's own cap (a new store: 32 GiB)
-    store_dir: Path | str | None = None  # an LMDB directory, or a redis:// URL (tiers.l3.open_l3)
+    store_dir: Path | str | None = None  # an LMDB directory, or a redis:// URL (tiers.l3.open.open_l3)
     codec: str = "raw"
     # Tier ("L2" or "L3") -> bytes per second: reads from that tier take at least
     # bytes / rate (the rest is slept), and the link counters show it (tests, demos).
@@ -171,9 +133,14 @@ class TieredStore:
             self.disk.describe_namespace(self.ns_digest, {
                 "model": config.label or namespace.model_fingerprint[:12], "page_size": geometry.page_size,
                 "dtype": geometry.dtype, "salted": bool(namespace.cache_salt)})
-        self.throttle = _checked_throttle(config.throttle)
-        self.links = {name: LinkCounters() for name in LINKS}
-        self._pins: Counter[PageKey] = Counter()
+        self.throttle = Throttle(config.throttle)
+        self.ledger = LinkLedger()
+        self.links = self.ledger.links  # link name -> LinkCounters of this process
+        self.pins = Pins()
+        self.placement = Placement(self.l1, self.l2, self.disk, self.ns_digest, geometry.page_size, self.admission,
+                                   self.ledger, self.pins)
+        self.restorer = Restorer(geometry, self.ns_digest, self.l1, self.l2, self.disk, self.placement, self.pins,
+                                 self.admission, self.ledger, self.throttle)
         self._lock = threading.RLock()
         self._closed = False
 
@@ -187,17 +154,17 @@ class TieredStore:
             in_l3 = set(absent[: self.disk.stored_prefix(absent)]) if self.disk is not None else set()
             found = []
             for i, key in enumerate(keys):
-                source = self._where(key, self._page_tokens(tokens, i), in_l3)
+                source = self._where(key, page_tokens(tokens, i, self.geometry.page_size), in_l3)
                 if source is None:
                     break
                 found.append(source)
             return found
 
-    def _where(self, key: PageKey, page_tokens: tuple[int, ...], in_l3: set[PageKey]) -> Source | None:
+    def _where(self, key: PageKey, own: tuple[int, ...], in_l3: set[PageKey]) -> Source | None:
         for tier, source in ((self.l1, Source.L1), (self.l2, Source.L2)):
             entry = tier.entries.get(key)
             if entry is not None:
-                return source if entry.tokens == page_tokens else None
+                return source if entry.tokens == own else None
         return Source.L3 if key in in_l3 else None
 
     def touch(self, keys: Sequence[PageKey]) -> None:
@@ -207,10 +174,6 @@ class TieredStore:
             for key in keys:
                 if key in self.l1:
                     self.l1.get(key)
-
-    def _page_tokens(self, tokens: Sequence[int], index: int) -> tuple[int, ...]:
-        size = self.geometry.page_size
-        return tuple(tokens[index * size : (index + 1) * size])
 
     # -- restore -------------------------------------------------------------
 
@@ -231,212 +194,27 @@ class TieredStore:
         copies; without, the join hashes them as it copies them. Touches no mlx
         array (an L1 page is read by ``finish``): safe on another thread while the
         model runs. On an error nothing stays pinned."""
-        with self._lock, ExitStack() as stack:
-            t0 = time.perf_counter()
-            snap = stack.enter_context(self._snapshot())
-            pages = self._plan(keys, tokens, snap, first)
-            try:
-                t1 = time.perf_counter()
-                read_s = snap.read_s if snap is not None else 0.0  # a remote L3's round trips, inside _plan
-                pages = self._decode_compressed(pages)
-                digests = self._hash_raw_l3(pages) if ahead else [None] * len(pages)
-                l3_bytes = sum(p.stored for p in pages)
-                host_s = self._throttled("L3", l3_bytes, read_s + time.perf_counter() - t1) if l3_bytes else 0.0
-            except BaseException:
-                self.release([p.key for p in pages])
-                raise
-            return PendingRestore(pages, digests, t1 - t0 - read_s, host_s, stack.pop_all())
+        with self._lock:
+            return self.restorer.begin(keys, tokens, first, ahead)
 
     def finish(self, pending: PendingRestore) -> RestoredPrefix:
         """Join a begun restore's pages into per-layer device arrays and end its snapshot;
         if the join fails its pages are unpinned."""
-        with self._lock, pending.snapshot:
-            pages = pending.pages
-            if not pages:
-                return RestoredPrefix([], [], [])
-            t0 = time.perf_counter()
-            try:
-                joined = self._join(pending)
-            except BaseException:
-                self.release([p.key for p in pages])
-                raise
-            digests = [a if a is not None else b for a, b in zip(pending.digests, joined.digests)]
-            good = self._cut(pages, self._first_bad(pages, digests))
-            self._record_restore(good, pending.host_s, pending.find_s + time.perf_counter() - t0)
-            self._keep_in_l1(good)
-            kept = len(good) * self.geometry.page_size
-            layers = joined.layers if len(good) == len(pages) else \
-                [(k[:, :, :kept], v[:, :, :kept]) for k, v in joined.layers]
-            return RestoredPrefix([p.key for p in good], [p.source for p in good], layers)
-
-    def _keep_in_l1(self, pages: list[_Page]) -> None:
-        """Copy the restored pages that came from below L1 into L1 (module docstring:
-        placement), while they are pinned and an L3 page's map view is valid."""
-        for page in pages:
-            if page.source is Source.L1 or page.key in self.l1 or not self._make_room(self.l1):
-                continue  # no room when every L1 page is pinned: the page stays where it was
-            kv = mx.array(page.data)
-            kv = kv.view(mx.bfloat16) if self.geometry.dtype == "bfloat16" else kv
-            cost = self.l2.policy.cost_of(page.key) if page.key in self.l2 else 1.0
-            self.l1.add(page.key, DevicePage(page.tokens, kv, page.parent), cost)
-
-    def _join(self, pending: PendingRestore) -> Joined:
-        """The pages joined (L1 pages read from the device here), raw L3 pages not
-        checked ahead hashed on the way."""
-        for page in pending.pages:
-            if page.kv is not None:
-                page.data = self._shaped(kv_to_host(page.kv))
-        hash_now = [p.raw_l3 and d is None for p, d in zip(pending.pages, pending.digests)]
-        return join_pages([p.data for p in pending.pages], self.geometry, hash_now)
-
-    def _snapshot(self) -> ContextManager[Snapshot | None]:
-        return self.disk.snapshot() if self.disk is not None else nullcontext()
-
-    def _plan(self, keys: Sequence[PageKey], tokens: Sequence[int], snap: Snapshot | None,
-              first: int = 0) -> list[_Page]:
-        """The longest stored run from page ``first``, every page pinned: L1 pages with
-        their device array (not read here), L2 pages with host views of their bytes,
-        L3 pages with their record (header checked) and a view of the map (raw) or an
-        L2 slot reserved to decode into (compressed; None when L2 has no room).
-
-        Pages are pinned before any slot is reserved, so making room in L2 never
-        evicts a page of this run. Lookups and hits count here for L1 and L2, in the
-        snapshot for L3.
-        """
-        if snap is not None:
-            snap.expect([k for k in keys[first:] if k not in self.l1 and k not in self.l2], self.geometry.nbytes)
-        pages = []
-        for i in range(first, len(keys)):
-            key = keys[i]
-            page_tokens = self._page_tokens(tokens, i)
-            page = self._pin_resident(key, page_tokens)
-            if page is None and snap is not None:
-                record = snap.find(key, self.ns_digest, page_tokens, self.geometry.nbytes)
-                page = record and _Page(key, page_tokens, Source.L3, record=record,
-                                        data=None if record.compressed else self._shaped(record.payload))
-                if page is not None:
-                    self._pins[key] += 1
-            if page is None:
-                break
-            self.admission.seen(key)
-            page.parent = keys[i - 1] if i else self.ns_digest
-            pages.append(page)
-        for page in pages:
-            if page.compressed and self._make_room(self.l2):
-                page.slot = self.l2.take_slot()
-        return pages
-
-    def _pin_resident(self, key: PageKey, page_tokens: tuple[int, ...]) -> _Page | None:
-        for tier in (self.l1, self.l2):
-            tier.counters.lookups += 1
-            entry = tier.get(key)
-            if entry is not None and entry.tokens == page_tokens:
-                self._pins[key] += 1
-                tier.counters.hit_pages += 1
-                tier.counters.hit_tokens += self.geometry.page_size
-                if tier is self.l1:  # its bytes are read at the join, on the joining thread
-                    return _Page(key, page_tokens, Source.L1, kv=entry.kv)
-                return _Page(key, page_tokens, Source.L2, self._shaped(self.l2.read(key)))
-        return None
-
-    def _decode_compressed(self, pages: list[_Page]) -> list[_Page]:
-        """Decode the compressed L3 pages into their L2 slots (on a few threads), checking
-        their checksums; they stay in L2. Returns the prefix up to the first failure."""
-        reads = [p for p in pages if p.compressed]
-        if not reads:
-            return pages
-        in_parallel(self._decode_pages, shares(reads, len(reads) * self.geometry.nbytes))
-        for page in reads:  # a page decoded whole is kept in L2, even past the cut
-            if page.slot is not None:
-                if page.data is not None:
-                    self.l2.fill(page.key, page.tokens, page.slot)
-                else:
-                    self.l2.give_back(page.slot)
-        return self._cut(pages, next((i for i, p in enumerate(pages) if p.compressed and p.data is None), len(pages)))
-
-    def _decode_pages(self, pages: list[_Page]) -> None:
-        """One thread's share of the decodes, in order; stops at its first failure."""
-        for page in pages:
-            out = None if page.slot is None else self.l2.arena[page.slot]
-            raw = self.disk.verified(page.record, out)
-            if raw is None:
-                return
-            page.data = self._shaped(raw)
-
-    def _hash_raw_l3(self, pages: list[_Page]) -> list[int | None]:
-        """xxh3 of each raw L3 page's bytes in the map (on a few threads), else None."""
-        digests: list[int | None] = [None] * len(pages)
-        raw = [i for i, p in enumerate(pages) if p.raw_l3]
-
-        def hash_share(share: list[int]) -> None:
-            for i in share:
-                digests[i] = xxh3_64_intdigest(pages[i].data)
-
-        in_parallel(hash_share, shares(raw, len(raw) * self.geometry.nbytes))
-        return digests
-
-    def _first_bad(self, pages: list[_Page], digests: list[int | None]) -> int:
-        """Index of the first raw L3 page whose bytes (hashed ahead, or as they were
-        joined) fail its checksum (that record is rejected), else len(pages)."""
-        for i, (page, digest) in enumerate(zip(pages, digests)):
-            if digest is not None and not self.disk.accept(page.record, digest):
-                return i
-        return len(pages)
-
-    def _cut(self, pages: list[_Page], n: int) -> list[_Page]:
-        """``pages[:n]``; the pages after it are unpinned."""
-        self.release([p.key for p in pages[n:]])
-        return pages[:n]
-
-    def _record_restore(self, pages: list[_Page], host_s: float, join_s: float) -> None:
-        """Add a restore's bytes and seconds to the links its pages crossed: each page
-        takes an equal share of finding and joining (``join_s``), each L3 page an equal
-        share of the host work (decodes, checks, an L3 throttle's wait); an L2 throttle
-        stretches the joins. L1 pages cross no link: their shares are not counted."""
-        moved: dict[str, LinkCounters] = {}
-        l3 = sum(p.source is Source.L3 for p in pages)
-        for page in pages:
-            host = host_s / l3 if page.source is Source.L3 else 0.0
-            for link, nbytes, seconds in self._crossings(page, host, join_s / len(pages)):
-                moved.setdefault(link, LinkCounters()).record(nbytes, seconds)
-        if (joined := moved.get("L2->L1")) is not None and joined.seconds > 0:
-            joined.seconds = self._throttled("L2", joined.bytes, joined.seconds)
-        for name, link in moved.items():
-            self.links[name].record(link.bytes, link.seconds, link.pages)
-
-    def _crossings(self, page: _Page, check_s: float, join_s: float) -> tuple[tuple[str, int, float], ...]:
-        """(link, bytes, seconds) of each link a page crossed into the request's KV."""
-        if page.source is Source.L1:
-            return ()
-        joined = ("L2->L1", self.geometry.nbytes, join_s)
-        if page.source is Source.L2:
-            return (joined,)
-        if page.compressed:
-            return (("L3->L2", page.stored, check_s), joined)
-        return (("L3->L1", page.stored, check_s + join_s),)
-
-    def _throttled(self, tier: str, nbytes: int, seconds: float) -> float:
-        """Seconds a read of ``nbytes`` from ``tier`` took, after sleeping up to its throttle."""
-        rate = self.throttle.get(tier)
-        if rate is None or seconds >= nbytes / rate:
-            return seconds
-        t0 = time.perf_counter()
-        time.sleep(nbytes / rate - seconds)
-        return seconds + time.perf_counter() - t0
-
-    def _shaped(self, data: np.ndarray | bytes) -> np.ndarray:
-        return np.frombuffer(data, self.geometry.storage_dtype).reshape(self.geometry.shape)
+        with self._lock:
+            return self.restorer.finish(pending)
 
     def release(self, keys: Sequence[PageKey]) -> None:
         """Unpin pages taken by ``restore`` (or ``pin``)."""
         with self._lock:
-            for key in keys:
-                self._pins[key] -= 1
-                if self._pins[key] <= 0:
-                    del self._pins[key]
+            self.pins.release(keys)
 
     def pinned(self, key: PageKey) -> bool:
-        return key in self._pins
+        return key in self.pins
+
+    def view(self) -> StoreView:
+        with self._lock:
+            return StoreView(self.l1.view(), self.l2.view(), MappingProxyType(self.pins.held()),
+                             self.disk is not None and not self._closed)
 
     # -- publish and spill ---------------------------------------------------
 
@@ -468,19 +246,29 @@ class TieredStore:
 
     def publish(self, key: PageKey, tokens: Sequence[int], kv: mx.array, cost: float = 1.0,
                 parent: bytes | None = None) -> bool:
-        """Add a newly computed full page to L1; False if it was already stored.
+        """Add a computed full page to L1; False if L1 has it, or if L1 has no room and a
+        tier below has it. A page computed over a copy in L2 or L3 (a plan that loads
+        only some pages, or computes the first ones while later ones load) is kept in L1
+        like a restored page: the next request reads it from L1, not from below again.
         ``cost``: the seconds its recompute takes, for the ``cost`` eviction policy;
         ``parent``: the key of the page before it (``match_partial`` finds it by that)."""
         with self._lock:
             self.admission.seen(key)
-            if self.has(key):
+            if not self.wants(key):
                 return False
             page = DevicePage(tuple(tokens), kv, parent)
-            if self._make_room(self.l1):
+            if self.placement.make_room(self.l1):
                 self.l1.add(key, page, cost)
-            else:
-                self._place_below_l1(key, page.tokens, kv, cost)
+                return True
+            if self.has(key):
+                return False
+            self.placement.place_below_l1(key, page.tokens, kv, cost)
             return True
+
+    def wants(self, key: PageKey) -> bool:
+        """Whether ``publish`` would keep a computed page of ``key``: L1 lacks it."""
+        with self._lock:
+            return key not in self.l1
 
     def publish_partial(self, parent: bytes, tokens: Sequence[int], kv: mx.array) -> bool:
         """Keep a request's last, partial page (``kv``: its tokens along axis 3) in L1
@@ -490,7 +278,7 @@ class TieredStore:
         already there or if L1 has no room."""
         key = partial_key(parent, tokens)
         with self._lock:
-            if key in self.l1 or not self._make_room(self.l1):
+            if key in self.l1 or not self.placement.make_room(self.l1):
                 return False
             self.l1.add(key, DevicePage(tuple(tokens), kv, parent), len(tokens) / self.geometry.page_size)
             return True
@@ -511,54 +299,6 @@ class TieredStore:
             self.l1.counters.hit_tokens += shared
             return PartialMatch(best, self.l1.get(best).kv[:, :, :, :shared])
 
-    def _partial(self, page: DevicePage) -> bool:
-        return len(page.tokens) < self.geometry.page_size
-
-    def _make_room(self, tier: Tier) -> bool:
-        """Evict the policy's unpinned victims from ``tier`` until one page fits."""
-        while not tier.has_room():
-            victim = tier.victim(self.pinned)
-            if victim is None:
-                return False
-            tier.counters.evictions += 1
-            if tier is self.l1:
-                cost = self.l1.policy.cost_of(victim)
-                page = self.l1.pop(victim)
-                if not self._partial(page):  # a partial page is dropped (publish_partial)
-                    self._place_below_l1(victim, page.tokens, page.kv, cost)
-            else:
-                self._write_l3(victim, self.l2.entries[victim].tokens, self.l2.read(victim), "L2->L3")
-                self.l2.pop(victim)
-        return True
-
-    def _place_below_l1(self, key: PageKey, page_tokens: tuple[int, ...], kv: mx.array,
-                        cost: float) -> None:
-        """Give a page leaving (or refused by) L1 a place in L2, else L3, else drop it."""
-        if key in self.l2:
-            return
-        t0 = time.perf_counter()
-        data = kv_to_host(kv)
-        if self._make_room(self.l2):
-            self.l2.write(key, page_tokens, data, cost)
-            self.links["L1->L2"].record(len(data), time.perf_counter() - t0)
-        elif not self._write_l3(key, page_tokens, data, "L1->L3"):
-            self.l2.counters.writes_dropped += 1
-
-    def _write_l3(self, key: PageKey, page_tokens: tuple[int, ...], data: np.ndarray, link: str,
-                  wait: bool = False) -> bool:
-        """Queue a page for L3 unless it is already there; True if L3 has or will have it."""
-        if self.disk is None:
-            return False
-        if self.disk.contains(key):
-            return True
-        if not self.admission.admits(key):
-            return False
-        t0 = time.perf_counter()
-        queued = self.disk.put(key, self.ns_digest, page_tokens, data, wait=wait)
-        if queued:
-            self.links[link].record(len(data), time.perf_counter() - t0)
-        return queued
-
     # -- lifecycle and numbers -------------------------------------------------
 
     def settle(self) -> None:
@@ -570,15 +310,7 @@ class TieredStore:
     def flush(self) -> None:
         """Write every page that lives only in L1 or L2 down to L3 and wait for it."""
         with self._lock:
-            if self.disk is None:
-                return
-            for key in self.l1:
-                page = self.l1.entries[key]
-                if key not in self.l2 and not self._partial(page):
-                    self._write_l3(key, page.tokens, kv_to_host(page.kv), "L1->L3", wait=True)
-            for key in self.l2:
-                self._write_l3(key, self.l2.entries[key].tokens, self.l2.read(key), "L2->L3", wait=True)
-            self.disk.flush()
+            self.placement.flush()
 
     def __enter__(self) -> TieredStore:
         return self
@@ -602,7 +334,7 @@ class TieredStore:
         tiers = {t.name: t.counters.cumulative() for t in (self.l1, self.l2)}
         if self.disk is not None:
             tiers["L3"] = self.disk.counters.cumulative()
-        links = {name: link.cumulative() for name, link in self.links.items()}
+        links = self.ledger.cumulative()
         return {"tiers": tiers, "links": links}
 
     def stats(self) -> dict:
@@ -611,17 +343,10 @@ class TieredStore:
             tiers = {t.name: asdict(t.counters) for t in (self.l1, self.l2)}
             if self.disk is not None:
                 tiers["L3"] = asdict(self.disk.counters)
-            links = {name: asdict(link) for name, link in self.links.items()}
+            links = self.ledger.stats()
             if self.disk is None:
                 return {"tiers": tiers, "links": links}
             return {"tiers": tiers, "links": links, "l3": {"backend": self.disk.backend, "location": self.disk.location}}
-
-
-def _checked_throttle(throttle: dict[str, float]) -> dict[str, float]:
-    for tier, rate in throttle.items():
-        if tier not in ("L2", "L3") or not rate > 0:
-            raise ValueError(f"bad throttle {tier}={rate!r}: tier L2 or L3, rate > 0 bytes/s")
-    return dict(throttle)
 
 
 def _open_disk(config: StoreConfig) -> L3Store | None:

@@ -22,7 +22,7 @@ import numpy as np
 from xxhash import xxh3_64
 
 from .page import PageGeometry
-from .tier import SLOT_OFFSET
+from .layout import SLOT_OFFSET
 
 # Threads for a restore's bulk copies: numpy copies and LMDB reads release the GIL, and
 # one thread alone does not saturate memory bandwidth (on the 2-core dev VM, when idle,
@@ -140,7 +140,7 @@ class _JoinedPages:
     Where the join starts: a read of the whole payload (what ``mx.load`` does) puts it
     at ``SLOT_OFFSET`` past a 4 KiB boundary of memory, where L2 slots start: a copy
     from a slot then pairs aligned loads with aligned stores and never 4K-aliases
-    (``tiers.tier.slot_arena``), wherever mlx's allocator put the buffer. Other reads
+    (``tiers.layout.slot_arena``), wherever mlx's allocator put the buffer. Other reads
     put it at 0.
 
     Why a file: ``mx.load`` allocates the array and hands its memory to ``readinto``,

@@ -78,6 +78,11 @@ def page_keys(namespace: Namespace, tokens: Sequence[int]) -> list[PageKey]:
     return keys
 
 
+def page_tokens(tokens: Sequence[int], index: int, page_size: int) -> tuple[int, ...]:
+    """The token ids of page ``index`` of ``tokens``."""
+    return tuple(tokens[index * page_size : (index + 1) * page_size])
+
+
 def partial_key(parent: bytes, tokens: Sequence[int]) -> PageKey:
     """Key of a partial page (fewer than ``page_size`` tokens) after the page keyed
     ``parent``; never equal to a full page's key."""

@@ -13,7 +13,7 @@ the caps and the pins (a victim is always an unpinned page the tier holds).
   however hot they once were (the aging). Equal priorities leave oldest first. A
   publisher may pass a page's cost (``TieredStore.publish``); without one every
   page costs the same and the policy orders by uses and age. L3 keeps the same
-  order in its LMDB tables (``tiers.disk``), with every page costing the same.
+  order in its LMDB tables (``tiers.l3.lmdb_store``), with every page costing the same.
 
 ``L3Admission`` decides which pages are worth writing to L3 at all: ``always``, or
 ``second-use``, which writes a page only once it has been seen a second time

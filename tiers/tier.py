@@ -11,17 +11,31 @@ Invariants kept here:
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Generic, Iterator, TypeVar
 
 import mlx.core as mx
 import numpy as np
 
 from .counters import TierCounters
+from .layout import slot_arena
 from .page import PageGeometry, PageKey
 from .policy import EvictionPolicy
 
 Entry = TypeVar("Entry")
+
+
+@dataclass(frozen=True)
+class TierView:
+    """A tier's state at one moment, read-only (what tests and reports assert on)."""
+
+    name: str
+    pages: int  # indexed pages
+    max_pages: int  # the cap, in pages
+    bytes_used: int
+    follower_parents: int = 0  # L1: parents in the index of pages by their previous page
+    follower_pages: int = 0  # L1: pages in that index (every L1 page with a known parent)
+    free_slots: int = 0  # L2: arena slots neither filled nor reserved
 
 
 class Tier(Generic[Entry]):
@@ -72,6 +86,9 @@ class Tier(Generic[Entry]):
         self._update_gauges()
         return entry
 
+    def view(self) -> TierView:
+        return TierView(self.name, len(self.entries), self.max_pages, self.counters.bytes_used)
+
     def _update_gauges(self) -> None:
         self.counters.pages = len(self.entries)
         self.counters.bytes_used = len(self.entries) * self.page_nbytes
@@ -114,6 +131,12 @@ class DeviceTier(Tier[DevicePage]):
         """The pages whose previous page is ``parent`` (not marked used)."""
         return [(key, self.entries[key]) for key in self._after.get(parent, ())]
 
+    def view(self) -> TierView:
+        """With the size of the follower index: it holds no emptied set, so it never
+        outgrows the pages in L1."""
+        return replace(super().view(), follower_parents=len(self._after),
+                       follower_pages=sum(map(len, self._after.values())))
+
 
 @dataclass(frozen=True)
 class HostPage:
@@ -121,29 +144,6 @@ class HostPage:
 
     tokens: tuple[int, ...]
     slot: int
-
-
-# malloc returns 16-byte aligned memory and mlx puts its 8-byte size first: mlx's arrays
-# start 8 past a 16-byte boundary; a fresh large one (a new mapping, behind malloc's 16-byte
-# header) 24 past a 4 KiB boundary. An L1 page's bytes are such an array.
-_MLX_BUFFER_OFFSET = 24
-_MEMORY_PAGE = 4096
-# Where L2 slots, raw L3 payloads (modulo 64) and every join's output start in a 4 KiB page.
-SLOT_OFFSET = _MLX_BUFFER_OFFSET + _MEMORY_PAGE // 2
-
-
-def slot_arena(slots: int, nbytes: int) -> np.ndarray:
-    """``slots`` rows of ``nbytes`` (uint8) for page bytes. When ``nbytes`` is at least
-    4 KiB, rows are a whole number of 4 KiB apart and each starts ``SLOT_OFFSET`` past a
-    4 KiB boundary, as the join's output does (``tiers.join``): the join's copies pair
-    aligned loads with aligned stores, and their sources never lie a few bytes behind
-    their destinations modulo 4 KiB (such loads stall on false store-to-load
-    dependencies: 4K aliasing). L1 pages lie half a 4 KiB page from it, at the same
-    offset within a cache line."""
-    stride = -(-nbytes // _MEMORY_PAGE) * _MEMORY_PAGE if nbytes >= _MEMORY_PAGE else nbytes
-    raw = np.empty(slots * stride + _MEMORY_PAGE, dtype=np.uint8)
-    start = (SLOT_OFFSET - raw.ctypes.data) % _MEMORY_PAGE
-    return raw[start : start + slots * stride].reshape(slots, stride)[:, :nbytes]
 
 
 class HostTier(Tier[HostPage]):
@@ -178,6 +178,9 @@ class HostTier(Tier[HostPage]):
 
     def give_back(self, slot: int) -> None:
         self.free_slots.append(slot)
+
+    def view(self) -> TierView:
+        return replace(super().view(), free_slots=len(self.free_slots))
 
     def read(self, key: PageKey) -> np.ndarray:
         """The page's bytes, a view into the arena (valid until the page leaves L2)."""

@@ -58,7 +58,8 @@ def test_short_prefix_is_recomputed_when_setup_dominates(loaded):
 
 def test_overlapped_plan_computes_the_front_while_the_back_loads(loaded, tmp_path):
     """A link as slow as compute: the planner splits (Cake); the output is unchanged and
-    each page is labelled by where it came from."""
+    each page is labelled by where it came from. Every page is then in L1, those it
+    computed over L3's copies too: the next request reads none of them from L3 again."""
     prompt = text_prompt(loaded, 12 * PAGE + 7, seed=31)
     first = engine_for(loaded, tmp_path)
     first.generate([prompt], GREEDY)
@@ -69,7 +70,9 @@ def test_overlapped_plan_computes_the_front_while_the_back_loads(loaded, tmp_pat
                              ComputeModel([0.0, per_page / PAGE, 0.0]))
     (request,) = engine.generate([prompt], GREEDY)
     plan = request.plan
+    (again,) = engine.generate([prompt], GREEDY)
     engine.close()
+    assert again.plan.matched == ["L1"] * 12
     assert plan.matched == ["L3"] * 12 and plan.restore_pages == 12 and 0 < plan.overlap_pages < 12
     assert plan.predicted_s < min(plan.recompute_s, 12 * 1.5 * per_page)
     sources = request.sources()

@@ -123,7 +123,7 @@ def soak(engine: Engine, rounds: int = 2, per_round: int = 200, threads: int = 8
     report.totals = dict(engine.totals)
     if engine.store is not None:
         store = engine.store
-        report.pins = len(store._pins)
+        report.pins = len(store.view().pins)
         tiers = {"L1": store.l1.counters, "L2": store.l2.counters}
         tiers.update({"L3": store.disk.counters} if store.disk is not None else {})
         report.over_cap = [name for name, t in tiers.items() if t.bytes_used > t.capacity]

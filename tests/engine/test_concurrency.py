@@ -91,7 +91,7 @@ def test_pins_hold_under_pressure_and_outputs_stay_exact(loaded):
         assert request.output == mlx_lm_greedy(loaded, prompt, GREEDY.max_tokens)
     for tier in (engine.store.l1, engine.store.l2):
         assert tier.counters.bytes_used <= tier.counters.capacity
-    assert not engine.store._pins, "every pin is released when its request ends"
+    assert not engine.store.view().pins, "every pin is released when its request ends"
 
 
 def test_refresh_touches_waiting_pages_in_reverse_queue_order_without_pinning(loaded):

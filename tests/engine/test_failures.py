@@ -25,8 +25,8 @@ from kvtier.costmodel.models import ComputeModel
 from kvtier.costmodel.plan import Profile
 from kvtier.engine.engine import Engine, EngineConfig
 from kvtier.engine.request import SamplingParams
-from kvtier.tiers.disk import DiskTier
-from kvtier.tiers.record import FORMAT_VERSION, RecordHeader, decode_record
+from kvtier.tiers.l3.lmdb_store import DiskTier
+from kvtier.tiers.l3.record import FORMAT_VERSION, RecordHeader, decode_record
 from kvtier.tiers.hierarchy import StoreConfig
 from kvtier.tiers.page import page_keys, reusable_pages
 

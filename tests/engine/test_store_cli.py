@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from kvtier.costmodel.plan import Profile
-from kvtier.tiers.disk import DiskTier
+from kvtier.tiers.l3.lmdb_store import DiskTier
 from .conftest import on_tiny_model
 
 PROMPT = "the system prompt of an agent with tools " * 3  # ~120 tokens: 7 pages of 16
@@ -247,7 +247,7 @@ def test_store_ls_clear_resize_compact(tmp_path):
 
 
 def test_compact_refuses_a_store_in_use(store):
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from kvtier.tiers.disk import DiskTier; "
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from kvtier.tiers.l3.lmdb_store import DiskTier; "
                                f"d = DiskTier({str(store)!r}); print('open', flush=True); time.sleep(60)"],
                               stdout=subprocess.PIPE, text=True)
     try:

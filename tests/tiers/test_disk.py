@@ -25,8 +25,10 @@ from hypothesis import strategies as st
 
 from xxhash import xxh3_64_intdigest
 
-from kvtier.tiers.disk import DiskTier, StoreError, compact_store
-from kvtier.tiers.record import FORMAT_VERSION, RAW_PAYLOAD_OFFSET, CorruptRecord, RecordHeader, decode_record
+from kvtier.tiers.l3.lmdb_admin import compact_store
+from kvtier.tiers.l3.base import StoreError
+from kvtier.tiers.l3.lmdb_store import DiskTier
+from kvtier.tiers.l3.record import FORMAT_VERSION, RAW_PAYLOAD_OFFSET, CorruptRecord, RecordHeader, decode_record
 
 REPO = Path(__file__).resolve().parents[2]
 NS = b"N" * 16
@@ -106,7 +108,7 @@ def test_round_trip_is_byte_identical_and_reports_stored_size(store: Path, codec
 
 def test_raw_payloads_in_the_map_start_where_l2_slots_do_modulo_64(store: Path) -> None:
     """A raw page of several 4 KiB pages sits in LMDB's map at RAW_PAYLOAD_OFFSET modulo
-    64 (tiers.record.encode_record), whatever its header's length, and reads back whole."""
+    64 (tiers.l3.record.encode_record), whatever its header's length, and reads back whole."""
     tier = DiskTier(store, 1 << 20)
     for i, tokens in enumerate(list(range(n)) for n in range(1, 80)):  # every header length modulo 64
         data = payload(i, 3 * 4096)
@@ -426,7 +428,7 @@ import sys
 sys.path.insert(0, sys.argv[1])
 from pathlib import Path
 from tests.tiers.test_disk import NS, TOKENS, key, payload
-from kvtier.tiers.disk import DiskTier
+from kvtier.tiers.l3.lmdb_store import DiskTier
 tier = DiskTier(Path(sys.argv[2]), 1 << 24, codec=sys.argv[4])
 for i in range(int(sys.argv[3])):
     assert tier.put(key(i), NS, TOKENS, payload(i))
@@ -480,7 +482,7 @@ def test_writer_killed_mid_write_leaves_no_partial_page(store: Path) -> None:
 
 def test_read_through_touches_every_stored_byte(tmp_path, monkeypatch):
     """It hashes each stored record whole (header and payload), as it is in the map."""
-    import kvtier.tiers.disk as disk_module
+    import kvtier.tiers.l3.lmdb_store as disk_module
 
     disk = DiskTier(tmp_path, 1 << 20)
     for i in range(2):
@@ -613,7 +615,7 @@ def test_compact_shrinks_the_file_and_keeps_every_page(store: Path) -> None:
 
 def test_compact_refuses_while_another_process_has_the_store_open(store: Path) -> None:
     DiskTier(store, 1 << 20).close()
-    holder = subprocess.Popen([sys.executable, "-c", "import time; from kvtier.tiers.disk import DiskTier; "
+    holder = subprocess.Popen([sys.executable, "-c", "import time; from kvtier.tiers.l3.lmdb_store import DiskTier; "
                                f"d = DiskTier({str(store)!r}); print('open', flush=True); time.sleep(60)"],
                               stdout=subprocess.PIPE, text=True)
     try:

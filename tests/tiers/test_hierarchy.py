@@ -1,9 +1,10 @@
-"""The tier invariants of tiers/hierarchy.py, one test (or more) each."""
+"""The tier invariants of tiers/hierarchy.py (restore, placement, links), one test (or more) each."""
 
 import io
 import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 
 import lmdb
 import mlx.core as mx
@@ -14,9 +15,9 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-import kvtier.tiers.hierarchy as hierarchy
+import kvtier.tiers.restore as restore_module
 import kvtier.tiers.join as join
-import kvtier.tiers.tier as tier
+import kvtier.tiers.layout as layout
 from kvtier.tiers.hierarchy import StoreConfig, TieredStore
 from kvtier.tiers.page import Namespace, PageGeometry, Source, page_keys
 from kvtier.tiers.tier import kv_to_host
@@ -182,7 +183,7 @@ def test_mx_load_reads_the_payload_in_one_call_into_the_arrays_own_memory():
 
 
 def test_l2_slots_and_joins_start_half_a_page_from_fresh_mlx_buffers_modulo_4k():
-    """The layout the join's copies rely on (tiers.tier.slot_arena): every L2 slot of
+    """The layout the join's copies rely on (tiers.layout.slot_arena): every L2 slot of
     pages of 4 KiB or more, and every join of pages, starts SLOT_OFFSET past a 4 KiB
     boundary, half a 4 KiB page from a fresh large mlx buffer; on Linux every mlx array
     starts where the slots do modulo 16 (malloc's alignment, then mlx's 8-byte size)."""
@@ -193,11 +194,11 @@ def test_l2_slots_and_joins_start_half_a_page_from_fresh_mlx_buffers_modulo_4k()
     for i, key in enumerate(keys):
         store.publish(key, tokens[12 * i : 12 * i + 12], mx.zeros(geometry.shape))
     slots = [store.l2.read(key).ctypes.data for key in keys]
-    assert len(slots) == 3 and all(address % 4096 == tier.SLOT_OFFSET for address in slots)
-    assert (tier.SLOT_OFFSET - tier._MLX_BUFFER_OFFSET) % 4096 == 2048
+    assert len(slots) == 3 and all(address % 4096 == layout.SLOT_OFFSET for address in slots)
+    assert (layout.SLOT_OFFSET - layout.MLX_BUFFER_OFFSET) % 4096 == 2048
     for _ in range(3):  # wherever mlx puts the buffer, the join starts where the slots do
         restored = store.restore(keys, tokens)
-        assert restored.num_pages == 3 and np.asarray(restored.layers[0][0]).ctypes.data % 4096 == tier.SLOT_OFFSET
+        assert restored.num_pages == 3 and np.asarray(restored.layers[0][0]).ctypes.data % 4096 == layout.SLOT_OFFSET
         store.release(restored.keys)
     if sys.platform == "linux":
         array = mx.zeros(1 << 20, mx.uint8)
@@ -301,6 +302,30 @@ def test_a_page_restored_from_l2_is_kept_in_l1_once():
     store.close()
 
 
+@pytest.mark.parametrize("below", [Source.L2, Source.L3])
+def test_a_page_computed_over_one_stored_below_l1_is_kept_in_l1(tmp_path, below):
+    """A request that computes pages L2 or L3 hold (its plan computes the first pages
+    while the later ones load, or loads only some) publishes them into L1 like the pages
+    it restored: the next request finds every page in L1, none read from below twice."""
+    if below is Source.L3:
+        store = make_store(0, 0, tmp_path)
+        publish(store, 0, 1)
+        store.close()
+        store = make_store(4, 4, tmp_path)  # a restart: L1 and L2 empty
+    else:
+        store = make_store(2, 4)
+        publish(store, 0, 1, 2, 3)  # pages 2 and 3 pushed pages 0 and 1 down to L2
+    loaded = store.finish(store.begin(KEYS[:2], TOKENS, first=1))  # page 0 computed meanwhile
+    store.release(loaded.keys)
+    assert store.publish(KEYS[0], page_tokens(0), KV[0], parent=NS.digest())
+    assert store.locate(KEYS[:2], TOKENS) == [Source.L1, Source.L1]
+    assert not store.publish(KEYS[0], page_tokens(0), KV[0]), "L1 has it: nothing to add"
+    again = store.restore(KEYS[:2], TOKENS)
+    assert again.sources == [Source.L1, Source.L1] and same_bytes(joined(again), mx.concatenate(KV[:2], axis=3))
+    store.release(again.keys)
+    store.close()
+
+
 def test_begin_leaves_l1_pages_to_the_joining_thread(tmp_path):
     """``begin`` runs beside the model (an overlapped restore's loader): it must not read
     device arrays. An L1 page's bytes are read by ``finish``, on the model's thread."""
@@ -308,15 +333,15 @@ def test_begin_leaves_l1_pages_to_the_joining_thread(tmp_path):
     publish(store, 0, 1)  # in L1
     store.flush()
     reads = []
-    real = hierarchy.kv_to_host
-    hierarchy.kv_to_host = lambda kv: reads.append(threading.current_thread()) or real(kv)
+    real = restore_module.kv_to_host
+    restore_module.kv_to_host = lambda kv: reads.append(threading.current_thread()) or real(kv)
     try:
         with ThreadPoolExecutor(1) as loader:
             pending = loader.submit(store.begin, KEYS[:2], TOKENS, 0, True).result()
         assert reads == []
         restored = store.finish(pending)
     finally:
-        hierarchy.kv_to_host = real
+        restore_module.kv_to_host = real
     assert reads == [threading.current_thread()] * 2
     assert restored.sources == [Source.L1] * 2
     assert same_bytes(joined(restored), mx.concatenate(KV[:2], axis=3))
@@ -332,10 +357,10 @@ def test_a_failing_restore_leaves_nothing_pinned(tmp_path, monkeypatch, stage):
     def broken(*args, **kwargs):
         raise OSError("injected")
 
-    monkeypatch.setattr(store, "_decode_compressed" if stage == "begin" else "_join", broken)
+    monkeypatch.setattr(store.restorer, "decode_compressed" if stage == "begin" else "join", broken)
     with pytest.raises(OSError):
         store.restore(KEYS[:3], TOKENS)
-    assert not store._pins
+    assert store.view().pins == {}
     store.close()
 
 
@@ -509,3 +534,18 @@ def test_partial_pages_stay_in_l1_evicted_they_are_dropped_never_flushed(tmp_pat
     assert store.match_partial(KEYS[0], page_tokens(1)) is None
     assert store.l1.following(KEYS[0]) == store.l1.following(NS.digest()) == []
     store.close()
+
+
+def test_the_l1_follower_index_forgets_parents_whose_pages_left():
+    """L1's index of pages by their previous page holds a parent only while one of its
+    pages is in L1: pages coming and going under ever new parents never grow it."""
+    store = make_store(2, 0)
+    for i in range(6):  # each page evicts the one before last: L1 holds 2 pages
+        store.publish(KEYS[i], page_tokens(i), KV[i], parent=KEYS[i - 1] if i else NS.digest())
+        store.publish_partial(KEYS[i], page_tokens(i + 1)[:2], KV[i + 1][:, :, :, :2])
+        view = store.view().l1
+        assert view.follower_pages == view.pages == 2
+        assert view.follower_parents <= view.pages
+    for key in list(store.l1):
+        store.l1.pop(key)
+    assert store.view().l1 == replace(view, pages=0, bytes_used=0, follower_parents=0, follower_pages=0)

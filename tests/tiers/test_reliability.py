@@ -31,8 +31,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from xxhash import xxh3_64_intdigest
 
-from kvtier.tiers.disk import DiskTier
-from kvtier.tiers.record import CODECS, FORMAT_VERSION, CorruptRecord, RecordHeader, decode_record
+from kvtier.tiers.l3.lmdb_store import DiskTier
+from kvtier.tiers.l3.record import CODECS, FORMAT_VERSION, CorruptRecord, RecordHeader, decode_record
 from kvtier.tiers.hierarchy import StoreConfig, TieredStore
 from kvtier.tiers.page import Namespace, PageGeometry, page_keys
 from kvtier.tiers.tier import kv_to_host
@@ -90,7 +90,7 @@ codec = sys.argv[9]
 rng = random.Random(seed)
 pages = crash_keys(mode, start, count)
 if mode == "disk":
-    from kvtier.tiers.disk import DiskTier
+    from kvtier.tiers.l3.lmdb_store import DiskTier
 
     tier = DiskTier(store, capacity, codec=codec, queue_pages=queue)
     print("ready", flush=True)
@@ -283,7 +283,9 @@ def test_one_writer_killed_while_others_read_and_write(tmp_path: Path) -> None:
     def reader() -> None:  # reads whatever the killed writers committed
         try:
             while not stop.is_set():
-                for k, (mode, index, ns, toks) in list(log.written.items())[-300:]:
+                # dict.copy copies the table in one C call: iterating the shared dict while
+                # this test's main thread adds to it can raise (a collection may run mid-way)
+                for k, (mode, index, ns, toks) in list(log.written.copy().items())[-300:]:
                     got = other.get(k, ns, toks, len(crash_payload(mode, index)))
                     assert got is None or got[0] == crash_payload(mode, index)
         except BaseException as exc:  # reported below
@@ -413,7 +415,8 @@ _OPEN_AND_READ = """
 import hashlib, sys
 from pathlib import Path
 sys.path.insert(0, sys.argv[1])
-from kvtier.tiers.disk import DiskTier, StoreError
+from kvtier.tiers.l3.base import StoreError
+from kvtier.tiers.l3.lmdb_store import DiskTier
 n = int(sys.argv[2])
 keys = [hashlib.blake2b(str(i).encode(), digest_size=16).digest() for i in range(n)]  # test_disk.key
 for store in sys.argv[3:]:
@@ -578,7 +581,7 @@ import sys
 sys.path.insert(0, sys.argv[1])
 from pathlib import Path
 from tests.tiers.test_disk import NS, TOKENS, key, payload
-from kvtier.tiers.disk import DiskTier
+from kvtier.tiers.l3.lmdb_store import DiskTier
 tier = DiskTier(Path(sys.argv[2]), 1 << 24, codec=sys.argv[3])
 order = list(range(int(sys.argv[4])))
 if sys.argv[5] == "reverse":

@@ -1,8 +1,9 @@
 """L3, the persistent page store shared beyond one process: the interface every backend
-implements (LMDB on this machine, ``tiers.disk``; Redis / Valkey for a fleet,
-``tiers.redis_store``) and the background writer they share.
+implements (LMDB on this machine, ``tiers.l3.lmdb_store``; Redis / Valkey for a fleet,
+``tiers.l3.redis_store``) and the background writer they share. The factory that picks a
+backend is ``tiers.l3.open``, above both.
 
-A backend stores records (``tiers.record``) under 16-byte page keys and keeps beside
+A backend stores records (``tiers.l3.record``) under 16-byte page keys and keeps beside
 them the store's meta (format version, ``put_meta`` entries such as cost profiles),
 cumulative counters and a namespaces table. The hierarchy talks to this interface only:
 ``contains``, ``snapshot`` (find a run of records, read once), ``verified`` / ``accept``
@@ -21,22 +22,19 @@ Invariants kept here for every backend:
 from __future__ import annotations
 
 import logging
-import tempfile
 import threading
 from abc import ABC, abstractmethod
-from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
-from typing import ContextManager, Iterator, Sequence
+from typing import ContextManager, Sequence
 
 import numpy as np
 
-from .counters import TierCounters
+from ..counters import TierCounters
+from ..text import one_line
 from .record import CODECS, CorruptRecord, StoredRecord, checked_record, token_bytes, verify_payload
 
 log = logging.getLogger(__name__)
 
-URL_SCHEMES = ("redis://", "rediss://", "redis+cluster://")
 _TOUCH_DELAY_S = 0.05  # uses alone wait this long, so many share one commit
 _MAX_TOUCHES = 4096  # uses are hints: past this many pending, the oldest are dropped
 
@@ -44,36 +42,6 @@ _MAX_TOUCHES = 4096  # uses are hints: past this many pending, the oldest are dr
 class StoreError(Exception):
     """L3 cannot be used (unwritable dir, damaged env, unreachable server, other format
     version); the message is one line."""
-
-
-def format_bytes(n: float) -> str:
-    """``1.5 GiB``, ``12 KiB``, ``512 B``: sizes as people read them."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
-
-
-def one_line(exc: BaseException) -> str:
-    return " ".join(str(exc).split()) or type(exc).__name__
-
-
-def is_url(store: str | Path | None) -> bool:
-    """Whether a ``--store`` names a server (Redis / Valkey) rather than a directory."""
-    return isinstance(store, str) and store.startswith(URL_SCHEMES)
-
-
-def open_l3(store: str | Path, capacity_bytes: int | None = None, **options) -> L3Store:
-    """The L3 backend a store string names: a ``redis://``, ``rediss://`` or
-    ``redis+cluster://`` URL, else an LMDB directory. StoreError when it cannot be used."""
-    if is_url(store):
-        from .redis_store import RedisTier  # imported on use: LMDB users never load redis
-
-        return RedisTier(str(store), capacity_bytes, **options)
-    from .disk import DiskTier
-
-    return DiskTier(Path(store), capacity_bytes, **options)
 
 
 @dataclass
@@ -114,8 +82,8 @@ class Snapshot(ABC):
         """The record of ``key`` if its header matches this page, else None (a record
         with a bad header is rejected). Counts the lookup."""
         store = self.store
-        store._count(lookups=1)
-        if store._doomed(key):
+        store.count(lookups=1)
+        if store.doomed(key):
             return None  # a rejected record whose delete is not committed yet: a miss
         value = self._value(key)
         if value is None:
@@ -123,7 +91,7 @@ class Snapshot(ABC):
         try:
             return checked_record(key, value, namespace_digest, tokens, raw_nbytes)
         except CorruptRecord as exc:
-            store._reject(key, store._fingerprint(value), str(exc))
+            store.reject(key, value, str(exc))
             return None
 
 
@@ -236,7 +204,7 @@ class L3Store(ABC):
 
     def contains(self, key: bytes) -> bool:
         """A record exists and is not being deleted (unverified: a read verifies)."""
-        return not self._doomed(key) and self._exists(key)
+        return not self.doomed(key) and self._exists(key)
 
     def stored_prefix(self, keys: Sequence[bytes]) -> int:
         """How many leading ``keys`` have a record (a remote backend asks in one round trip)."""
@@ -266,7 +234,7 @@ class L3Store(ABC):
         try:
             raw = verify_payload(record.header, record.payload, out)
         except CorruptRecord as exc:
-            self._reject(record.key, self._fingerprint(record.value), str(exc))
+            self.reject(record.key, record.value, str(exc))
             return None
         self._hit(record)
         return raw
@@ -275,7 +243,7 @@ class L3Store(ABC):
         """Whether a raw record's payload, hashed by the caller while it copied it (the
         snapshot still open), matches its checksum; counted like ``verified``."""
         if digest != record.header.checksum:  # find checked the length
-            self._reject(record.key, self._fingerprint(record.value), "checksum mismatch")
+            self.reject(record.key, record.value, "checksum mismatch")
             return False
         self._hit(record)
         return True
@@ -293,7 +261,7 @@ class L3Store(ABC):
             if len(self._touches) == 1:
                 self._wake.notify_all()  # later touches ride along (see _next_batch)
 
-    def _doomed(self, key: bytes) -> bool:
+    def doomed(self, key: bytes) -> bool:
         """A read rejected this record and its delete has not committed yet.
 
         Such a key reads as absent, so a caller recomputes the page and may store it
@@ -303,8 +271,11 @@ class L3Store(ABC):
         with self._lock:
             return key in self._deletes or key in self._deleting
 
-    def _reject(self, key: bytes, fingerprint: object, reason: str) -> None:
+    def reject(self, key: bytes, value: memoryview | bytes, reason: str) -> None:
+        """A read found ``value`` of ``key`` bad: count it and queue its delete (spared if
+        the record is rewritten meanwhile: the delete names this value's fingerprint)."""
         log.warning("L3 record %s rejected (%s); deleting it", bytes(key).hex(), reason)
+        fingerprint = self._fingerprint(value)
         with self._lock:
             self.counters.checksum_failures += 1
             if not self.readonly:
@@ -392,7 +363,7 @@ class L3Store(ABC):
                 self._commit(batch)
             except Exception as exc:  # the writer must survive: lose the batch, not the tier
                 self._failed("write", exc, f" ({len(batch.puts)} pages dropped)")
-                self._count(writes_dropped=len(batch.puts))
+                self.count(writes_dropped=len(batch.puts))
             finally:
                 with self._lock:
                     self._in_flight = False
@@ -408,22 +379,8 @@ class L3Store(ABC):
         self._failures_seen.add(kind)
         log.log(level, "L3 %s failed: %s%s", what, one_line(exc), detail)
 
-    def _count(self, **deltas: int) -> None:
+    def count(self, **deltas: int) -> None:
+        """Add to this process's counters (thread-safe)."""
         with self._lock:
             for name, n in deltas.items():
                 setattr(self.counters, name, getattr(self.counters, name) + n)
-
-
-@contextmanager
-def scratch_location(store: str | Path) -> Iterator[str | Path]:
-    """A throwaway store beside ``store`` (same disk, same server) for measurements,
-    removed afterwards: a directory inside it, or the same server under its own prefix."""
-    if is_url(store):
-        from .redis_store import scratch_url
-
-        with scratch_url(str(store)) as url:
-            yield url
-        return
-    Path(store).mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=store, prefix="calibration-") as scratch:
-        yield Path(scratch)

@@ -25,7 +25,7 @@ import numpy as np
 import zstandard
 from xxhash import xxh3_64_intdigest
 
-from .tier import SLOT_OFFSET as RAW_PAYLOAD_OFFSET
+from ..layout import SLOT_OFFSET as RAW_PAYLOAD_OFFSET
 
 FORMAT_VERSION = 1
 CODECS = ("raw", "zstd", "zstd-shuffle")
@@ -135,7 +135,7 @@ def encode_record(namespace: bytes, tokens: bytes, raw: bytes, codec: str, level
                   at: int | None = None) -> bytes:
     """The stored value of a page (``tokens`` as <u4 bytes). ``at``: where the backend
     places the value within a 4 KiB page, if it knows; a raw payload then starts at
-    ``RAW_PAYLOAD_OFFSET`` modulo 64 (see ``tiers.tier.slot_arena``: copies from it into
+    ``RAW_PAYLOAD_OFFSET`` modulo 64 (see ``tiers.layout.slot_arena``: copies from it into
     mlx's arrays pair aligned loads with aligned stores)."""
     codec, body = encode_payload(codec, raw, level)
     header = RecordHeader(FORMAT_VERSION, namespace, tokens, codec, len(raw), xxh3_64_intdigest(raw))

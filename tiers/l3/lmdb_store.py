@@ -1,6 +1,6 @@
 """L3 on this machine: pages in an LMDB environment on disk, shared by every process.
 
-Records (``tiers.record``) live in the ``pages`` database under their 16-byte page key.
+Records (``tiers.l3.record``) live in the ``pages`` database under their 16-byte page key.
 Side databases: ``meta`` (format version, store-wide bytes_used and pages, access_seq,
 the L3 cap ``capacity``, ``put_meta`` entries under ``user/``), ``lru`` (page key ->
 8-byte big-endian rank (the last access seq under LRU) and a u32 use count), ``order``
@@ -15,12 +15,10 @@ so one process with a small cap never evicts everyone else's pages.
 
 from __future__ import annotations
 
-import fcntl
 import logging
 import os
 import shutil
 import struct
-import tempfile
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -31,9 +29,10 @@ import lmdb
 import msgpack
 from xxhash import xxh3_64_intdigest
 
-from .counters import add_into
-from .l3 import Batch, L3Store, Snapshot, StoreError, format_bytes, one_line
-from .policy import POLICIES
+from ..counters import add_into
+from ..policy import POLICIES
+from ..text import format_bytes, one_line
+from .base import Batch, L3Store, Snapshot, StoreError
 from .record import FORMAT_VERSION, RecordHeader, encode_record, header_or_none
 
 log = logging.getLogger(__name__)
@@ -103,7 +102,7 @@ def _uses(stamp: memoryview | bytes) -> int:
     return _LEN.unpack_from(stamp, _SEQ.size)[0] if len(stamp) >= _SEQ.size + _LEN.size else 1
 
 
-def _check_version(path: Path, stored: bytes | None) -> None:
+def check_format_version(path: Path, stored: bytes | None) -> None:
     version = FORMAT_VERSION if stored is None else msgpack.unpackb(stored)
     if version != FORMAT_VERSION:
         raise StoreError(f"store at {path} has format version {version}, "
@@ -117,48 +116,6 @@ def _ns_row() -> dict:
 def _describe(row: dict) -> str:
     about = row.get("about") or {}
     return f"model {about.get('model', '?')}, page size {about.get('page_size', '?')}"
-
-
-def compact_store(path: Path) -> tuple[int, int]:
-    """Rewrite ``data.mdb`` without its free pages (LMDB copy with compaction); the file
-    sizes before and after. StoreError when another process has the store open.
-
-    LMDB holds a shared lock on the first byte of ``lock.mdb`` in every process with the
-    store open; taking it exclusively here proves nobody else has, and makes any process
-    that opens the store meanwhile wait until the new file is in place.
-    """
-    path = Path(path)
-    data = path / "data.mdb"
-    if not data.is_file():
-        raise StoreError(f"no kvtier store at {path}")
-    try:
-        fd = os.open(path / "lock.mdb", os.O_RDWR | os.O_CREAT)
-    except OSError as exc:
-        raise StoreError(f"cannot lock store {path}: {exc.strerror}") from None
-    try:
-        try:
-            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, 0)
-        except OSError:
-            raise StoreError(f"store {path} is open in another process; stop it before compacting") from None
-        before = data.stat().st_size
-        with tempfile.TemporaryDirectory(dir=path, prefix="compact-") as tmp:
-            try:
-                env = lmdb.open(str(path), max_dbs=8, subdir=True, lock=True, create=False)
-            except lmdb.Error as exc:
-                raise StoreError(f"cannot open store at {path}: {one_line(exc)}") from None
-            try:  # closing the env drops this process's locks on lock.mdb (POSIX locks are
-                # per process and file): the new file goes in place before that
-                with env.begin() as txn:
-                    _check_version(path, txn.get(b"format_version", db=env.open_db(b"meta", txn=txn, create=False)))
-                env.copy(tmp, compact=True)
-                os.replace(Path(tmp) / "data.mdb", data)
-            except lmdb.Error as exc:
-                raise StoreError(f"cannot compact store at {path}: {one_line(exc)}") from None
-            finally:
-                env.close()
-        return before, data.stat().st_size
-    finally:
-        os.close(fd)
 
 
 class DiskTier(L3Store):
@@ -256,7 +213,7 @@ class DiskTier(L3Store):
             # Without a txn: py-lmdb keeps the handles of a read-only env only when it opens them itself
             self._meta = env.open_db(b"meta", create=False)
             with env.begin(db=self._meta) as txn:
-                _check_version(self.path, txn.get(b"format_version"))
+                check_format_version(self.path, txn.get(b"format_version"))
             self._pages, self._lru, self._order, self._counters_db = (
                 env.open_db(name, create=False) for name in _DBS[:4])
             try:
@@ -290,7 +247,7 @@ class DiskTier(L3Store):
         try:
             with env.begin(write=True) as txn:
                 self._meta = env.open_db(b"meta", txn=txn)
-                _check_version(self.path, txn.get(b"format_version", db=self._meta))
+                check_format_version(self.path, txn.get(b"format_version", db=self._meta))
                 txn.put(b"format_version", msgpack.packb(FORMAT_VERSION), db=self._meta)
                 fresh = b"namespaces" not in {bytes(k) for k, _ in txn.cursor()}
                 self._pages, self._lru, self._order, self._counters_db, self._namespaces = (
@@ -495,7 +452,7 @@ class DiskTier(L3Store):
             outcome = self._write(batch, records)
         except lmdb.MapFullError:
             outcome = self._retry_map_full(batch, records)
-        self._count(**vars(outcome))
+        self.count(**vars(outcome))
         self.refresh()
 
     def _retry_map_full(self, batch: Batch, records: list[tuple[bytes, bytes]]) -> _Outcome:

@@ -2,7 +2,7 @@
 engine on every host that names the same server.
 
 Keys, all under a prefix (``kvtier:`` unless the URL says ``?prefix=...``):
-``<prefix>p:<16-byte page key>`` -> the record (``tiers.record``, the same bytes LMDB
+``<prefix>p:<16-byte page key>`` -> the record (``tiers.l3.record``, the same bytes LMDB
 stores); ``<prefix>meta`` (hash: ``format_version``, ``user/<name>`` -> msgpack, e.g. cost
 profiles); ``<prefix>counters`` (hash: cumulative counters flattened to ``a/b/c`` ->
 number, added with HINCRBY / HINCRBYFLOAT so concurrent engines never lose an update);
@@ -41,7 +41,8 @@ from redis.cluster import ClusterNode, RedisCluster
 from redis.retry import Retry
 from xxhash import xxh3_64_intdigest
 
-from .l3 import Batch, L3Store, Snapshot, StoreError, format_bytes, one_line
+from ..text import format_bytes, one_line
+from .base import Batch, L3Store, Snapshot, StoreError
 from .record import FORMAT_VERSION, encode_record
 
 log = logging.getLogger(__name__)
@@ -132,7 +133,7 @@ class _RedisSnapshot(Snapshot):
             i = self._expected.get(key)
             batch = [key] if i is None else self._order[i : i + self._window]
             t0 = time.perf_counter()
-            self._values.update(zip(batch, self.store._mget(batch)))
+            self._values.update(zip(batch, self.store.mget(batch)))
             self.read_s += time.perf_counter() - t0
         return self._values.get(key)
 
@@ -221,7 +222,8 @@ class RedisTier(L3Store):
     def _page(self, key: bytes) -> bytes:
         return self._prefix + b"p:" + key
 
-    def _mget(self, keys: list[bytes]) -> list[bytes | None]:
+    def mget(self, keys: list[bytes]) -> list[bytes | None]:
+        """The stored values of ``keys`` in one round trip (None: absent or unreadable)."""
         names = [self._page(k) for k in keys]
         mget = self._client.mget_nonatomic if self._cluster else self._client.mget
         return self._call("read", lambda: mget(names), [None] * len(keys))
@@ -236,7 +238,7 @@ class RedisTier(L3Store):
                 pipe.exists(self._page(key))
             return pipe.execute()
         found = self._call("lookup", run, []) if keys else []
-        doomed = [self._doomed(k) for k in keys]
+        doomed = [self.doomed(k) for k in keys]
         return next((i for i, (n, d) in enumerate(zip(found, doomed)) if not n or d), len(found))
 
     @contextmanager
@@ -250,7 +252,7 @@ class RedisTier(L3Store):
         total = 0
         window = max(1, _BATCH_BYTES // (1 << 20))
         for i in range(0, len(keys), window):
-            for value in self._mget(list(keys[i : i + window])):
+            for value in self.mget(list(keys[i : i + window])):
                 if value is not None:
                     xxh3_64_intdigest(value)
                     total += len(value)
@@ -273,12 +275,12 @@ class RedisTier(L3Store):
             return pipe.execute(raise_on_error=False)
         results = self._call("write", write, None)
         if results is None:
-            self._count(writes_dropped=len(records))
+            self.count(writes_dropped=len(records))
             return
         errors = [r for r in results if isinstance(r, Exception)]
         if errors:  # e.g. OOM under noeviction: those pages are not stored
             self._failed("write", errors[0], f" ({len(errors)} pages dropped)")
-        self._count(inserts=sum(r is True for r in results), writes_dropped=len(errors))
+        self.count(inserts=sum(r is True for r in results), writes_dropped=len(errors))
         self.refresh()
 
     def _close_backend(self) -> None:

@@ -1,0 +1,121 @@
+"""Where pages go when they move down: making room in a tier, the spill cascade
+L1 -> L2 -> L3, and the L3 writes of a flush.
+
+Invariants (``tiers.hierarchy`` lists them all):
+- a pinned page is never a victim (``Pins``); a tier that has only pinned pages
+  refuses (``make_room`` is False), it never overflows its cap;
+- a page leaving L1 is copied to L2 only if L2 lacks it, and goes straight to L3
+  (``L1->L3``) when L2 has no room; a page leaving L2 is queued for L3 only if L3 lacks
+  it and L3's admission lets it in; a page that finds no place is dropped and counted;
+- a partial page (fewer tokens than a page) lives in L1 only: evicted, it is dropped,
+  and a flush never writes it.
+
+Not thread-safe by itself: the store calls it under its lock.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from typing import Iterable, Mapping
+
+import mlx.core as mx
+import numpy as np
+
+from .l3.base import L3Store
+from .links import L1_L2, L1_L3, L2_L3, LinkLedger
+from .page import PageKey
+from .policy import L3Admission
+from .tier import DeviceTier, HostTier, Tier, kv_to_host
+
+
+class Pins:
+    """How many holders pin each page (a restore, a request using it)."""
+
+    def __init__(self) -> None:
+        self._count: Counter[PageKey] = Counter()
+
+    def pin(self, key: PageKey) -> None:
+        self._count[key] += 1
+
+    def release(self, keys: Iterable[PageKey]) -> None:
+        for key in keys:
+            self._count[key] -= 1
+            if self._count[key] <= 0:
+                del self._count[key]
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._count
+
+    def held(self) -> Mapping[PageKey, int]:
+        """A copy: pinned page -> pins held."""
+        return dict(self._count)
+
+
+class Placement:
+    """Moves pages down the tiers to make room, and writes them to L3."""
+
+    def __init__(self, l1: DeviceTier, l2: HostTier, disk: L3Store | None, ns_digest: bytes, page_size: int,
+                 admission: L3Admission, ledger: LinkLedger, pins: Pins) -> None:
+        self.l1, self.l2, self.disk = l1, l2, disk
+        self.ns_digest = ns_digest
+        self.page_size = page_size
+        self.admission = admission
+        self.ledger = ledger
+        self.pins = pins
+
+    def make_room(self, tier: Tier) -> bool:
+        """Evict the policy's unpinned victims from ``tier`` until one page fits."""
+        while not tier.has_room():
+            victim = tier.victim(self.pins.__contains__)
+            if victim is None:
+                return False
+            tier.counters.evictions += 1
+            if tier is self.l1:
+                cost = self.l1.policy.cost_of(victim)
+                page = self.l1.pop(victim)
+                if len(page.tokens) >= self.page_size:  # a partial page is dropped
+                    self.place_below_l1(victim, page.tokens, page.kv, cost)
+            else:
+                self.write_l3(victim, self.l2.entries[victim].tokens, self.l2.read(victim), L2_L3)
+                self.l2.pop(victim)
+        return True
+
+    def place_below_l1(self, key: PageKey, page_tokens: tuple[int, ...], kv: mx.array, cost: float) -> None:
+        """Give a page leaving (or refused by) L1 a place in L2, else L3, else drop it."""
+        if key in self.l2:
+            return
+        t0 = time.perf_counter()
+        data = kv_to_host(kv)
+        if self.make_room(self.l2):
+            self.l2.write(key, page_tokens, data, cost)
+            self.ledger.record(L1_L2, len(data), time.perf_counter() - t0)
+        elif not self.write_l3(key, page_tokens, data, L1_L3):
+            self.l2.counters.writes_dropped += 1
+
+    def write_l3(self, key: PageKey, page_tokens: tuple[int, ...], data: np.ndarray, link: str,
+                 wait: bool = False) -> bool:
+        """Queue a page for L3 unless it is already there; True if L3 has or will have it."""
+        if self.disk is None:
+            return False
+        if self.disk.contains(key):
+            return True
+        if not self.admission.admits(key):
+            return False
+        t0 = time.perf_counter()
+        queued = self.disk.put(key, self.ns_digest, page_tokens, data, wait=wait)
+        if queued:
+            self.ledger.record(link, len(data), time.perf_counter() - t0)
+        return queued
+
+    def flush(self) -> None:
+        """Write every full page that lives only in L1 or L2 down to L3 and wait for it."""
+        if self.disk is None:
+            return
+        for key in self.l1:
+            page = self.l1.entries[key]
+            if key not in self.l2 and len(page.tokens) >= self.page_size:
+                self.write_l3(key, page.tokens, kv_to_host(page.kv), L1_L3, wait=True)
+        for key in self.l2:
+            self.write_l3(key, self.l2.entries[key].tokens, self.l2.read(key), L2_L3, wait=True)
+        self.disk.flush()

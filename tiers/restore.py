@@ -1,0 +1,278 @@
+"""A restore run: find the longest stored run of pages, pin it, bring its bytes to the
+host (decode compressed L3 pages into L2 slots, hash raw ones), join every page in one
+pass into the request's KV, cut at the first page that fails its check, and keep the
+pages that came from below L1 in L1 (``tiers.hierarchy``: placement).
+
+Invariants:
+- every page of a run is pinned before any L2 slot is reserved, so making room never
+  evicts a page of this run; on any error nothing stays pinned;
+- a raw L3 page is served only once the xxh3 of the bytes it was joined from (hashed
+  ahead, or as they were copied) matches its record; the first that does not ends the
+  run and is rejected, and the pages after it are unpinned;
+- ``begin`` touches no mlx array (an L1 page is read by ``finish``): it may run on
+  another thread while the model runs.
+
+Not thread-safe by itself: the store calls it under its lock.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import ExitStack, nullcontext
+from dataclasses import dataclass
+from typing import ContextManager, Sequence
+
+import mlx.core as mx
+import numpy as np
+from xxhash import xxh3_64_intdigest
+
+from .join import Joined, in_parallel, join_pages, shares
+from .l3.base import L3Store, Snapshot
+from .l3.record import StoredRecord
+from .links import LinkLedger, Throttle
+from .page import PageGeometry, PageKey, Source, page_tokens
+from .placement import Pins, Placement
+from .policy import L3Admission
+from .tier import DevicePage, DeviceTier, HostTier, kv_to_host
+
+
+@dataclass
+class RestoredPrefix:
+    """Pages restored for one request, pinned until ``TieredStore.release``."""
+
+    keys: list[PageKey]
+    sources: list[Source]
+    layers: list[tuple[mx.array, mx.array]]  # per layer K, V: (1, kv_heads, tokens, head_dim)
+
+    @property
+    def num_pages(self) -> int:
+        return len(self.keys)
+
+
+@dataclass
+class _Page:
+    """One page of a restore being planned: where it is and a host view of its bytes."""
+
+    key: PageKey
+    tokens: tuple[int, ...]
+    source: Source
+    data: np.ndarray | None = None  # geometry.shape; None until an L3 page is verified (an L1 page: joined)
+    kv: mx.array | None = None  # an L1 page's device array: read on the joining thread
+    record: StoredRecord | None = None  # an L3 page's record, in the restore's snapshot
+    slot: int | None = None  # the L2 slot a compressed L3 page is decoded into
+    parent: bytes | None = None  # the key of the page before it
+
+    @property
+    def compressed(self) -> bool:
+        return self.record is not None and self.record.compressed
+
+    @property
+    def raw_l3(self) -> bool:
+        """Joined from the record as stored (LMDB's map, or the bytes Redis sent): its
+        checksum is taken from those bytes as they are copied."""
+        return self.record is not None and not self.record.compressed
+
+    @property
+    def stored(self) -> int:
+        return self.record.stored if self.record is not None else 0
+
+    @property
+    def codec(self) -> str:
+        """How the page is stored where it was found (``tiers.links.links_crossed``)."""
+        return self.record.header.codec if self.record is not None else "raw"
+
+
+@dataclass
+class PendingRestore:
+    """A restore between its host work (``TieredStore.begin``) and its join (``finish``)."""
+
+    pages: list[_Page]  # pinned
+    digests: list[int | None]  # xxh3 of raw L3 pages checked ahead, else None
+    find_s: float  # finding and pinning the pages
+    host_s: float  # decoding and checking L3 pages, waiting out an L3 throttle
+    snapshot: ExitStack  # holds the L3 snapshot open until finish
+
+
+class Restorer:
+    """Runs restores against one store's tiers (``begin``, then ``finish``)."""
+
+    def __init__(self, geometry: PageGeometry, ns_digest: bytes, l1: DeviceTier, l2: HostTier,
+                 disk: L3Store | None, placement: Placement, pins: Pins, admission: L3Admission,
+                 ledger: LinkLedger, throttle: Throttle) -> None:
+        self.geometry = geometry
+        self.ns_digest = ns_digest
+        self.l1, self.l2, self.disk = l1, l2, disk
+        self.placement = placement
+        self.pins = pins
+        self.admission = admission
+        self.ledger = ledger
+        self.throttle = throttle
+
+    def begin(self, keys: Sequence[PageKey], tokens: Sequence[int], first: int = 0,
+              ahead: bool = False) -> PendingRestore:
+        """The host side of a restore: find and pin the pages (L3 records in a snapshot
+        held until ``finish``), decode compressed L3 pages, wait out an L3 throttle.
+        With ``ahead`` the raw L3 pages are also checked now, so ``finish`` only
+        copies; without, the join hashes them as it copies them. Touches no mlx
+        array (an L1 page is read by ``finish``): safe on another thread while the
+        model runs. On an error nothing stays pinned."""
+        with ExitStack() as stack:
+            t0 = time.perf_counter()
+            snap = stack.enter_context(self._snapshot())
+            pages = self._plan(keys, tokens, snap, first)
+            try:
+                t1 = time.perf_counter()
+                read_s = snap.read_s if snap is not None else 0.0  # a remote L3's round trips, inside _plan
+                pages = self.decode_compressed(pages)
+                digests = self._hash_raw_l3(pages) if ahead else [None] * len(pages)
+                l3_bytes = sum(p.stored for p in pages)
+                host_s = self.throttle.wait("L3", l3_bytes, read_s + time.perf_counter() - t1) if l3_bytes else 0.0
+            except BaseException:
+                self.pins.release([p.key for p in pages])
+                raise
+            return PendingRestore(pages, digests, t1 - t0 - read_s, host_s, stack.pop_all())
+
+    def finish(self, pending: PendingRestore) -> RestoredPrefix:
+        """Join a begun restore's pages into per-layer device arrays and end its snapshot;
+        if the join fails its pages are unpinned."""
+        with pending.snapshot:
+            pages = pending.pages
+            if not pages:
+                return RestoredPrefix([], [], [])
+            t0 = time.perf_counter()
+            try:
+                joined = self.join(pending)
+            except BaseException:
+                self.pins.release([p.key for p in pages])
+                raise
+            digests = [a if a is not None else b for a, b in zip(pending.digests, joined.digests)]
+            good = self._cut(pages, self._first_bad(pages, digests))
+            self.ledger.record_restore([(p.source, p.codec, p.stored) for p in good], self.geometry.nbytes,
+                                       pending.host_s, pending.find_s + time.perf_counter() - t0, self.throttle)
+            self._keep_in_l1(good)
+            kept = len(good) * self.geometry.page_size
+            layers = joined.layers if len(good) == len(pages) else \
+                [(k[:, :, :kept], v[:, :, :kept]) for k, v in joined.layers]
+            return RestoredPrefix([p.key for p in good], [p.source for p in good], layers)
+
+    def _keep_in_l1(self, pages: list[_Page]) -> None:
+        """Copy the restored pages that came from below L1 into L1 (module docstring:
+        placement), while they are pinned and an L3 page's map view is valid."""
+        for page in pages:
+            if page.source is Source.L1 or page.key in self.l1 or not self.placement.make_room(self.l1):
+                continue  # no room when every L1 page is pinned: the page stays where it was
+            kv = mx.array(page.data)
+            kv = kv.view(mx.bfloat16) if self.geometry.dtype == "bfloat16" else kv
+            cost = self.l2.policy.cost_of(page.key) if page.key in self.l2 else 1.0
+            self.l1.add(page.key, DevicePage(page.tokens, kv, page.parent), cost)
+
+    def join(self, pending: PendingRestore) -> Joined:
+        """The pages joined (L1 pages read from the device here), raw L3 pages not
+        checked ahead hashed on the way."""
+        for page in pending.pages:
+            if page.kv is not None:
+                page.data = self._shaped(kv_to_host(page.kv))
+        hash_now = [p.raw_l3 and d is None for p, d in zip(pending.pages, pending.digests)]
+        return join_pages([p.data for p in pending.pages], self.geometry, hash_now)
+
+    def _snapshot(self) -> ContextManager[Snapshot | None]:
+        return self.disk.snapshot() if self.disk is not None else nullcontext()
+
+    def _plan(self, keys: Sequence[PageKey], tokens: Sequence[int], snap: Snapshot | None,
+              first: int = 0) -> list[_Page]:
+        """The longest stored run from page ``first``, every page pinned: L1 pages with
+        their device array (not read here), L2 pages with host views of their bytes,
+        L3 pages with their record (header checked) and a view of the map (raw) or an
+        L2 slot reserved to decode into (compressed; None when L2 has no room).
+
+        Pages are pinned before any slot is reserved, so making room in L2 never
+        evicts a page of this run. Lookups and hits count here for L1 and L2, in the
+        snapshot for L3.
+        """
+        if snap is not None:
+            snap.expect([k for k in keys[first:] if k not in self.l1 and k not in self.l2], self.geometry.nbytes)
+        pages = []
+        for i in range(first, len(keys)):
+            key = keys[i]
+            own = page_tokens(tokens, i, self.geometry.page_size)
+            page = self._pin_resident(key, own)
+            if page is None and snap is not None:
+                record = snap.find(key, self.ns_digest, own, self.geometry.nbytes)
+                page = record and _Page(key, own, Source.L3, record=record,
+                                        data=None if record.compressed else self._shaped(record.payload))
+                if page is not None:
+                    self.pins.pin(key)
+            if page is None:
+                break
+            self.admission.seen(key)
+            page.parent = keys[i - 1] if i else self.ns_digest
+            pages.append(page)
+        for page in pages:
+            if page.compressed and self.placement.make_room(self.l2):
+                page.slot = self.l2.take_slot()
+        return pages
+
+    def _pin_resident(self, key: PageKey, own: tuple[int, ...]) -> _Page | None:
+        for tier in (self.l1, self.l2):
+            tier.counters.lookups += 1
+            entry = tier.get(key)
+            if entry is not None and entry.tokens == own:
+                self.pins.pin(key)
+                tier.counters.hit_pages += 1
+                tier.counters.hit_tokens += self.geometry.page_size
+                if tier is self.l1:  # its bytes are read at the join, on the joining thread
+                    return _Page(key, own, Source.L1, kv=entry.kv)
+                return _Page(key, own, Source.L2, self._shaped(self.l2.read(key)))
+        return None
+
+    def decode_compressed(self, pages: list[_Page]) -> list[_Page]:
+        """Decode the compressed L3 pages into their L2 slots (on a few threads), checking
+        their checksums; they stay in L2. Returns the prefix up to the first failure."""
+        reads = [p for p in pages if p.compressed]
+        if not reads:
+            return pages
+        in_parallel(self._decode_pages, shares(reads, len(reads) * self.geometry.nbytes))
+        for page in reads:  # a page decoded whole is kept in L2, even past the cut
+            if page.slot is not None:
+                if page.data is not None:
+                    self.l2.fill(page.key, page.tokens, page.slot)
+                else:
+                    self.l2.give_back(page.slot)
+        return self._cut(pages, next((i for i, p in enumerate(pages) if p.compressed and p.data is None), len(pages)))
+
+    def _decode_pages(self, pages: list[_Page]) -> None:
+        """One thread's share of the decodes, in order; stops at its first failure."""
+        for page in pages:
+            out = None if page.slot is None else self.l2.arena[page.slot]
+            raw = self.disk.verified(page.record, out)
+            if raw is None:
+                return
+            page.data = self._shaped(raw)
+
+    def _hash_raw_l3(self, pages: list[_Page]) -> list[int | None]:
+        """xxh3 of each raw L3 page's bytes in the map (on a few threads), else None."""
+        digests: list[int | None] = [None] * len(pages)
+        raw = [i for i, p in enumerate(pages) if p.raw_l3]
+
+        def hash_share(share: list[int]) -> None:
+            for i in share:
+                digests[i] = xxh3_64_intdigest(pages[i].data)
+
+        in_parallel(hash_share, shares(raw, len(raw) * self.geometry.nbytes))
+        return digests
+
+    def _first_bad(self, pages: list[_Page], digests: list[int | None]) -> int:
+        """Index of the first raw L3 page whose bytes (hashed ahead, or as they were
+        joined) fail its checksum (that record is rejected), else len(pages)."""
+        for i, (page, digest) in enumerate(zip(pages, digests)):
+            if digest is not None and not self.disk.accept(page.record, digest):
+                return i
+        return len(pages)
+
+    def _cut(self, pages: list[_Page], n: int) -> list[_Page]:
+        """``pages[:n]``; the pages after it are unpinned."""
+        self.pins.release([p.key for p in pages[n:]])
+        return pages[:n]
+
+    def _shaped(self, data: np.ndarray | bytes) -> np.ndarray:
+        return np.frombuffer(data, self.geometry.storage_dtype).reshape(self.geometry.shape)
