@@ -23,7 +23,7 @@ from kvtier.tiers.hierarchy import StoreConfig
 from kvtier.tiers.policy import ADMISSIONS, DEFAULT_POLICY, POLICIES
 
 from . import bench_report
-from .blas import blas_in_use
+from .blas import blas_in_use, openblas_hint
 from .paths import default_store_dir
 from .report import format_engine_totals, format_last_run, format_namespaces, format_prometheus, format_tier_table
 
@@ -456,6 +456,8 @@ def _load_model(name: str | None):
     from .model import ModelError, default_model_name, load_model
 
     logging.getLogger("kvtier").info("BLAS: %s", blas_in_use())
+    if hint := openblas_hint():
+        print(f"kvtier: {hint}", file=sys.stderr)
     if name is None and default_model_name() == TINY_MODEL:
         print(f"kvtier: using the generated test model {TINY_MODEL} (its text is gibberish); {REAL_MODEL_HINT}",
               file=sys.stderr)
