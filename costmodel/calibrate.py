@@ -40,7 +40,7 @@ CONTEXTS = (0, 512, 1024)
 # inputs as terms), small ones, one timing each (the robust fit absorbs a stall).
 QUICK_PAGE_COUNTS = (1, 2, 3, 4)
 QUICK_REPEATS = 1
-QUICK_PREFILL_S = 6.0  # what the quick prefill grid may add up to, by the probe's speed
+QUICK_PREFILL_S = 5.0  # what the quick prefill grid may add up to, by the probe's speed
 QUICK_SCALES = (16, 8, 4, 2, 1)  # prompt lengths scale, s, 2s, 4s after 0 and 4s cached: the largest that fits
 PROBE_TOKENS = 4
 
