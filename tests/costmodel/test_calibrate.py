@@ -3,6 +3,7 @@
 import mlx.core as mx
 
 import kvtier.costmodel.calibrate as calibrate
+from kvtier.costmodel.plan import Profile
 
 from ..engine.tiny import tiny_model
 
@@ -41,3 +42,21 @@ def test_every_forward_pass_of_calibration_is_evaluated(monkeypatch):
                                         prefill_tokens=(4, 8), contexts=(0, 16))
     assert len(samples) == 4 and len(outputs) == 1 + 1 + 4  # warm-up, one context, the samples
     assert [id(o) in evaluated for o in outputs] == [True] * len(outputs)
+
+
+def test_the_quick_prefill_grid_shrinks_to_the_time_it_may_take():
+    """On a slow BLAS the quick calibration's prompts are shorter, never more passes."""
+    model = tiny_model().model
+    longest = calibrate.quick_grid(model, budget_s=1e9)
+    shortest = calibrate.quick_grid(model, budget_s=0.0)
+    s, t = max(calibrate.QUICK_SCALES), min(calibrate.QUICK_SCALES)
+    assert longest == ((s, 2 * s, 4 * s), (0, 4 * s))
+    assert shortest == ((t, 2 * t, 4 * t), (0, 4 * t))
+
+
+def test_the_quick_calibration_ticks_once_per_sample_and_fits(tmp_path):
+    loaded = tiny_model()
+    ticks = []
+    profile = calibrate.calibrate(loaded.model, loaded.geometry(16), tmp_path, lambda: ticks.append(1), quick=True)
+    assert len(ticks) == calibrate.steps(quick=True)
+    assert profile.calibrated and profile.compute.coef != Profile.defaults().compute.coef
