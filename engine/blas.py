@@ -21,6 +21,7 @@ import os
 import sys
 from importlib import metadata
 from pathlib import Path
+from typing import Iterator
 
 log = logging.getLogger(__name__)
 
@@ -39,10 +40,12 @@ def wheel_library() -> Path | None:
     return path if path.is_file() else None
 
 
-def candidates() -> list[str]:
-    """The OpenBLAS libraries to try, best first: the system's, then the wheel's."""
-    wheel = wheel_library()
-    return [SYSTEM_LIBRARY, *([str(wheel)] if wheel else [])]
+def candidates() -> Iterator[str]:
+    """The OpenBLAS libraries to try, best first: the system's, then the wheel's (looked
+    up only when asked for: reading package metadata costs more than loading a library)."""
+    yield SYSTEM_LIBRARY
+    if wheel := wheel_library():
+        yield str(wheel)
 
 
 def preload_openblas() -> bool:

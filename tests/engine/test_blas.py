@@ -70,7 +70,7 @@ def test_the_openblas_wheel_is_installed_and_tried_after_the_system_library():
 
     wheel = wheel_library()
     assert wheel is not None and wheel.is_file() and wheel.name == "libopenblas.so.0"
-    assert candidates() == [SYSTEM_LIBRARY, str(wheel)]
+    assert list(candidates()) == [SYSTEM_LIBRARY, str(wheel)]
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="the OpenBLAS wheel is a Linux dependency")
