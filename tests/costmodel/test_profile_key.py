@@ -26,12 +26,13 @@ def test_the_key_names_the_machine_the_mlx_version_and_the_blas():
         assert f"/{part}/" in key, key
 
 
-@pytest.mark.skipif(sys.platform != "linux" or blas_id() == "reference",
-                    reason="needs an OpenBLAS for mlx beside its reference BLAS (Linux)")
+@pytest.mark.skipif(sys.platform != "linux", reason="mlx has one BLAS on macOS")
 def test_a_profile_measured_under_another_blas_is_not_found():
     """Under mlx's reference BLAS prefill is several times slower: the profile measured
     there lives under another key, so a run with OpenBLAS finds none and recalibrates."""
     with_openblas = key_in_a_process(KVTIER_NO_OPENBLAS="0")
+    if "/openblas-" not in with_openblas:
+        pytest.skip("no OpenBLAS loads on this machine (see kvtier.engine.blas.openblas_hint)")
     reference = key_in_a_process(KVTIER_NO_OPENBLAS="1")
-    assert "/reference/" in reference and "/openblas-" in with_openblas
+    assert "/reference/" in reference
     assert with_openblas != reference
