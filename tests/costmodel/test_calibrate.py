@@ -1,4 +1,5 @@
-"""Calibration's timed forward passes really compute (mlx is lazy)."""
+"""Calibration: its timed forward passes really compute (mlx is lazy); the quick grid
+fits its time budget."""
 
 import mlx.core as mx
 
