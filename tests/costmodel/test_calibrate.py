@@ -4,7 +4,6 @@ fits its time budget."""
 import mlx.core as mx
 
 import kvtier.costmodel.calibrate as calibrate
-from kvtier.costmodel.plan import Profile
 
 from ..engine.tiny import tiny_model
 
@@ -60,4 +59,8 @@ def test_the_quick_calibration_ticks_once_per_sample_and_fits(tmp_path):
     ticks = []
     profile = calibrate.calibrate(loaded.model, loaded.geometry(16), tmp_path, lambda: ticks.append(1), quick=True)
     assert len(ticks) == calibrate.steps(quick=True)
-    assert profile.calibrated and profile.compute.coef != Profile.defaults().compute.coef
+    assert profile.calibrated and len({(n, p) for n, p, _ in profile.compute.samples}) == 6  # as the fit needs
+    for link in profile.links.values():
+        assert len(link.samples) == len(calibrate.QUICK_PAGE_COUNTS)
+    for model in (profile.compute, *profile.links.values()):
+        assert model.plausible(model.coef)
