@@ -29,12 +29,14 @@ from mlx_lm.models.cache import KVCache, load_prompt_cache, save_prompt_cache
 from kvtier.tiers.hierarchy import RestoredPrefix, TieredStore
 from kvtier.tiers.page import PageGeometry, PageKey, Source
 
-from .calibrate import CONTEXTS, PREFILL_TOKENS, prefill_samples, scratch_store
+from .calibrate import CONTEXTS, PREFILL_TOKENS, QUICK_REPEATS, prefill_samples, quick_grid, scratch_store
 from .plan import Profile, plan_restore
 
 GIB = 1 << 30
 PAGE_COUNTS = (1, 4, 16, 64)
 ROUNDS = 7
+QUICK_PAGE_COUNTS = (1, 4, 16)  # --quick: smaller scratch stores, fewer rows, fewer rounds,
+QUICK_ROUNDS = 2  # and the quick calibration's prefill grid (its length scaled to the BLAS's speed)
 # (row name prefix, codec, source of every restored page)
 RESTORES = (("L2->L1", "raw", Source.L2), ("L3->L1", "raw", Source.L3), ("L3 zstd->L1", "zstd", Source.L3))
 
@@ -236,18 +238,22 @@ def _kv_cache(keys: mx.array, values: mx.array) -> KVCache:
     return cache
 
 
-def steps(rounds: int = ROUNDS) -> int:
+def steps(rounds: int = ROUNDS, quick: bool = False) -> int:
     """How many times ``run`` ticks (for a progress bar)."""
-    return 1 + rounds + len(PREFILL_TOKENS) * len(CONTEXTS)
+    return 1 + rounds + (6 if quick else len(PREFILL_TOKENS) * len(CONTEXTS))
 
 
 def run(model: nn.Module, geometry: PageGeometry, store_dir: Path, tick: Tick = lambda: None,
-        page_counts: tuple[int, ...] = PAGE_COUNTS, rounds: int = ROUNDS) -> dict:
+        page_counts: tuple[int, ...] = PAGE_COUNTS, rounds: int = ROUNDS, quick: bool = False) -> dict:
     """The report behind ``kvtier bench restore --json``: ``measure``, and the shortest
     prompt worth restoring from each tier by a profile fitted to these samples and the
-    model's timed prefills."""
+    model's timed prefills (``quick``: the quick calibration's shorter ones)."""
     report = measure(geometry, store_dir, page_counts, rounds, tick)
-    profile = _profile(report["links"], prefill_samples(model, tick))
+    if quick:
+        prefill = prefill_samples(model, tick, *quick_grid(model), repeats=QUICK_REPEATS)
+    else:
+        prefill = prefill_samples(model, tick)
+    profile = _profile(report["links"], prefill)
     report["break_even_tokens"] = break_even_tokens(profile, geometry)
     return report
 

@@ -4,6 +4,13 @@ Link samples are restores of 1..N pages of the model's page geometry through a
 scratch ``TieredStore`` next to the real store (same filesystem), timed in steady
 state (after a warm-up restore). Compute samples are forward passes of ``n`` tokens
 after ``p`` cached ones. Each sample is the median of ``REPEATS`` timings.
+
+The quick calibration (``kvtier run``'s first use of a store, ``kvtier calibrate
+--quick``) must stay short on any BLAS: mlx's reference BLAS prefills 10-40x slower
+than OpenBLAS, so a fixed grid of prompt lengths takes seconds on one and minutes on
+the other. It times one short forward pass first and scales its prefill grid so that
+the prefills add up to about ``QUICK_PREFILL_S``; its link samples are few and small
+(the links' speed does not depend on the BLAS), one timing each.
 """
 
 from __future__ import annotations
@@ -29,8 +36,13 @@ PAGE_COUNTS = (1, 2, 4, 8, 16)
 REPEATS = 3  # timings per sample, the median kept: one stall of a noisy machine moves nothing
 PREFILL_TOKENS = (32, 128, 384)
 CONTEXTS = (0, 512, 1024)
-QUICK = {"page_counts": (1, 2, 4, 8), "prefill_tokens": (16, 32, 64), "contexts": (0, 128)}  # the fewest points a
-# fit takes (TimeModel.refit: twice as many distinct inputs as terms), small ones: seconds, not minutes
+# The quick grid: the fewest points a fit takes (TimeModel.refit: twice as many distinct
+# inputs as terms), small ones, one timing each (the robust fit absorbs a stall).
+QUICK_PAGE_COUNTS = (1, 2, 3, 4)
+QUICK_REPEATS = 1
+QUICK_PREFILL_S = 5.0  # what the quick prefill grid may add up to, by the probe's speed
+QUICK_SCALES = (16, 8, 4, 2, 1)  # prompt lengths scale, s, 2s, 4s after 0 and 4s cached: the largest that fits
+PROBE_TOKENS = 4
 
 Tick = Callable[[], None]
 
@@ -38,13 +50,13 @@ Tick = Callable[[], None]
 def calibrate(model: nn.Module, geometry: PageGeometry, store_dir: Path, tick: Tick = lambda: None,
               quick: bool = False) -> Profile:
     """Measure links and prefill on this machine; ``tick`` is called once per sample.
-    ``quick`` samples the ``QUICK`` grid: fewer and smaller points, a rougher fit."""
-    grid = QUICK if quick else {}
+    ``quick``: the quick grid (``quick_grid``), a rougher fit in seconds."""
     profile = Profile.defaults()
-    for link, nbytes, seconds in link_samples(geometry, store_dir, tick, grid.get("page_counts", PAGE_COUNTS)):
+    page_counts, repeats = (QUICK_PAGE_COUNTS, QUICK_REPEATS) if quick else (PAGE_COUNTS, REPEATS)
+    for link, nbytes, seconds in link_samples(geometry, store_dir, tick, page_counts, repeats):
         profile.links[link].samples.append((nbytes, seconds))
-    for n, p, seconds in prefill_samples(model, tick, grid.get("prefill_tokens", PREFILL_TOKENS),
-                                         grid.get("contexts", CONTEXTS)):
+    prefill_tokens, contexts = quick_grid(model) if quick else (PREFILL_TOKENS, CONTEXTS)
+    for n, p, seconds in prefill_samples(model, tick, prefill_tokens, contexts, repeats):
         profile.compute.samples.append((n, p, seconds))
     for fitted in (*profile.links.values(), profile.compute):
         fitted.refit()
@@ -52,10 +64,28 @@ def calibrate(model: nn.Module, geometry: PageGeometry, store_dir: Path, tick: T
     return profile
 
 
+def quick_grid(model: nn.Module, budget_s: float = QUICK_PREFILL_S) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(prompt lengths, contexts) of the quick prefill samples: ``(s, 2s, 4s)`` after 0 and
+    ``4s`` cached tokens, for the largest ``s`` of ``QUICK_SCALES`` whose passes (and
+    the context's) add up to ``budget_s`` at the speed of a timed ``PROBE_TOKENS``-token
+    pass (after one untimed: kernels warm). Per-pass overhead makes the probe's
+    per-token time an overestimate for longer passes: the grid errs short."""
+    tokens = mx.array([[32 + i for i in range(PROBE_TOKENS)]])
+    mx.eval(model(tokens))
+    t0 = time.perf_counter()
+    mx.eval(model(tokens))
+    per_token = (time.perf_counter() - t0) / PROBE_TOKENS
+    for s in QUICK_SCALES:
+        grid = ((s, 2 * s, 4 * s), (0, 4 * s))
+        if per_token * (len(grid[1]) * sum(grid[0]) + max(grid[1])) <= budget_s:
+            return grid
+    return grid
+
+
 def steps(page_counts: Iterable[int] = PAGE_COUNTS, quick: bool = False) -> int:
     """How many samples ``calibrate`` takes (for a progress bar)."""
     if quick:
-        return 3 * len(QUICK["page_counts"]) + len(QUICK["prefill_tokens"]) * len(QUICK["contexts"])
+        return 3 * len(QUICK_PAGE_COUNTS) + 3 * 2
     return 3 * len(tuple(page_counts)) + len(PREFILL_TOKENS) * len(CONTEXTS)
 
 
@@ -83,10 +113,11 @@ def scratch_store(geometry: PageGeometry, store_dir: Path | str, pages: int,
             store.close()
 
 
-def link_samples(geometry: PageGeometry, store_dir: Path, tick: Tick,
-                 page_counts: Iterable[int] = PAGE_COUNTS) -> list[tuple[str, int, float]]:
+def link_samples(geometry: PageGeometry, store_dir: Path, tick: Tick, page_counts: Iterable[int] = PAGE_COUNTS,
+                 repeats: int | None = None) -> list[tuple[str, int, float]]:
     """(link, bytes, seconds) of restores from L2 and from L3 (OS page cache warm): raw
-    pages (``L3->L1``) and zstd pages (``L3->L2``, their decode into L2)."""
+    pages (``L3->L1``) and zstd pages (``L3->L2``, their decode into L2); the median of
+    ``repeats`` (default ``REPEATS``) timings each."""
     counts = tuple(page_counts)
     samples = []
     for codec, links in (("raw", ("L2->L1", "L3->L1")), ("zstd", ("L3->L2",))):
@@ -94,16 +125,16 @@ def link_samples(geometry: PageGeometry, store_dir: Path, tick: Tick,
             store.flush()
             for link in links:
                 for k in counts:
-                    samples.append(_timed(store, keys[:k], tokens, link))
+                    samples.append(_timed(store, keys[:k], tokens, link, repeats or REPEATS))
                     tick()
     return samples
 
 
-def _timed(store: TieredStore, keys: list, tokens: list[int], link: str) -> tuple[str, int, float]:
-    """Bytes and median seconds on ``link`` of steady-state restores of ``keys`` (for an
-    L3 link, with L2's copies dropped before each, so every restore reads L3)."""
+def _timed(store: TieredStore, keys: list, tokens: list[int], link: str, repeats: int) -> tuple[str, int, float]:
+    """Bytes and median seconds on ``link`` of ``repeats`` steady-state restores of ``keys``
+    (for an L3 link, with L2's copies dropped before each, so every restore reads L3)."""
     seconds = []
-    for i in range(REPEATS + 1):  # the first warms mlx's buffers (and the page cache)
+    for i in range(repeats + 1):  # the first warms mlx's buffers (and the page cache)
         if link.startswith("L3"):
             store.drop_l2()
         before = dict(store.stats()["links"][link])
@@ -114,8 +145,8 @@ def _timed(store: TieredStore, keys: list, tokens: list[int], link: str) -> tupl
 
 
 def prefill_samples(model: nn.Module, tick: Tick, prefill_tokens: Iterable[int] = PREFILL_TOKENS,
-                    contexts: Iterable[int] = CONTEXTS) -> list[tuple[int, int, float]]:
-    """(new tokens, cached tokens, seconds) of forward passes."""
+                    contexts: Iterable[int] = CONTEXTS, repeats: int | None = None) -> list[tuple[int, int, float]]:
+    """(new tokens, cached tokens, median seconds of ``repeats``, default ``REPEATS``) of forward passes."""
     prefill_tokens, contexts = tuple(prefill_tokens), tuple(contexts)
     tokens = mx.array([[(i * 31) % 200 + 32 for i in range(max(contexts) + max(prefill_tokens))]])
     mx.eval(model(tokens[:, :8]))  # warm-up: kernels (mlx is lazy: unevaluated, nothing would run)
@@ -126,7 +157,7 @@ def prefill_samples(model: nn.Module, tick: Tick, prefill_tokens: Iterable[int] 
             mx.eval(model(tokens[:, :p], cache=cache))
         for n in prefill_tokens:
             seconds = []
-            for _ in range(REPEATS):
+            for _ in range(repeats or REPEATS):
                 t0 = time.perf_counter()
                 mx.eval(model(tokens[:, p : p + n], cache=cache))
                 seconds.append(time.perf_counter() - t0)

@@ -7,18 +7,28 @@
 Both are fitted over a window of recent samples (calibration first, then every real
 transfer and prefill), refitted on each new sample, with non-negative coefficients and
 robust to outliers (``robust_fit``), so one step the machine stalled, or one timing far
-too short, does not move the model.
+too short, does not move the model. A fit whose figures no machine can have (a link
+faster than device memory, or infinitely fast: samples that do not grow with the bytes;
+a NaN; a free prefill) is not adopted: the model keeps its previous coefficients (the
+defaults, before any fit), so neither planning nor ``kvtier stats`` ever sees it.
 """
 
 from __future__ import annotations
 
+import logging
+import math
 from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
 from scipy.optimize import least_squares, nnls
 
+log = logging.getLogger(__name__)
+
 WINDOW = 64
+MAX_BYTES_PER_S = float(1 << 44)  # 16 TiB/s: above any device memory's bandwidth (a few TB/s)
+MAX_SETUP_S = 10.0  # a restore's fixed cost; more is a stalled sample, not a link
+MIN_TOKEN_S = 1e-8  # prefill of one token: ~2 FLOP per parameter; 10 ns is no model on any device
 OUTLIER = 2.0  # a sample predicted more than 2x too fast or too slow triggers the robust refit
 _TINY = 1e-300
 
@@ -89,12 +99,22 @@ class TimeModel:
         self.refit()
 
     def refit(self) -> None:
-        if len({s[:-1] for s in self.samples}) < 2 * len(self.coef):
+        data = np.array(self.samples, dtype=float).reshape(len(self.samples), -1)
+        data = data[np.all(np.isfinite(data), axis=1)]  # a NaN or infinite timing is no sample
+        if len({tuple(row[:-1]) for row in data}) < 2 * len(self.coef):
             return  # too few distinct inputs to separate the terms reliably
-        data = np.array(self.samples, dtype=float)
         features = np.array([self.features(*row[:-1]) for row in data])
         # Relative errors: a 3 MiB restore counts as much as a 300 MiB one (predictions are judged relatively).
-        self.coef = [float(c) for c in robust_fit(features, np.maximum(data[:, -1], 1e-9))]
+        coef = [float(c) for c in robust_fit(features, np.maximum(data[:, -1], 1e-9))]
+        if self.plausible(coef):
+            self.coef = coef
+        else:
+            log.info("%s: fit %s rejected (not a plausible figure), keeping %s", type(self).__name__, coef, self.coef)
+
+    @classmethod
+    def plausible(cls, coef: list[float]) -> bool:
+        """Whether these coefficients can describe a real machine: finite, non-negative."""
+        return all(math.isfinite(c) and c >= 0 for c in coef)
 
     def to_dict(self) -> dict:
         return {"coef": self.coef, "samples": [list(s) for s in self.samples]}
@@ -117,6 +137,13 @@ class LinkModel(TimeModel):
     def of(cls, setup_s: float, bytes_per_s: float) -> LinkModel:
         return cls([setup_s, 1.0 / bytes_per_s])
 
+    @classmethod
+    def plausible(cls, coef: list[float]) -> bool:
+        """Also: a setup below ``MAX_SETUP_S`` and a bandwidth below ``MAX_BYTES_PER_S``
+        (a zero per-byte term, an infinitely fast link, is what a fit of samples that
+        do not grow with their bytes gives)."""
+        return super().plausible(coef) and coef[0] <= MAX_SETUP_S and coef[1] * MAX_BYTES_PER_S >= 1.0
+
     @property
     def setup_s(self) -> float:
         return self.coef[0]
@@ -132,3 +159,8 @@ class ComputeModel(TimeModel):
     @staticmethod
     def features(n: float, p: float) -> list[float]:
         return [1.0 if n > 0 else 0.0, n, n * (p + n / 2)]
+
+    @classmethod
+    def plausible(cls, coef: list[float]) -> bool:
+        """Also: every new token costs some time (``c1 >= MIN_TOKEN_S``)."""
+        return super().plausible(coef) and coef[1] >= MIN_TOKEN_S

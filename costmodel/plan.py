@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import platform
 from itertools import accumulate
 from dataclasses import dataclass
 from typing import Sequence
@@ -10,18 +9,17 @@ from typing import Sequence
 from kvtier.tiers.links import READ_LINKS, links_crossed
 from kvtier.tiers.page import Source
 
+from .environment import environment_id
 from .models import ComputeModel, LinkModel
 
 GIB = 1 << 30
 
 
-def machine_id() -> str:
-    """Which machine a profile was measured on."""
-    return f"{platform.node()}/{platform.machine()}"
-
-
 def profile_key(namespace_digest: bytes) -> str:
-    return f"profile/{machine_id()}/{namespace_digest.hex()}"
+    """Where a model's profile is stored: per machine, mlx version and BLAS in use
+    (``environment_id``), so a profile measured under another BLAS is not found and
+    the first run recalibrates instead of planning with its times."""
+    return f"profile/{environment_id()}/{namespace_digest.hex()}"
 
 
 @dataclass
@@ -47,10 +45,16 @@ class Profile:
 
     @classmethod
     def from_dict(cls, d: dict) -> Profile:
-        """A stored profile; links it lacks (saved by an older kvtier) start at the defaults."""
-        links = cls.defaults().links
+        """A stored profile; links it lacks (saved by an older kvtier) start at the defaults,
+        and so do coefficients no machine can have (an older kvtier adopted such fits)."""
+        defaults = cls.defaults()
+        links = dict(defaults.links)
         links.update({name: LinkModel.from_dict(link) for name, link in d["links"].items()})
-        return cls(links, ComputeModel.from_dict(d["compute"]), d.get("calibrated", False))
+        compute = ComputeModel.from_dict(d["compute"])
+        for model, default in ((compute, defaults.compute), *((links[n], defaults.links[n]) for n in defaults.links)):
+            if not model.plausible(model.coef):
+                model.coef = list(default.coef)
+        return cls(links, compute, d.get("calibrated", False))
 
     def capped(self, throttle: dict[str, float]) -> Profile:
         """A view whose throttled tiers' links are no faster than the cap (bytes/s)."""

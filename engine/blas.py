@@ -1,47 +1,95 @@
-"""Use the system OpenBLAS for mlx on Linux when it is installed.
+"""Give mlx an OpenBLAS on Linux: the system's when installed, else the cmeel-openblas wheel's.
 
-``mlx[cpu]`` wheels on Linux link a reference BLAS; OpenBLAS makes prefill about
-10x faster with the same results. Loading it with ``RTLD_GLOBAL`` before
+``mlx[cpu]`` wheels on Linux link a reference BLAS; OpenBLAS makes prefill several
+times faster with the same results. Loading it with ``RTLD_GLOBAL`` before
 ``mlx.core`` is imported puts its ``cblas_*`` symbols first in the global lookup
-scope, so mlx binds to them. It is never required: without the library, or with
-``KVTIER_NO_OPENBLAS=1``, mlx keeps its own BLAS.
+scope, so mlx binds to them. The system library (Debian's ``libopenblas0-pthread``,
+found by the dynamic loader) comes first: it is built for the distribution. Else the
+``cmeel-openblas`` wheel, a Linux dependency of kvtier, ships one with unprefixed
+symbols (numpy's and scipy's copies are prefixed, ``scipy_cblas_*``, and mlx cannot
+use them); it needs the GNU Fortran runtime ``libgfortran.so.5``, which no wheel ships
+under that name, so on a system without it the wheel's library does not load. It is
+never required: without one, or with ``KVTIER_NO_OPENBLAS=1``, mlx keeps its own BLAS,
+and ``openblas_hint`` says how to get one.
 """
 
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
+import logging
 import os
 import sys
+from importlib import metadata
+from pathlib import Path
+from typing import Iterator
+
+log = logging.getLogger(__name__)
+
+SYSTEM_LIBRARY = "libopenblas.so.0"
+WHEEL = "cmeel-openblas"
+_WHEEL_LIBRARY = "cmeel.prefix/lib/libopenblas.so.0"
+_failures: list[str] = []  # why each candidate did not load, for the hint
+
+
+def wheel_library() -> Path | None:
+    """The cmeel-openblas wheel's ``libopenblas.so.0``, if that wheel is installed."""
+    try:
+        path = Path(metadata.distribution(WHEEL).locate_file(_WHEEL_LIBRARY))
+    except metadata.PackageNotFoundError:
+        return None
+    return path if path.is_file() else None
+
+
+def candidates() -> Iterator[str]:
+    """The OpenBLAS libraries to try, best first: the system's, then the wheel's (looked
+    up only when asked for: reading package metadata costs more than loading a library)."""
+    yield SYSTEM_LIBRARY
+    if wheel := wheel_library():
+        yield str(wheel)
 
 
 def preload_openblas() -> bool:
-    """Load OpenBLAS globally if possible; must run before ``import mlx.core``."""
+    """Load the first OpenBLAS of ``candidates`` globally; must run before ``import mlx.core``."""
     if sys.platform != "linux" or os.environ.get("KVTIER_NO_OPENBLAS") == "1":
         return False
+    _failures.clear()
     if "mlx.core" in sys.modules:
+        _failures.append("mlx.core was imported before kvtier, which loads OpenBLAS first")
         return False
-    for name in ("libopenblas.so.0", ctypes.util.find_library("openblas")):
-        if not name:
-            continue
+    for name in candidates():
         try:
             ctypes.CDLL(name, mode=ctypes.RTLD_GLOBAL)
+            log.info("loaded %s for mlx", name)
             return True
-        except OSError:
-            continue
+        except OSError as err:
+            _failures.append(str(err))
+    log.info("no OpenBLAS for mlx: %s", "; ".join(_failures))
     return False
 
 
+def openblas_hint() -> str | None:
+    """One line on how to give mlx an OpenBLAS, or None where there is nothing to say
+    (one is in use, not Linux, or ``KVTIER_NO_OPENBLAS=1`` asked for mlx's own)."""
+    from kvtier.costmodel.environment import openblas
+
+    if sys.platform != "linux" or os.environ.get("KVTIER_NO_OPENBLAS") == "1" or openblas() is not None:
+        return None
+    slow = "mlx uses its reference BLAS (prefill several times slower than with OpenBLAS)"
+    if wheel_library() is None:
+        return f"{slow}: `pip install {WHEEL}` (or `apt-get install libopenblas0-pthread`) gives it one"
+    if any("libgfortran" in failure for failure in _failures):
+        return (f"{slow}: the {WHEEL} wheel's OpenBLAS needs the GNU Fortran runtime libgfortran.so.5 "
+                "(`apt-get install libgfortran5`, or `apt-get install libopenblas0-pthread` instead)")
+    return f"{slow}: {WHEEL}'s library did not load ({'; '.join(_failures)})"
+
+
 def blas_in_use() -> str:
-    """Which BLAS this process's mlx uses, for verbose output and benchmarks. threadpoolctl
-    lists the BLAS libraries loaded; the one mlx binds to on Linux is the system
-    ``libopenblas`` preloaded above (numpy's and scipy's own OpenBLAS copies export
-    prefixed symbols that mlx never binds to, so they do not count)."""
+    """Which BLAS this process's mlx uses, for verbose output and benchmarks."""
+    from kvtier.costmodel.environment import openblas
+
     if sys.platform == "darwin":
         return "Accelerate"
-    from threadpoolctl import threadpool_info
-
-    for lib in threadpool_info():
-        if lib["internal_api"] == "openblas" and lib["prefix"] == "libopenblas":
-            return f"OpenBLAS {lib['version']} ({lib['filepath']}, {lib['num_threads']} threads)"
-    return "mlx bundled reference BLAS (install libopenblas0-pthread for ~10x faster prefill)"
+    lib = openblas()
+    if lib is not None:
+        return f"OpenBLAS {lib['version']} ({lib['filepath']}, {lib['num_threads']} threads)"
+    return "mlx bundled reference BLAS"

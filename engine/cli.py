@@ -24,7 +24,7 @@ from kvtier.tiers.policy import ADMISSIONS, DEFAULT_POLICY, POLICIES
 from . import bench_report
 from .args import (l2_sweep, name_list, non_negative_int, parse_size, parse_throttle, port_number, positive_int,
                    positive_ints, positive_number, positive_size, redis_url, seconds, store_arg, temperature, top_p)
-from .blas import blas_in_use
+from .blas import blas_in_use, openblas_hint
 from .interrupts import deferred_interrupt, ignored_interrupts, stop_on_signals
 from .paths import default_store_dir
 from .report import format_engine_totals, format_last_run, format_namespaces, format_tier_table
@@ -140,6 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
     calibrate.add_argument("--store", type=store_arg, default=None, metavar="STORE", help=store_help)
     calibrate.add_argument("--model", help=model_help)
     calibrate.add_argument("--page-size", type=positive_int, default=128, metavar="N", help="tokens per KV page")
+    calibrate.add_argument("--quick", action="store_true",
+                           help="the quick calibration a first run does: fewer, shorter samples, a rougher fit")
 
     bench = command(sub, "bench", "measure the store on this machine")
     bench_sub = bench.add_subparsers(dest="bench", required=True, parser_class=_Parser)
@@ -148,8 +150,10 @@ def build_parser() -> argparse.ArgumentParser:
                          help=f"a scratch store is made inside DIR (default: {default_store_dir()})")
     restore.add_argument("--model", help=model_help)
     restore.add_argument("--page-size", type=positive_int, default=128, metavar="N", help="tokens per KV page")
-    restore.add_argument("--rounds", type=positive_int, default=7, metavar="N",
-                         help="interleaved rounds; every figure is the best of them (default: 7)")
+    restore.add_argument("--rounds", type=positive_int, default=None, metavar="N",
+                         help="interleaved rounds; every figure is the best of them (default: 7; --quick: 2)")
+    restore.add_argument("--quick", action="store_true",
+                         help="1, 4 and 16 pages, 2 rounds and the quick calibration's prefills: under a minute")
     restore.add_argument("--json", action="store_true", help="the report as one JSON object")
     restore.add_argument("--plot", type=Path, metavar="FILE.png", help="draw bandwidth against size (needs matplotlib)")
     ttft = command(bench_sub, "ttft", "time to first token against prompt length: recomputed, and with the "
@@ -356,6 +360,8 @@ def _load_model(name: str | None):
     from .model import ModelError, default_model_name, load_model
 
     logging.getLogger("kvtier").info("BLAS: %s", blas_in_use())
+    if hint := openblas_hint():
+        print(f"kvtier: {hint}", file=sys.stderr)
     if name is None and default_model_name() == TINY_MODEL:
         print(f"kvtier: using the generated test model {TINY_MODEL} (its text is gibberish); {REAL_MODEL_HINT}",
               file=sys.stderr)
@@ -563,15 +569,14 @@ def _print_summary(stats: dict) -> None:
 # -- calibrate -------------------------------------------------------------------
 
 
-def _calibrate_into(loaded, geometry, store_dir: Path, quick: bool = False):
-    """Measure this machine (with a progress bar) and save the profile in the store."""
+def _calibrate_into(loaded, geometry, store_dir: Path, quick: bool = False, desc: str = "calibrating"):
+    """Measure this machine (with a progress bar ``desc``) and save the profile in the store."""
     from tqdm import tqdm
 
     from kvtier.costmodel.calibrate import calibrate, steps
     from kvtier.tiers.l3.open import StoreError, open_l3
 
     try:
-        desc = "calibrating (quick, first use)" if quick else "calibrating"
         with tqdm(total=steps(quick=quick), desc=desc, unit="sample", file=sys.stderr) as bar:
             profile = calibrate(loaded.model, geometry, store_dir, bar.update, quick=quick)
         with open_l3(store_dir) as disk:
@@ -595,13 +600,14 @@ def _calibrate_on_first_use(loaded, geometry, store_dir: Path) -> None:
             return  # the engine warns and runs without L3
     print(f"kvtier: no cost profile for this model in {store_dir}: a quick calibration first "
           "(--no-auto-calibrate skips it; `kvtier calibrate` measures more)", file=sys.stderr)
-    _calibrate_into(loaded, geometry, store_dir, quick=True)
+    _calibrate_into(loaded, geometry, store_dir, quick=True, desc="calibrating (quick, first use)")
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
     store_dir = _usable_store(args.store)
     loaded = _load_model(args.model)
-    profile = _calibrate_into(loaded, _geometry(loaded, args.page_size), store_dir)
+    profile = _calibrate_into(loaded, _geometry(loaded, args.page_size), store_dir, args.quick,
+                              "calibrating (quick)" if args.quick else "calibrating")
     summary = profile.summary()
     for name, link in summary["links"].items():
         print(f"{name}: setup {link['setup_s'] * 1e3:.3f} ms, {link['gib_s']:.2f} GiB/s")
@@ -626,8 +632,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     store_dir = _usable_store(args.store)
     loaded = _load_model(args.model)
     geometry = _geometry(loaded, args.page_size)
-    with tqdm(total=bandwidth.steps(args.rounds), desc="measuring", unit="step", file=sys.stderr) as bar:
-        report = bandwidth.run(loaded.model, geometry, store_dir, bar.update, rounds=args.rounds)
+    rounds = args.rounds or (bandwidth.QUICK_ROUNDS if args.quick else bandwidth.ROUNDS)
+    pages = bandwidth.QUICK_PAGE_COUNTS if args.quick else bandwidth.PAGE_COUNTS
+    with tqdm(total=bandwidth.steps(rounds, args.quick), desc="measuring", unit="step", file=sys.stderr) as bar:
+        report = bandwidth.run(loaded.model, geometry, store_dir, bar.update, pages, rounds, args.quick)
     report["blas"] = blas_in_use()
     if args.json:
         print(json.dumps(report))

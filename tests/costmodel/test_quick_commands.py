@@ -1,0 +1,33 @@
+"""``kvtier calibrate --quick`` and ``kvtier bench restore --quick`` (issue 21: under a minute)."""
+
+import json
+import subprocess
+import sys
+
+from kvtier.costmodel import bandwidth
+
+from ..engine.conftest import on_tiny_model
+
+
+def kvtier(*args: str) -> subprocess.CompletedProcess:
+    done = subprocess.run([sys.executable, "-m", "kvtier.engine.cli", *on_tiny_model(args)], capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    return done
+
+
+def test_calibrate_quick_stores_a_profile_the_next_run_uses(tmp_path):
+    done = kvtier("calibrate", "--quick", "--store", str(tmp_path))
+    assert "calibrating (quick)" in done.stderr and "profile saved" in done.stdout
+    assert all(link in done.stdout for link in ("L2->L1", "L3->L1", "L3->L2", "prefill"))
+    out = kvtier("run", "--json", "--store", str(tmp_path), "--prompt", "hello " * 50, "--max-tokens", "2").stdout
+    assert json.loads(out.splitlines()[-1])["counters"]["costmodel"]["calibrated"] is True
+
+
+def test_bench_restore_quick_times_fewer_sizes_in_fewer_rounds(tmp_path):
+    done = kvtier("bench", "restore", "--quick", "--json", "--store", str(tmp_path), "--page-size", "16")
+    report = json.loads(done.stdout)
+    assert report["rounds"] == bandwidth.QUICK_ROUNDS
+    for link in ("L2->L1", "L3->L1", "L3->L2"):
+        assert [row["pages"] for row in report["links"] if row["link"] == link] == list(bandwidth.QUICK_PAGE_COUNTS)
+    assert set(report["break_even_tokens"]) == {"L2", "L3"}
