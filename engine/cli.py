@@ -360,8 +360,11 @@ def _load_model(name: str | None):
     from .model import ModelError, default_model_name, load_model
 
     logging.getLogger("kvtier").info("BLAS: %s", blas_in_use())
-    if hint := openblas_hint():
-        print(f"kvtier: {hint}", file=sys.stderr)
+    if hint := openblas_hint():  # for the person at the terminal; scripts and logs get it with -v
+        if sys.stderr.isatty():
+            print(f"kvtier: {hint}", file=sys.stderr)
+        else:
+            logging.getLogger("kvtier").info(hint)
     if name is None and default_model_name() == TINY_MODEL:
         print(f"kvtier: using the generated test model {TINY_MODEL} (its text is gibberish); {REAL_MODEL_HINT}",
               file=sys.stderr)

@@ -2,6 +2,7 @@
 
 import ctypes.util
 import os
+import pty
 import subprocess
 import sys
 
@@ -93,15 +94,38 @@ def test_mlx_binds_to_the_wheels_openblas_when_it_is_loaded_first():
 
 @pytest.mark.skipif(sys.platform != "linux", reason="OpenBLAS is preloaded on Linux only")
 def test_without_openblas_one_line_on_stderr_says_how_to_get_it(tmp_path):
-    """No -v: the CLI's one line. mlx imported before kvtier is one way to end up without
-    OpenBLAS on any machine."""
+    """No -v: the CLI's one line, on a terminal (a script's stderr gets it only with -v, so
+    tests and pipelines that read stderr see what they did before). mlx imported before
+    kvtier is one way to end up without OpenBLAS on any machine."""
     script = ("import sys, mlx.core; from kvtier.engine.cli import main; "
               "sys.exit(main(['run', '--no-offload', '--model', 'kvtier-tiny', '--max-tokens', '1', '--prompt', 'hi']))")
     env = {k: v for k, v in os.environ.items() if k != "KVTIER_NO_OPENBLAS"}
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, check=True)
-    lines = [line for line in done.stderr.splitlines() if "BLAS" in line]
-    assert len(lines) == 1, done.stderr
-    assert lines[0].startswith("kvtier: mlx uses its reference BLAS") and "mlx.core was imported before" in lines[0]
+    for terminal in (True, False):
+        main_end, child_end = pty.openpty() if terminal else os.pipe()
+        done = subprocess.run([sys.executable, "-c", script], stdout=subprocess.DEVNULL, stderr=child_end, env=env)
+        os.close(child_end)
+        stderr = _read_all(main_end)
+        assert done.returncode == 0, stderr
+        lines = [line for line in stderr.splitlines() if "BLAS" in line]
+        if not terminal:
+            assert lines == [], stderr
+            continue
+        assert len(lines) == 1, stderr
+        assert lines[0].startswith("kvtier: mlx uses its reference BLAS") and "mlx.core was imported before" in lines[0]
+
+
+def _read_all(fd: int) -> str:
+    chunks = []
+    while True:
+        try:
+            chunk = os.read(fd, 1 << 16)
+        except OSError:  # a pty whose other end closed
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    os.close(fd)
+    return b"".join(chunks).decode(errors="replace")
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="OpenBLAS is preloaded on Linux only")
