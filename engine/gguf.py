@@ -27,6 +27,7 @@ matches; a lost entry (two processes writing the index at once) only costs a cop
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import logging
@@ -114,26 +115,27 @@ def import_gguf(source: Path, out: Path | None = None, dtype: str = "float32",
         log.info("%s is already imported as %s", source.name, known)
         return known
     out = Path(out) if out is not None else default_import_dir(source, dtype)
-    if _read_marker(out) == marker:
-        log.info("%s already holds %s", out, source.name)
-        register_import(out)
-        return out
-    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / MARKER).exists())):
-        raise GGUFError(f"{out} exists and is not a kvtier import; choose another --out")
-    tensors, metadata = _read(source)
-    arch = _architecture(metadata)
-    config = _config(arch, metadata, tensors)
-    tokenizer, tokenizer_config = _tokenizer(metadata)
-    weights = _weights(tensors, dtype, config, progress)
-    log.info("importing %s (%s) into %s as %s", source.name, arch.model_type, out, dtype)
-    try:
-        with _replacing(out) as tmp:
-            _save_model(tmp, config, weights)
-            tokenizer.save(str(tmp / "tokenizer.json"))
-            _write_json(tmp / "tokenizer_config.json", tokenizer_config)
-            _write_json(tmp / MARKER, marker)
-    except OSError as err:
-        raise GGUFError(f"cannot write {out}: {err.strerror or err}") from None
+    with _import_lock(out):  # a second importer waits, then finds the first one's import
+        if _read_marker(out) == marker:
+            log.info("%s already holds %s", out, source.name)
+            register_import(out)
+            return out
+        if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / MARKER).exists())):
+            raise GGUFError(f"{out} exists and is not a kvtier import; choose another --out")
+        tensors, metadata = _read(source)
+        arch = _architecture(metadata)
+        config = _config(arch, metadata, tensors)
+        tokenizer, tokenizer_config = _tokenizer(metadata)
+        weights = _weights(tensors, dtype, config, progress)
+        log.info("importing %s (%s) into %s as %s", source.name, arch.model_type, out, dtype)
+        try:
+            with _replacing(out) as tmp:
+                _save_model(tmp, config, weights)
+                tokenizer.save(str(tmp / "tokenizer.json"))
+                _write_json(tmp / "tokenizer_config.json", tokenizer_config)
+                _write_json(tmp / MARKER, marker)
+        except OSError as err:
+            raise GGUFError(f"cannot write {out}: {err.strerror or err}") from None
     register_import(out)
     return out
 
@@ -416,6 +418,25 @@ def _tokenizer(meta: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
     if "tokenizer.chat_template" in meta:
         config["chat_template"] = meta["tokenizer.chat_template"]
     return tok, config
+
+
+@contextmanager
+def _import_lock(directory: Path) -> Iterator[None]:
+    """Hold the lock of imports into ``directory`` (a file beside it; released when the
+    process ends, however it ends). Two processes importing at once, such as two first
+    runs of one kvtier home, would each convert the file and swap their copy in while
+    the other's was being loaded."""
+    lock = directory.with_name(f".{directory.name}.lock")
+    try:
+        lock.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as err:
+        raise GGUFError(f"cannot write {lock.parent}: {err.strerror or err}") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
 
 
 @contextmanager
