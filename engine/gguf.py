@@ -115,17 +115,17 @@ def import_gguf(source: Path, out: Path | None = None, dtype: str = "float32",
         log.info("%s is already imported as %s", source.name, known)
         return known
     out = Path(out) if out is not None else default_import_dir(source, dtype)
+    if _holds(out, marker, source):
+        return out
+    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / MARKER).exists())):
+        raise GGUFError(f"{out} exists and is not a kvtier import; choose another --out")
+    tensors, metadata = _read(source)  # a file kvtier cannot import fails here, having written nothing
+    arch = _architecture(metadata)
+    config = _config(arch, metadata, tensors)
+    tokenizer, tokenizer_config = _tokenizer(metadata)
     with _import_lock(out):  # a second importer waits, then finds the first one's import
-        if _read_marker(out) == marker:
-            log.info("%s already holds %s", out, source.name)
-            register_import(out)
+        if _holds(out, marker, source):
             return out
-        if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / MARKER).exists())):
-            raise GGUFError(f"{out} exists and is not a kvtier import; choose another --out")
-        tensors, metadata = _read(source)
-        arch = _architecture(metadata)
-        config = _config(arch, metadata, tensors)
-        tokenizer, tokenizer_config = _tokenizer(metadata)
         weights = _weights(tensors, dtype, config, progress)
         log.info("importing %s (%s) into %s as %s", source.name, arch.model_type, out, dtype)
         try:
@@ -138,6 +138,15 @@ def import_gguf(source: Path, out: Path | None = None, dtype: str = "float32",
             raise GGUFError(f"cannot write {out}: {err.strerror or err}") from None
     register_import(out)
     return out
+
+
+def _holds(out: Path, marker: dict, source: Path) -> bool:
+    """Whether ``out`` already holds this import (then it is listed in the index)."""
+    if _read_marker(out) != marker:
+        return False
+    log.info("%s already holds %s", out, source.name)
+    register_import(out)
+    return True
 
 
 def register_import(directory: Path) -> None:
@@ -422,11 +431,13 @@ def _tokenizer(meta: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
 
 @contextmanager
 def _import_lock(directory: Path) -> Iterator[None]:
-    """Hold the lock of imports into ``directory`` (a file beside it; released when the
-    process ends, however it ends). Two processes importing at once, such as two first
-    runs of one kvtier home, would each convert the file and swap their copy in while
-    the other's was being loaded."""
-    lock = directory.with_name(f".{directory.name}.lock")
+    """Hold the lock of imports into ``directory`` (a file under the kvtier home, named
+    by the directory's path, so nothing is left beside it; released when the process
+    ends, however it ends). Two processes importing at once, such as two first runs of
+    one kvtier home, would each convert the file and swap their copy in while the
+    other's was being loaded."""
+    name = hashlib.blake2b(str(directory.resolve()).encode(), digest_size=8).hexdigest()
+    lock = kvtier_home() / "locks" / f"import-{name}.lock"
     try:
         lock.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
