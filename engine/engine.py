@@ -23,7 +23,7 @@ import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Callable, Sequence
 
 import mlx.core as mx
@@ -34,11 +34,13 @@ from mlx_lm.sample_utils import apply_top_p, make_logits_processors, make_sample
 
 from kvtier.costmodel.plan import READ_LINKS, Profile, plan_restore, plan_wait
 from kvtier.tiers.counters import add_into
-from kvtier.tiers.hierarchy import RestoredPrefix, StoreConfig, TieredStore
-from kvtier.tiers.policy import DEFAULT_POLICY
+from kvtier.tiers.hierarchy import RestoredPrefix, TieredStore
 from kvtier.tiers.page import PageKey, Source, page_keys, reusable_pages
 
+from .config import EngineConfig as EngineConfig  # re-exported: where callers have always found it
 from .flights import FlightCoordinator
+from .limits import InputError as InputError  # re-exported likewise
+from .limits import check_prompt
 from .metrics import RateWindow
 from .model import LoadedModel
 from .request import CANCELLED, ERROR, Request, SamplingParams, TokenLogprob
@@ -46,48 +48,6 @@ from .scheduler import Scheduler
 from .text import without_broken_end
 
 log = logging.getLogger(__name__)
-
-
-class InputError(ValueError):
-    """A prompt or setting the model cannot take (one clear line); ``param`` names the setting."""
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
-
-
-def check_prompt(loaded: LoadedModel, tokens: Sequence[int], params: SamplingParams) -> None:
-    """InputError unless the model can take ``tokens`` and generate ``params.max_tokens``
-    after them (callers may check before building an engine: nothing is touched)."""
-    args = getattr(loaded.model, "args", None)
-    vocab, context = getattr(args, "vocab_size", None), getattr(args, "max_position_embeddings", None)
-    if not tokens:
-        raise InputError("empty prompt")
-    if context and len(tokens) + params.max_tokens > context:
-        raise InputError(f"prompt of {len(tokens)} tokens plus max_tokens {params.max_tokens} exceeds "
-                         f"the model's context of {context} tokens")
-    bad = [t for t in tokens if t < 0 or (vocab and t >= vocab)]
-    if bad:
-        raise InputError(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
-    bad = [t for t in params.logit_bias or {} if t < 0 or (vocab and t >= vocab)]
-    if bad:  # mlx-lm would fail the whole batch on it
-        raise InputError(f"logit_bias token id {bad[0]} is outside the vocabulary (0..{vocab - 1})", "logit_bias")
-
-
-@dataclass
-class EngineConfig:
-    page_size: int = 128
-    offload: bool = True
-    store: StoreConfig = field(default_factory=StoreConfig)
-    prefill_step_size: int = 512
-    cache_salt: str = ""
-    single_flight: str = "prefix"  # or "after-prefill" | "at-completion" (exact inputs only) | "off"
-    publish: str = "incremental"  # after every step, or "at-completion" only
-    publish_answers: bool = False  # at the end, also the pages the answer filled (a server's next turn)
-    max_running: int = 32  # requests in the BatchGenerator at once; the rest wait
-    refresh_window: int = 128  # waiting requests whose L1 pages are touched before admission
-    window_s: float = 30.0  # cached tokens per second are measured over this window
-    policy: str = DEFAULT_POLICY  # eviction policy of the store's tiers (tiers.policy)
 
 
 class Engine:
