@@ -33,7 +33,6 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import apply_top_p, make_logits_processors, make_sampler
 
 from kvtier.costmodel.plan import READ_LINKS, Profile, plan_restore, plan_wait
-from kvtier.tiers.counters import add_into
 from kvtier.tiers.hierarchy import RestoredPrefix, TieredStore
 from kvtier.tiers.page import PageKey, Source, page_keys, reusable_pages
 
@@ -45,7 +44,7 @@ from .metrics import RateWindow
 from .model import LoadedModel
 from .request import CANCELLED, ERROR, Request, SamplingParams, TokenLogprob
 from .scheduler import Scheduler
-from .text import without_broken_end
+from .totals import EngineTotals, request_record
 
 log = logging.getLogger(__name__)
 
@@ -81,11 +80,7 @@ class Engine:
         self._stop = threading.Event()
         self._cancel_all = False  # set by stop(cancel=True); the stepping thread cancels
         self._closed = False
-        # requests .. sources: of finished requests; cancelled, errors: the others.
-        # store_seconds: time the step loop spent in the store (restore, publish): the offload overhead
-        self.totals: dict = {"requests": 0, "prompt_tokens": 0, "generated_tokens": 0,
-                             "store_seconds": 0.0, "l1_hit_loss_tokens": 0, "sources": {},
-                             "cancelled": 0, "errors": 0, "waited_tokens": 0, "wait_s": 0.0}
+        self.totals = EngineTotals()
 
     def _load_profile(self) -> Profile:
         """The calibrated cost model of this machine and model, else conservative defaults."""
@@ -232,7 +227,7 @@ class Engine:
             self._observe_links(links_before)
             request.published = request.prefix_tokens // self.config.page_size
             self.cached_tokens.add(request.restored.num_pages * self.config.page_size + request.partial_tokens)
-            self.totals["store_seconds"] += time.perf_counter() - t0
+            self.totals.store_seconds += time.perf_counter() - t0
         request.t_admit = time.perf_counter()
         done = request.prefix_tokens
         (request.uid,) = self.generator.insert(
@@ -389,7 +384,7 @@ class Engine:
             self.store.publish(keys[i], tokens[i * size : (i + 1) * size], kv, parent=keys[i - 1] if i else self.root)
         self.scheduler.published(request.rid, keys[request.published : ready])
         request.published = ready
-        self.totals["store_seconds"] += time.perf_counter() - t0
+        self.totals.store_seconds += time.perf_counter() - t0
 
     def _publish_at_end(self, request: Request, response) -> None:
         """At the end, publish the full pages of the sequence not published yet, and keep
@@ -411,7 +406,7 @@ class Engine:
             kv = _page_kv(caches, done, len(tokens))
             mx.eval(kv)
             self.store.publish_partial(keys[-1] if keys else self.root, tokens[done:], kv)
-            self.totals["store_seconds"] += time.perf_counter() - t0
+            self.totals.store_seconds += time.perf_counter() - t0
 
     def _on_token(self, request: Request, response) -> None:
         now = time.perf_counter()
@@ -445,52 +440,19 @@ class Engine:
         request.error = _one_line(exc) if exc is not None else None
         request.t_done = time.perf_counter()
         request.finish_reason = reason
-        self._count(request)
+        self.totals.count(request)
         request._tokens.put(None)
-
-    def _count(self, request: Request) -> None:
-        if request.finish_reason in (CANCELLED, ERROR):
-            self.totals["cancelled" if request.finish_reason == CANCELLED else "errors"] += 1
-            return
-        add_into(self.totals, {
-            "requests": 1,
-            "prompt_tokens": len(request.prompt),
-            "generated_tokens": len(request.output),
-            "l1_hit_loss_tokens": request.l1_tokens_at_enqueue - request.l1_tokens_at_admission,
-            "sources": request.sources(),
-            "waited_tokens": request.waited_tokens,
-            "wait_s": request.wait_s,
-        })
 
     # -- results and lifecycle -------------------------------------------------
 
     def result(self, request: Request) -> dict:
         """The JSON-ready record of a finished request (DESIGN §8)."""
-        return {
-            "id": request.rid,
-            "prompt_tokens": len(request.prompt),
-            "sources": request.sources(),
-            "page_size": self.config.page_size,
-            "model": self.loaded.name,
-            "model_name": self.loaded.label,
-            "output_token_ids": request.output,
-            "text": without_broken_end(self.loaded.tokenizer.decode(request.output)),
-            "finish_reason": request.finish_reason,
-            "error": request.error,
-            "plan": request.plan.to_dict() if request.plan else None,
-            "l1_tokens_at_enqueue": request.l1_tokens_at_enqueue,
-            "l1_tokens_at_admission": request.l1_tokens_at_admission,
-            "l1_hit_loss": request.l1_tokens_at_enqueue - request.l1_tokens_at_admission,
-            "waited_tokens": request.waited_tokens,
-            "wait_s": round(request.wait_s, 6),
-            "ttft_s": None if request.t_first_token is None else round(request.t_first_token - request.t_submit, 6),
-            "latency_s": None if request.t_done is None else round(request.t_done - request.t_submit, 6),
-        }
+        return request_record(request, self.loaded, self.config.page_size)
 
     def stats(self) -> dict:
         """Engine totals and this process's store counters."""
         window = {"window_s": self.config.window_s, "cached_tokens_per_s": self.cached_tokens.rate()}
-        stats = {"engine": dict(self.totals), "windowed": window, "costmodel": self.profile.summary()}
+        stats = {"engine": self.totals.to_dict(), "windowed": window, "costmodel": self.profile.summary()}
         if self.store is not None:
             stats.update(self.store.stats())
         return stats
@@ -508,7 +470,7 @@ class Engine:
             self.store.put_meta(self.loaded.profile_key(self.geometry), self.profile.to_dict())
             self.store.put_meta("last_run", {"model": self.loaded.name, "windowed": stats["windowed"],
                                              "costmodel": stats["costmodel"]})
-            self.store.close(extra_counters={"engine": self.totals})
+            self.store.close(extra_counters={"engine": self.totals.to_dict()})
         self._loader.shutdown()
         self.generator.close()
 

@@ -120,7 +120,7 @@ def soak(engine: Engine, rounds: int = 2, per_round: int = 200, threads: int = 8
         report.sizes.append(structure_sizes(engine))
         report.memory.append((rss_mib(), mx.get_active_memory() / 2**20))
     engine.stop()
-    report.totals = dict(engine.totals)
+    report.totals = engine.stats()["engine"]
     if engine.store is not None:
         store = engine.store
         report.pins = len(store.view().pins)
