@@ -46,7 +46,7 @@ class SoakReport:
 
 def inject_faults(engine: Engine) -> None:
     """Requests whose prompt starts with a marker (``MARKERS``) fail there."""
-    admit, on_prefill = engine._admit, engine._on_prefill
+    admit, on_prefill = engine.admission.plan, engine.publisher.on_prefill
 
     def failing(real, marker):
         def work(request, *args):
@@ -55,8 +55,8 @@ def inject_faults(engine: Engine) -> None:
             return real(request, *args)
         return work
 
-    engine._admit = failing(admit, MARKERS["fail_admit"])
-    engine._on_prefill = failing(on_prefill, MARKERS["fail_publish"])
+    engine.admission.plan = failing(admit, MARKERS["fail_admit"])
+    engine.publisher.on_prefill = failing(on_prefill, MARKERS["fail_publish"])
 
 
 def structure_sizes(engine: Engine) -> dict[str, int]:

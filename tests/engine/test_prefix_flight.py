@@ -99,7 +99,7 @@ def test_a_leader_ending_mid_prefill_releases_its_followers(loaded, how):
     prompts = [prompt(n) for n in range(3)]
     engine, _ = make_engine(loaded)
     if how == "failed":
-        publish, calls = engine._publish, []
+        publish, calls = engine.publisher.publish, []
 
         def third_fails(request, caches, ready):
             calls.append(request.rid)
@@ -107,7 +107,7 @@ def test_a_leader_ending_mid_prefill_releases_its_followers(loaded, how):
                 raise RuntimeError("injected fault")
             publish(request, caches, ready)
 
-        engine._publish = third_fails
+        engine.publisher.publish = third_fails
     requests = [engine.submit(p, GREEDY) for p in prompts]
     for _ in range(2):
         engine.step()
