@@ -27,8 +27,9 @@ import itertools
 import logging
 import threading
 import time
-from dataclasses import replace
-from typing import Callable, Sequence
+from dataclasses import dataclass, replace
+from types import MappingProxyType
+from typing import Callable, Mapping, Sequence
 
 import numpy as np
 from mlx_lm.generate import BatchGenerator
@@ -39,12 +40,13 @@ from kvtier.tiers.page import page_keys, reusable_pages
 
 from .admission import Admission, l1_tokens
 from .config import EngineConfig as EngineConfig  # re-exported: where callers have always found it
-from .flights import FlightCoordinator
+from .flights import FlightCoordinator, FlightsView
 from .limits import InputError as InputError  # re-exported likewise
 from .limits import check_prompt
 from .metrics import RateWindow
 from .model import LoadedModel
 from .prefix_cache import PrefixCaches
+from .prefix_flights import PrefixFlightsView
 from .publisher import Publisher
 from .refinement import observe_links, observe_prefill
 from .request import CANCELLED, ERROR, Request, SamplingParams
@@ -53,6 +55,17 @@ from .scheduler import Scheduler
 from .totals import EngineTotals, request_record
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineView:
+    """The engine's state at one moment, read-only: what tests and a debugger look at."""
+
+    running: Mapping[int, Request]  # in the batch, by BatchGenerator uid
+    pending: int  # not admitted yet, held ones included
+    serving: bool  # a serving thread (``start``) is alive
+    flights: FlightsView  # exact-input single flight
+    prefix: PrefixFlightsView  # prefix single flight
 
 
 class Engine:
@@ -288,6 +301,12 @@ class Engine:
     def result(self, request: Request) -> dict:
         """The JSON-ready record of a finished request (DESIGN §8)."""
         return request_record(request, self.loaded, self.config.page_size)
+
+    def view(self) -> EngineView:
+        with self.scheduler.arrived:  # the scheduler's lock: queue and flights seen at one moment
+            return EngineView(MappingProxyType(dict(self._running)), self.scheduler.pending(),
+                              self._serving is not None and self._serving.is_alive(),
+                              self.scheduler.flights.view(), self.scheduler.prefix.view())
 
     def stats(self) -> dict:
         """Engine totals and this process's store counters."""

@@ -52,9 +52,10 @@ def drained(request, timeout: float = 120) -> list[int]:
 def assert_clean(engine: Engine) -> None:
     """Nothing of any request is left: no pins, no queue, no flight, nothing running."""
     assert not engine.store.view().pins
-    assert not engine._running and not engine.scheduler.pending()
-    flights = engine.scheduler.flights
-    assert not (flights._flights or flights._key_of_leader or flights._released)
+    view = engine.view()
+    assert not view.running and not view.pending
+    flights = view.flights
+    assert not (flights.flights or flights.key_of_leader or flights.released)
 
 
 # -- lifecycle ---------------------------------------------------------------------
@@ -63,10 +64,10 @@ def assert_clean(engine: Engine) -> None:
 def test_close_while_serving_finishes_the_requests_then_stops(loaded, tmp_path):
     engine = make_engine(loaded, tmp_path)
     engine.start()
-    serving = engine._serving
+    assert engine.view().serving
     requests = [engine.submit(text_prompt(loaded, 150, seed=i), SamplingParams(max_tokens=30)) for i in range(3)]
     engine.close()
-    assert not serving.is_alive()
+    assert not engine.view().serving
     assert [r.finish_reason for r in requests] == ["length"] * 3
     assert [len(drained(r)) for r in requests] == [30] * 3
     with pytest.raises(RuntimeError, match="stopped"):
@@ -102,7 +103,7 @@ def test_leaving_the_engine_on_an_exception_cancels_its_requests(loaded):
             engine.start()
             request = engine.submit(text_prompt(loaded, 30), ENDLESS)
             raise KeyboardInterrupt
-    assert request.finish_reason == "cancelled" and not engine._serving.is_alive()
+    assert request.finish_reason == "cancelled" and not engine.view().serving
 
 
 @pytest.mark.parametrize("serving", [False, True])
@@ -134,7 +135,7 @@ def test_cancel_a_running_request_ends_it_at_the_next_step(loaded):
     assert engine.store.view().pins
     request.cancel()
     engine.step()
-    assert request.finish_reason == "cancelled" and request.uid not in engine._running
+    assert request.finish_reason == "cancelled" and request.uid not in engine.view().running
     assert len(request.output) < LONG.max_tokens
     assert not engine.store.view().pins
     engine.run()

@@ -57,16 +57,16 @@ def make_engine(loaded, **config) -> tuple[Engine, PrefillCounting]:
 def run(engine: Engine, steps: int = 400) -> None:
     """``engine.run()``, failing instead of hanging if requests are left waiting."""
     for _ in range(steps):
-        if not (engine.scheduler.pending() or engine._running):
+        if not ((view := engine.view()).pending or view.running):
             return
         engine.step()
-    pytest.fail(f"{engine.scheduler.pending()} requests still waiting after {steps} steps")
+    pytest.fail(f"{engine.view().pending} requests still waiting after {steps} steps")
 
 
 def assert_no_flight_left(engine: Engine) -> None:
     assert_clean(engine)
-    prefix = engine.scheduler.prefix
-    assert not (prefix._leader_of or prefix._leaders or prefix._waiting)
+    prefix = engine.view().prefix
+    assert not (prefix.in_flight or prefix.leaders or prefix.waiting)
 
 
 def test_a_burst_sharing_a_prefix_computes_it_once(loaded):
@@ -76,7 +76,8 @@ def test_a_burst_sharing_a_prefix_computes_it_once(loaded):
     engine, counting = make_engine(loaded)
     requests = [engine.submit(p, GREEDY) for p in prompts]
     engine.step()
-    assert len(engine._running) == 1 and engine.scheduler.prefix.waiting() == 5, "one leader, five held"
+    view = engine.view()
+    assert len(view.running) == 1 and len(view.prefix.waiting) == 5, "one leader, five held"
     run(engine)
     assert counting.tokens <= len(PREFIX) + 6 * (SUFFIX + PAGE)
     for r, p in zip(requests, prompts):
@@ -112,7 +113,7 @@ def test_a_leader_ending_mid_prefill_releases_its_followers(loaded, how):
     for _ in range(2):
         engine.step()
     leader = requests[0]
-    assert 0 < leader.published < PREFIX_PAGES and engine.scheduler.prefix.waiting() == 2
+    assert 0 < leader.published < PREFIX_PAGES and len(engine.view().prefix.waiting) == 2
     if how == "cancelled":
         leader.cancel()
     run(engine)
@@ -145,7 +146,8 @@ def test_distinct_prompts_are_not_held(loaded):
     engine, _ = make_engine(loaded)
     requests = [engine.submit(p, GREEDY) for p in prompts]
     engine.step()
-    assert len(engine._running) == 4 and engine.scheduler.prefix.waiting() == 0
+    view = engine.view()
+    assert len(view.running) == 4 and len(view.prefix.waiting) == 0
     run(engine)
     assert all(r.waited_tokens == 0 and r.output == greedy(loaded, p, GREEDY.max_tokens)
                for r, p in zip(requests, prompts))
@@ -160,9 +162,10 @@ def test_a_waiter_is_released_at_its_deadline_and_does_not_wait_again(loaded):
     engine.profile = Profile(Profile.defaults().links, ComputeModel([0.0, 1e-9, 0.0]))
     requests = [engine.submit(p, GREEDY) for p in prompts]
     engine.step()
-    assert engine.scheduler.prefix.waiting() == 2
+    assert len(engine.view().prefix.waiting) == 2
     engine.step()
-    assert engine.scheduler.prefix.waiting() == 0 and len(engine._running) == 3
+    view = engine.view()
+    assert len(view.prefix.waiting) == 0 and len(view.running) == 3
     assert requests[0].published < PREFIX_PAGES, "released before the leader published its prefix"
     run(engine)
     for r, p in zip(requests, prompts):
@@ -207,4 +210,5 @@ def test_prefix_flights_release_each_waiter_once_and_leave_nothing():
     assert flights.expired(0.0) == []
     assert flights.ended(1) == [11] and flights.ended(1) == []
     assert flights.ended(2) == []
-    assert not (flights._leader_of or flights._leaders or flights._waiting)
+    view = flights.view()
+    assert not (view.in_flight or view.leaders or view.waiting)
