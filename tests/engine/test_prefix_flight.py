@@ -8,6 +8,7 @@ import pytest
 
 from kvtier.costmodel.models import ComputeModel
 from kvtier.costmodel.plan import Profile, plan_wait
+from kvtier.engine.admission import hold_deadline
 from kvtier.engine.engine import Engine, EngineConfig
 from kvtier.engine.request import SamplingParams
 from kvtier.tiers.hierarchy import StoreConfig
@@ -171,6 +172,40 @@ def test_a_waiter_is_released_at_its_deadline_and_does_not_wait_again(loaded):
     for r, p in zip(requests, prompts):
         assert r.output == greedy(loaded, p, GREEDY.max_tokens)
     assert [r.waited_tokens for r in requests] == [0, len(PREFIX), len(PREFIX)]
+    assert_no_flight_left(engine)
+
+
+def test_a_held_requests_deadline_is_set_at_its_first_hold_and_never_extended():
+    """A later hold may shorten the deadline, never move it later: a request waits a
+    bounded time however often its leader changes."""
+    first = hold_deadline(10.0, 5.0, None)
+    assert first == 15.0
+    assert hold_deadline(12.0, 5.0, first) == first, "a later hold allowing as long: not extended"
+    assert hold_deadline(11.0, 1.0, first) == 12.0, "a later hold allowing less: shortened"
+
+
+def test_a_follower_held_again_behind_a_new_leader_keeps_its_first_deadline(loaded):
+    """The leader is cancelled; one follower leads in its place and the other is held
+    again behind it, under a cost model that now allows waiting ten times longer: its
+    deadline stays the one of its first hold. Outputs stay exact."""
+    prompts = [prompt(n) for n in range(3)]
+    engine, _ = make_engine(loaded)
+    requests = [engine.submit(p, GREEDY) for p in prompts]
+    engine.step()
+    leader, first_follower, follower = requests
+    first = follower.wait_deadline
+    assert first is not None and engine.view().prefix.waiting[follower.rid].deadline == first
+    engine.profile = Profile(Profile.defaults().links, ComputeModel([0.0, 10.0, 0.0]))
+    engine.profile.compute.observe = lambda *args, **kwargs: None
+    leader.cancel()
+    engine.step()  # the leader ends, its followers go back to the queue
+    engine.step()  # admitted again: one leads, the other is held behind it
+    held = engine.view().prefix.waiting[follower.rid]
+    assert held.leader == first_follower.rid, "held again, behind the new leader"
+    assert follower.wait_deadline == held.deadline == first
+    run(engine)
+    for r, p in zip(requests[1:], prompts[1:]):
+        assert r.output == greedy(loaded, p, GREEDY.max_tokens)
     assert_no_flight_left(engine)
 
 
