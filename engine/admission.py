@@ -10,7 +10,7 @@ bookkeeping is ``engine.prefix_flights``.
 from __future__ import annotations
 
 import time
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 from kvtier.costmodel.plan import Profile, plan_restore, plan_wait
 from kvtier.tiers.hierarchy import TieredStore

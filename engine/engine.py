@@ -27,9 +27,9 @@ import itertools
 import logging
 import threading
 import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from types import MappingProxyType
-from typing import Callable, Mapping, Sequence
 
 import numpy as np
 from mlx_lm.generate import BatchGenerator

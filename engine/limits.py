@@ -7,7 +7,8 @@ sizes its prompts to the same context.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from .request import SamplingParams
 

@@ -9,7 +9,7 @@ L1). ``request.published`` counts the leading pages known to be in the store.
 from __future__ import annotations
 
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator

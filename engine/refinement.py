@@ -8,7 +8,7 @@ finished a prompt and sampled its first token, times more than the chunk).
 
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 from kvtier.costmodel.plan import READ_LINKS, Profile
 

@@ -3,7 +3,7 @@ log-probabilities reported with each output token."""
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_top_p, make_logits_processors, make_sampler
