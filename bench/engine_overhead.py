@@ -56,7 +56,7 @@ def run_engine(loaded, prompts, max_tokens, offload: bool) -> tuple[float, float
         seconds = time.perf_counter() - t0
         t1 = time.perf_counter()
         engine.close()
-        return seconds, time.perf_counter() - t1, engine.totals["store_seconds"]
+        return seconds, time.perf_counter() - t1, engine.totals.store_seconds
 
 
 def main() -> None:

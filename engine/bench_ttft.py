@@ -35,6 +35,7 @@ from kvtier.tiers.l3.open import scratch_location
 from kvtier.tiers.page import Source, reusable_pages
 
 from .engine import Engine, EngineConfig
+from .limits import context_length
 from .model import LoadedModel
 from .request import SamplingParams
 
@@ -57,7 +58,7 @@ def default_lengths(loaded: LoadedModel) -> list[int]:
 
 
 def context_tokens(loaded: LoadedModel) -> int:
-    return getattr(getattr(loaded.model, "args", None), "max_position_embeddings", None) or 1 << 20
+    return context_length(loaded) or 1 << 20
 
 
 def runs_per_round(lengths: Sequence[int], redis: bool) -> int:

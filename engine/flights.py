@@ -22,6 +22,8 @@ lock around each).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Mapping
 
 POLICIES = ("off", "after-prefill", "at-completion")
 
@@ -30,6 +32,15 @@ POLICIES = ("off", "after-prefill", "at-completion")
 class Flight:
     leader: int
     followers: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class FlightsView:
+    """The coordinator's state at one moment, read-only (a copy)."""
+
+    flights: Mapping[bytes, tuple[int, tuple[int, ...]]]  # flight key -> (leader, followers held, in order)
+    key_of_leader: Mapping[int, bytes]  # leader -> the key of its flight
+    released: frozenset[int]  # released, not yet ended
 
 
 class FlightCoordinator:
@@ -102,6 +113,11 @@ class FlightCoordinator:
                 flight.followers.remove(rid)
                 return []
         raise KeyError(f"single flight: unknown request id {rid}")
+
+    def view(self) -> FlightsView:
+        flights = {key: (f.leader, tuple(f.followers)) for key, f in self._flights.items()}
+        return FlightsView(MappingProxyType(flights), MappingProxyType(dict(self._key_of_leader)),
+                           frozenset(self._released))
 
     def waiting(self) -> int:
         """Followers still held back."""

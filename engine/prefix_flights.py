@@ -20,12 +20,13 @@ Not thread-safe: ``engine.scheduler`` holds its lock around each call.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from types import MappingProxyType
+from typing import Mapping, Sequence
 
 from kvtier.tiers.page import PageKey
 
 
-@dataclass
+@dataclass(frozen=True)
 class Waiter:
     rid: int
     leader: int
@@ -37,6 +38,15 @@ class Waiter:
 class Leader:
     keys: set[PageKey] = field(default_factory=set)  # in flight, not yet published
     waiters: list[Waiter] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class PrefixFlightsView:
+    """The bookkeeping at one moment, read-only (a copy)."""
+
+    in_flight: Mapping[PageKey, int]  # page key -> the leader computing it
+    leaders: Mapping[int, tuple[frozenset[PageKey], tuple[Waiter, ...]]]  # leader -> (keys in flight, waiters)
+    waiting: Mapping[int, Waiter]  # held request -> what it waits for
 
 
 class PrefixFlights:
@@ -108,6 +118,11 @@ class PrefixFlights:
 
     def waiting(self) -> int:
         return len(self._waiting)
+
+    def view(self) -> PrefixFlightsView:
+        leaders = {rid: (frozenset(lead.keys), tuple(lead.waiters)) for rid, lead in self._leaders.items()}
+        return PrefixFlightsView(MappingProxyType(dict(self._leader_of)), MappingProxyType(leaders),
+                                 MappingProxyType(dict(self._waiting)))
 
     def _release(self, leader: Leader, waiters: list[Waiter]) -> list[int]:
         for waiter in waiters:

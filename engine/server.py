@@ -35,7 +35,8 @@ from starlette.routing import Route
 
 from . import api, responses
 from .api import APIError
-from .engine import Engine, InputError
+from .engine import Engine
+from .limits import InputError, context_length
 from .prometheus import ServerMetrics
 from .request import Request, SamplingParams
 from .responses import Finished, PromptUsage
@@ -122,7 +123,7 @@ class KVTierServer:
         self.engine = engine
         self.config = config
         self.tokenizer = engine.loaded.tokenizer
-        self.context = _context_length(engine)
+        self.context = context_length(engine.loaded) or 32768
         self.created = int(time.time())
         self._live: dict[int, Request] = {}  # by rid
         self.metrics = ServerMetrics(engine.stats, self._gauges)
@@ -358,13 +359,6 @@ async def _cancel_on_disconnect(http: HTTPRequest, request: Request) -> None:
     while (await http.receive())["type"] != "http.disconnect":
         pass
     request.cancel()
-
-
-def _context_length(engine: Engine) -> int:
-    """Tokens the model attends over: its config's ``max_position_embeddings``, else the tokenizer's limit."""
-    args = getattr(engine.loaded.model, "args", None)
-    length = getattr(args, "max_position_embeddings", None) or getattr(engine.loaded.tokenizer, "model_max_length", 0)
-    return int(length) if length and length < 10**9 else 32768
 
 
 class DrainingServer(uvicorn.Server):

@@ -46,7 +46,7 @@ class SoakReport:
 
 def inject_faults(engine: Engine) -> None:
     """Requests whose prompt starts with a marker (``MARKERS``) fail there."""
-    admit, on_prefill = engine._admit, engine._on_prefill
+    admit, on_prefill = engine.admission.plan, engine.publisher.on_prefill
 
     def failing(real, marker):
         def work(request, *args):
@@ -55,8 +55,8 @@ def inject_faults(engine: Engine) -> None:
             return real(request, *args)
         return work
 
-    engine._admit = failing(admit, MARKERS["fail_admit"])
-    engine._on_prefill = failing(on_prefill, MARKERS["fail_publish"])
+    engine.admission.plan = failing(admit, MARKERS["fail_admit"])
+    engine.publisher.on_prefill = failing(on_prefill, MARKERS["fail_publish"])
 
 
 def structure_sizes(engine: Engine) -> dict[str, int]:
@@ -120,7 +120,7 @@ def soak(engine: Engine, rounds: int = 2, per_round: int = 200, threads: int = 8
         report.sizes.append(structure_sizes(engine))
         report.memory.append((rss_mib(), mx.get_active_memory() / 2**20))
     engine.stop()
-    report.totals = dict(engine.totals)
+    report.totals = engine.stats()["engine"]
     if engine.store is not None:
         store = engine.store
         report.pins = len(store.view().pins)

@@ -183,4 +183,5 @@ def test_many_submitters_never_overlap_inside_the_flight_coordinator():
     assert flights.overlaps == 0
     assert len(outputs) == 96
     assert all(r.finish_reason == "length" and tokens == expected[tuple(p)] for p, tokens, r in outputs)
-    assert not (flights._flights or flights._key_of_leader or flights._released)
+    view = flights.view()
+    assert not (view.flights or view.key_of_leader or view.released)

@@ -69,7 +69,8 @@ def test_a_withdrawn_leader_hands_its_flight_to_its_first_follower():
     assert flights.is_leader(2) and not flights.is_leader(1)
     assert flights.prefilled(2) == [3]
     assert flights.terminate(3) == [] and flights.terminate(2) == []
-    assert not (flights._flights or flights._key_of_leader or flights._released)
+    view = flights.view()
+    assert not (view.flights or view.key_of_leader or view.released)
 
 
 @pytest.mark.parametrize("policy", ["after-prefill", "at-completion"])
@@ -87,6 +88,7 @@ def test_withdrawing_in_every_state_leaves_nothing(policy):
         assert flights.withdraw(1) == []  # a released leader too
     flights.join(4, b"B")
     assert flights.withdraw(4) == []  # a leader without followers: its flight is gone
-    assert not (flights._flights or flights._key_of_leader or flights._released)
+    view = flights.view()
+    assert not (view.flights or view.key_of_leader or view.released)
     with pytest.raises(KeyError):
         flights.withdraw(4)

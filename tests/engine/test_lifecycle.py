@@ -52,9 +52,10 @@ def drained(request, timeout: float = 120) -> list[int]:
 def assert_clean(engine: Engine) -> None:
     """Nothing of any request is left: no pins, no queue, no flight, nothing running."""
     assert not engine.store.view().pins
-    assert not engine._running and not engine.scheduler.pending()
-    flights = engine.scheduler.flights
-    assert not (flights._flights or flights._key_of_leader or flights._released)
+    view = engine.view()
+    assert not view.running and not view.pending
+    flights = view.flights
+    assert not (flights.flights or flights.key_of_leader or flights.released)
 
 
 # -- lifecycle ---------------------------------------------------------------------
@@ -63,10 +64,10 @@ def assert_clean(engine: Engine) -> None:
 def test_close_while_serving_finishes_the_requests_then_stops(loaded, tmp_path):
     engine = make_engine(loaded, tmp_path)
     engine.start()
-    serving = engine._serving
+    assert engine.view().serving
     requests = [engine.submit(text_prompt(loaded, 150, seed=i), SamplingParams(max_tokens=30)) for i in range(3)]
     engine.close()
-    assert not serving.is_alive()
+    assert not engine.view().serving
     assert [r.finish_reason for r in requests] == ["length"] * 3
     assert [len(drained(r)) for r in requests] == [30] * 3
     with pytest.raises(RuntimeError, match="stopped"):
@@ -102,7 +103,7 @@ def test_leaving_the_engine_on_an_exception_cancels_its_requests(loaded):
             engine.start()
             request = engine.submit(text_prompt(loaded, 30), ENDLESS)
             raise KeyboardInterrupt
-    assert request.finish_reason == "cancelled" and not engine._serving.is_alive()
+    assert request.finish_reason == "cancelled" and not engine.view().serving
 
 
 @pytest.mark.parametrize("serving", [False, True])
@@ -134,7 +135,7 @@ def test_cancel_a_running_request_ends_it_at_the_next_step(loaded):
     assert engine.store.view().pins
     request.cancel()
     engine.step()
-    assert request.finish_reason == "cancelled" and request.uid not in engine._running
+    assert request.finish_reason == "cancelled" and request.uid not in engine.view().running
     assert len(request.output) < LONG.max_tokens
     assert not engine.store.view().pins
     engine.run()
@@ -178,18 +179,22 @@ def test_cancel_a_held_follower_or_the_leader_of_a_flight(loaded, policy):
 
 
 def poisoned(engine: Engine, method: str, poison: list[int]) -> None:
-    """Make ``engine.method`` raise whenever it works for the request whose prompt is ``poison``."""
-    real = getattr(engine, method)
+    """Make ``engine.method`` (a dotted path: ``publisher.on_prefill``) raise whenever it
+    works for the request whose prompt is ``poison``."""
+    *parts, name = method.split(".")
+    for part in parts:
+        engine = getattr(engine, part)
+    real = getattr(engine, name)
 
     def work(request, *args):
         if request.prompt == poison:
             raise RuntimeError("injected fault")
         return real(request, *args)
 
-    setattr(engine, method, work)
+    setattr(engine, name, work)
 
 
-@pytest.mark.parametrize("method", ["_admit", "_on_prefill", "_on_token"])
+@pytest.mark.parametrize("method", ["admission.plan", "publisher.on_prefill", "_on_token"])
 def test_a_failing_request_ends_alone_with_an_error(loaded, tmp_path, method):
     """A fault while admitting, publishing or collecting one request ends that request
     ("error", stream ended, pins released, counted); the others are served exactly."""
@@ -233,7 +238,7 @@ def test_a_request_failing_mid_prefill_publishes_only_whole_correct_pages(loaded
     exact (a later run restores it and matches mlx_lm), and the request ends."""
     prompt = text_prompt(loaded, 6 * PAGE + 1, seed=21)
     engine = make_engine(loaded, prefill_step_size=2 * PAGE)
-    publish, calls = engine._publish, []
+    publish, calls = engine.publisher.publish, []
 
     def second_fails(request, caches, ready):
         calls.append(ready)
@@ -241,10 +246,10 @@ def test_a_request_failing_mid_prefill_publishes_only_whole_correct_pages(loaded
             raise RuntimeError("injected fault")
         publish(request, caches, ready)
 
-    engine._publish = second_fails
+    engine.publisher.publish = second_fails
     (request,) = engine.generate([prompt], GREEDY)
     assert request.finish_reason == "error" and engine.store.l1.counters.pages == 2
-    engine._publish = publish
+    engine.publisher.publish = publish
     (again,) = engine.generate([prompt], GREEDY)
     assert again.sources()["L1"] == 2 * PAGE
     assert again.output == mlx_lm_greedy(loaded, prompt, GREEDY.max_tokens)
@@ -299,7 +304,7 @@ def test_a_fault_while_computing_beside_an_overlapped_restore_releases_every_pin
     engine = Engine(loaded, EngineConfig(page_size=PAGE, store=store))
     engine.profile = Profile({**Profile.defaults().links, "L3->L1": LinkModel.of(0.0, 1 << 40)},
                              ComputeModel([0.0, per_page / PAGE, 0.0]))
-    engine._prefill = lambda cache, tokens: (_ for _ in ()).throw(RuntimeError("injected fault"))
+    engine.prefix_caches.prefill = lambda cache, tokens: (_ for _ in ()).throw(RuntimeError("injected fault"))
     (request,) = engine.generate([prompt], GREEDY)
     assert request.plan.overlap_pages > 0 and request.finish_reason == "error"
     assert engine.store.links["L3->L1"].pages > 0, "the loader restored pages"

@@ -8,6 +8,7 @@ import pytest
 
 from kvtier.costmodel.models import ComputeModel
 from kvtier.costmodel.plan import Profile, plan_wait
+from kvtier.engine.admission import hold_deadline
 from kvtier.engine.engine import Engine, EngineConfig
 from kvtier.engine.request import SamplingParams
 from kvtier.tiers.hierarchy import StoreConfig
@@ -57,16 +58,16 @@ def make_engine(loaded, **config) -> tuple[Engine, PrefillCounting]:
 def run(engine: Engine, steps: int = 400) -> None:
     """``engine.run()``, failing instead of hanging if requests are left waiting."""
     for _ in range(steps):
-        if not (engine.scheduler.pending() or engine._running):
+        if not ((view := engine.view()).pending or view.running):
             return
         engine.step()
-    pytest.fail(f"{engine.scheduler.pending()} requests still waiting after {steps} steps")
+    pytest.fail(f"{engine.view().pending} requests still waiting after {steps} steps")
 
 
 def assert_no_flight_left(engine: Engine) -> None:
     assert_clean(engine)
-    prefix = engine.scheduler.prefix
-    assert not (prefix._leader_of or prefix._leaders or prefix._waiting)
+    prefix = engine.view().prefix
+    assert not (prefix.in_flight or prefix.leaders or prefix.waiting)
 
 
 def test_a_burst_sharing_a_prefix_computes_it_once(loaded):
@@ -76,7 +77,8 @@ def test_a_burst_sharing_a_prefix_computes_it_once(loaded):
     engine, counting = make_engine(loaded)
     requests = [engine.submit(p, GREEDY) for p in prompts]
     engine.step()
-    assert len(engine._running) == 1 and engine.scheduler.prefix.waiting() == 5, "one leader, five held"
+    view = engine.view()
+    assert len(view.running) == 1 and len(view.prefix.waiting) == 5, "one leader, five held"
     run(engine)
     assert counting.tokens <= len(PREFIX) + 6 * (SUFFIX + PAGE)
     for r, p in zip(requests, prompts):
@@ -99,7 +101,7 @@ def test_a_leader_ending_mid_prefill_releases_its_followers(loaded, how):
     prompts = [prompt(n) for n in range(3)]
     engine, _ = make_engine(loaded)
     if how == "failed":
-        publish, calls = engine._publish, []
+        publish, calls = engine.publisher.publish, []
 
         def third_fails(request, caches, ready):
             calls.append(request.rid)
@@ -107,12 +109,12 @@ def test_a_leader_ending_mid_prefill_releases_its_followers(loaded, how):
                 raise RuntimeError("injected fault")
             publish(request, caches, ready)
 
-        engine._publish = third_fails
+        engine.publisher.publish = third_fails
     requests = [engine.submit(p, GREEDY) for p in prompts]
     for _ in range(2):
         engine.step()
     leader = requests[0]
-    assert 0 < leader.published < PREFIX_PAGES and engine.scheduler.prefix.waiting() == 2
+    assert 0 < leader.published < PREFIX_PAGES and len(engine.view().prefix.waiting) == 2
     if how == "cancelled":
         leader.cancel()
     run(engine)
@@ -145,7 +147,8 @@ def test_distinct_prompts_are_not_held(loaded):
     engine, _ = make_engine(loaded)
     requests = [engine.submit(p, GREEDY) for p in prompts]
     engine.step()
-    assert len(engine._running) == 4 and engine.scheduler.prefix.waiting() == 0
+    view = engine.view()
+    assert len(view.running) == 4 and len(view.prefix.waiting) == 0
     run(engine)
     assert all(r.waited_tokens == 0 and r.output == greedy(loaded, p, GREEDY.max_tokens)
                for r, p in zip(requests, prompts))
@@ -160,14 +163,49 @@ def test_a_waiter_is_released_at_its_deadline_and_does_not_wait_again(loaded):
     engine.profile = Profile(Profile.defaults().links, ComputeModel([0.0, 1e-9, 0.0]))
     requests = [engine.submit(p, GREEDY) for p in prompts]
     engine.step()
-    assert engine.scheduler.prefix.waiting() == 2
+    assert len(engine.view().prefix.waiting) == 2
     engine.step()
-    assert engine.scheduler.prefix.waiting() == 0 and len(engine._running) == 3
+    view = engine.view()
+    assert len(view.prefix.waiting) == 0 and len(view.running) == 3
     assert requests[0].published < PREFIX_PAGES, "released before the leader published its prefix"
     run(engine)
     for r, p in zip(requests, prompts):
         assert r.output == greedy(loaded, p, GREEDY.max_tokens)
     assert [r.waited_tokens for r in requests] == [0, len(PREFIX), len(PREFIX)]
+    assert_no_flight_left(engine)
+
+
+def test_a_held_requests_deadline_is_set_at_its_first_hold_and_never_extended():
+    """A later hold may shorten the deadline, never move it later: a request waits a
+    bounded time however often its leader changes."""
+    first = hold_deadline(10.0, 5.0, None)
+    assert first == 15.0
+    assert hold_deadline(12.0, 5.0, first) == first, "a later hold allowing as long: not extended"
+    assert hold_deadline(11.0, 1.0, first) == 12.0, "a later hold allowing less: shortened"
+
+
+def test_a_follower_held_again_behind_a_new_leader_keeps_its_first_deadline(loaded):
+    """The leader is cancelled; one follower leads in its place and the other is held
+    again behind it, under a cost model that now allows waiting ten times longer: its
+    deadline stays the one of its first hold. Outputs stay exact."""
+    prompts = [prompt(n) for n in range(3)]
+    engine, _ = make_engine(loaded)
+    requests = [engine.submit(p, GREEDY) for p in prompts]
+    engine.step()
+    leader, first_follower, follower = requests
+    first = follower.wait_deadline
+    assert first is not None and engine.view().prefix.waiting[follower.rid].deadline == first
+    engine.profile = Profile(Profile.defaults().links, ComputeModel([0.0, 10.0, 0.0]))
+    engine.profile.compute.observe = lambda *args, **kwargs: None
+    leader.cancel()
+    engine.step()  # the leader ends, its followers go back to the queue
+    engine.step()  # admitted again: one leads, the other is held behind it
+    held = engine.view().prefix.waiting[follower.rid]
+    assert held.leader == first_follower.rid, "held again, behind the new leader"
+    assert follower.wait_deadline == held.deadline == first
+    run(engine)
+    for r, p in zip(requests[1:], prompts[1:]):
+        assert r.output == greedy(loaded, p, GREEDY.max_tokens)
     assert_no_flight_left(engine)
 
 
@@ -207,4 +245,5 @@ def test_prefix_flights_release_each_waiter_once_and_leave_nothing():
     assert flights.expired(0.0) == []
     assert flights.ended(1) == [11] and flights.ended(1) == []
     assert flights.ended(2) == []
-    assert not (flights._leader_of or flights._leaders or flights._waiting)
+    view = flights.view()
+    assert not (view.in_flight or view.leaders or view.waiting)

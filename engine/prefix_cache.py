@@ -1,0 +1,106 @@
+"""The mlx-lm cache a request starts from: its restored prefix, built from the store.
+
+A plain plan restores its pages and hands them over as one cache; an overlapped plan
+(Cake) computes the front while a thread loads the rest; after the last stored page,
+the start of an L1 page that the prompt shares (a partial page) is appended. The
+prompt's last token is always left to compute, so mlx-lm has a token to start from.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import mlx.core as mx
+from mlx_lm.models.cache import make_prompt_cache
+
+from kvtier.tiers.hierarchy import RestoredPrefix, TieredStore
+
+from .config import EngineConfig
+from .publisher import Publisher
+from .request import Request
+
+
+class PrefixCaches:
+    """Builds each admitted request's starting cache; owns the loader thread of overlapped plans."""
+
+    def __init__(self, store: TieredStore, model, config: EngineConfig, root: bytes, publisher: Publisher) -> None:
+        self.store, self.model, self.config, self.root, self.publisher = store, model, config, root, publisher
+        self._loader = ThreadPoolExecutor(1, thread_name_prefix="kvtier-restore")  # overlapped loads
+
+    def build(self, request: Request, matched_pages: int) -> list | None:
+        """The cache holding ``request.plan``'s prefix, then the shared start of the L1 page
+        after it when no stored page of the ``matched_pages`` follows; None if empty."""
+        cache = self.restored(request)
+        if request.prefix_tokens == matched_pages * self.config.page_size:  # no stored page follows
+            cache = self.reuse_partial(request, cache)
+        return cache
+
+    def restored(self, request: Request) -> list | None:
+        """A fresh mlx-lm cache holding the plan's prefix (None if empty); sets
+        ``request.restored`` and ``request.prefix_tokens``.
+
+        An overlapped plan (Cake) computes pages ``l1_pages .. first_loaded`` here while
+        a thread does the host side of loading pages ``first_loaded .. restore_pages``
+        (finding, checking, decoding them: no mlx work off this thread); the loaded
+        pages are then joined and appended to the computed ones.
+        """
+        plan, size, keys = request.plan, self.config.page_size, request.keys
+        if not plan.overlap_pages:
+            request.restored = self.store.restore(keys[: plan.restore_pages], request.prompt)
+            request.pinned = list(request.restored.keys)
+            request.prefix_tokens = request.restored.num_pages * size
+            return self.cache_from(request.restored.layers, request.prefix_tokens)
+        head = self.store.restore(keys[: plan.l1_pages], request.prompt)
+        request.pinned = list(head.keys)
+        loading = self._loader.submit(self.store.begin, keys[: plan.restore_pages], request.prompt,
+                                      plan.first_loaded, ahead=True)
+        try:
+            cache = self.cache_from(head.layers, head.num_pages * size) or make_prompt_cache(self.model)
+            self.prefill(cache, request.prompt[head.num_pages * size : plan.first_loaded * size])
+            self.publisher.publish(request, cache, plan.first_loaded)  # computed over stored copies: kept in L1 too
+        finally:  # the loaded pages are pinned even when computing failed: they are released with the others
+            tail = self.store.finish(loading.result())
+            request.pinned += tail.keys
+        request.restored = RestoredPrefix(head.keys + tail.keys, head.sources + tail.sources, [])
+        request.prefix_tokens = (plan.first_loaded + tail.num_pages) * size
+        for c, (k, v) in zip(cache, tail.layers):  # the computed tokens (its buffers run past them), then the loaded
+            done = c.offset
+            c.state = (mx.concatenate([c.keys[:, :, :done], k], axis=2),
+                       mx.concatenate([c.values[:, :, :done], v], axis=2), request.prefix_tokens)
+        return cache
+
+    def reuse_partial(self, request: Request, cache: list | None) -> list | None:
+        """Append to the restored prefix the start of the L1 page after it that the
+        prompt shares (a previous request's last partial page, or a page this prompt
+        leaves midway: DESIGN §8a); those tokens count as L1. The prompt's last token
+        is always computed."""
+        done, size = request.prefix_tokens, self.config.page_size
+        parent = request.keys[done // size - 1] if done else self.root
+        match = self.store.match_partial(parent, request.prompt[done : min(done + size, len(request.prompt) - 1)])
+        if match is None:
+            return cache
+        cache = cache or make_prompt_cache(self.model)
+        for layer, c in enumerate(cache):
+            c.update_and_fetch(match.kv[layer, 0][None], match.kv[layer, 1][None])
+        request.partial_tokens = match.num_tokens
+        request.prefix_tokens += match.num_tokens
+        return cache
+
+    def prefill(self, cache: list, tokens: list[int]) -> None:
+        """Run the model over ``tokens`` into ``cache``, in mlx-lm's prefill steps."""
+        step = self.config.prefill_step_size
+        for i in range(0, len(tokens), step):
+            self.model(mx.array([tokens[i : i + step]]), cache=cache)
+            mx.eval([c.state for c in cache])
+
+    def cache_from(self, layers: list[tuple[mx.array, mx.array]], num_tokens: int) -> list | None:
+        """An mlx-lm cache holding these per-layer K/V; None (mlx-lm makes one) when empty."""
+        if not num_tokens:
+            return None
+        cache = make_prompt_cache(self.model)
+        for c, (keys, values) in zip(cache, layers):
+            c.state = (keys, values, num_tokens)
+        return cache
+
+    def close(self) -> None:
+        self._loader.shutdown()

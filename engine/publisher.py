@@ -1,0 +1,92 @@
+"""Publication: a request's pages go from its mlx-lm cache into the store.
+
+During prefill every page that became full is published after the step (DESIGN §7),
+so that another request can restore it, or a follower held by single flight waits
+for it; at the end, the pages not published yet and the last partial page (kept in
+L1). ``request.published`` counts the leading pages known to be in the store.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import mlx.core as mx
+from mlx_lm.generate import BatchGenerator
+
+from kvtier.tiers.hierarchy import TieredStore
+from kvtier.tiers.page import Namespace, PageKey, page_keys
+
+from .config import EngineConfig
+from .request import Request
+from .scheduler import Scheduler
+from .totals import EngineTotals
+
+
+class Publisher:
+    """Copies pages out of mlx-lm caches into the store; its time counts as store time."""
+
+    def __init__(self, store: TieredStore, scheduler: Scheduler, generator: BatchGenerator, config: EngineConfig,
+                 namespace: Namespace, totals: EngineTotals) -> None:
+        self.store, self.scheduler, self.generator, self.config = store, scheduler, generator, config
+        self.namespace, self.root, self.totals = namespace, namespace.digest(), totals
+
+    def on_prefill(self, request: Request, response) -> None:
+        """Publish every page of the request that became full in this step; at the end of
+        a leader's prompt, release its single-flight followers."""
+        early = response.end_of_prompt and self.scheduler.is_leader(request.rid)
+        if self.config.publish == "incremental" or early:
+            in_cache = request.prefix_tokens + response.progress[0]
+            ready = min(len(request.keys), in_cache // self.config.page_size)
+            if ready > request.published:
+                caches, _ = self.generator.extract_cache([request.uid])[request.uid]
+                self.publish(request, caches, ready)
+        if response.end_of_prompt:
+            self.scheduler.prefilled(request.rid)
+
+    def publish(self, request: Request, caches: list, ready: int,
+                keys: Sequence[PageKey] | None = None, tokens: Sequence[int] | None = None) -> None:
+        """Store pages ``published .. ready`` of a request from its mlx-lm cache: pages of
+        its prompt, or of ``tokens`` (with their ``keys``), the sequence the cache holds."""
+        t0 = time.perf_counter()
+        size = self.config.page_size
+        keys, tokens = keys or request.keys, tokens or request.prompt
+        pages = []
+        for i in range(request.published, ready):
+            if not self.store.wants(keys[i]):  # recomputed over an L1 page: nothing to copy out
+                continue
+            pages.append((i, page_kv(caches, i * size, (i + 1) * size)))
+        mx.eval([kv for _, kv in pages])
+        for i, kv in pages:
+            self.store.publish(keys[i], tokens[i * size : (i + 1) * size], kv, parent=keys[i - 1] if i else self.root)
+        self.scheduler.published(request.rid, keys[request.published : ready])
+        request.published = ready
+        self.totals.store_seconds += time.perf_counter() - t0
+
+    def at_end(self, request: Request, response) -> None:
+        """At the end, publish the full pages of the sequence not published yet, and keep
+        its last partial page in L1 (``TieredStore.publish_partial``). The sequence is
+        the prompt or, with ``publish_answers``, the prompt and the answer, keyed by
+        the generated tokens, so that a next turn whose prompt holds this prompt and
+        this answer restores both (DESIGN §8a). mlx-lm feeds every token it reports
+        back into the cache, the last one too: the cache holds ``all_tokens``, prompt
+        and output (EOS included)."""
+        caches = response.prompt_cache
+        tokens = list(response.all_tokens) if self.config.publish_answers else request.prompt
+        tokens = tokens[: caches[0].offset]
+        keys = page_keys(self.namespace, tokens)
+        if len(keys) > request.published:
+            self.publish(request, caches, len(keys), keys, tokens)
+        done = len(keys) * self.config.page_size
+        if done < len(tokens):
+            t0 = time.perf_counter()
+            kv = page_kv(caches, done, len(tokens))
+            mx.eval(kv)
+            self.store.publish_partial(keys[-1] if keys else self.root, tokens[done:], kv)
+            self.totals.store_seconds += time.perf_counter() - t0
+
+
+def page_kv(caches: list, start: int, end: int) -> mx.array:
+    """Tokens ``start..end`` of a one-sequence mlx-lm cache in page layout:
+    (layers, 2, kv_heads, tokens, head_dim), a new array."""
+    return mx.stack([mx.stack([c.keys[0, :, start:end], c.values[0, :, start:end]]) for c in caches])
