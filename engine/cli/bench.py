@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Callable
 
-from .. import bench_report
+from .bench_report import format_restore, format_ttft, plot_restore, plot_ttft
 from ..blas import blas_in_use
 from .common import UsageError, load_model, page_geometry, usable_store
 
@@ -34,8 +34,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report))
     else:
-        print(bench_report.format_restore(report))
-    return save_plot(bench_report.plot_restore, report, args.plot)
+        print(format_restore(report))
+    return save_plot(plot_restore, report, args.plot)
 
 
 def cmd_bench_ttft(args: argparse.Namespace) -> int:
@@ -63,8 +63,8 @@ def cmd_bench_ttft(args: argparse.Namespace) -> int:
         print(f"kvtier: error: {err}", file=sys.stderr)
         return 1
     report["blas"] = blas_in_use()
-    print(json.dumps(report) if args.json else bench_report.format_ttft(report))
-    return save_plot(bench_report.plot_ttft, report, args.plot)
+    print(json.dumps(report) if args.json else format_ttft(report))
+    return save_plot(plot_ttft, report, args.plot)
 
 
 def _check_ttft_args(args: argparse.Namespace) -> None:

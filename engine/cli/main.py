@@ -6,7 +6,6 @@ import argparse
 import logging
 import signal
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
@@ -15,10 +14,11 @@ from kvtier.tiers.l3.lmdb_store import DEFAULT_CAPACITY
 from kvtier.tiers.policy import ADMISSIONS, DEFAULT_POLICY, POLICIES
 from kvtier.tiers.text import format_bytes
 
-from ..args import (l2_sweep, name_list, non_negative_int, parse_size, parse_throttle, port_number, positive_int,
-                    positive_ints, positive_number, positive_size, redis_url, seconds, store_arg, temperature, top_p)
 from ..interrupts import ignored_interrupts
 from ..paths import default_store_dir, kvtier_home
+from .args import (l2_sweep, name_list, non_negative_int, parse_size, parse_throttle, port_number, positive_int,
+                   positive_ints, positive_number, positive_size, redis_url, seconds, store_arg, temperature,
+                   top_p)
 from .bench import cmd_bench
 from .calibrate import cmd_calibrate
 from .common import UsageError, pages_kept
@@ -28,6 +28,7 @@ from .run import cmd_run
 from .serve import cmd_serve
 from .stats import cmd_stats
 from .store import cmd_store
+from .tree import Formatter, Parser, Tree
 
 _EPILOG = """\
 sizes: plain bytes or a number with a unit: 512MiB, 4GiB, 1.5GB (B, k/KB, M/MB, G/GB, T/TB
@@ -42,57 +43,25 @@ _MODEL_HELP = ("mlx-lm model directory or hub id (default: SmolLM2-135M-Instruct
                "else kvtier-tiny)")
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line, not usage + message
-        raise UsageError(message)
-
-
-class _Formatter(argparse.RawDescriptionHelpFormatter):
-    """Every option's help ends with its default, where it has one."""
-
-    def _get_help_string(self, action: argparse.Action) -> str:
-        text = action.help or ""
-        default = action.default
-        if not (default is None or default is False or default in ([], "", argparse.SUPPRESS) or "default" in text):
-            text += " (default: %(default)s)"
-        return text
-
-
-@dataclass
-class _Tree:
-    """What every command's parser shares: ``-v`` after the subcommand, the epilog, the store's help."""
-
-    common: argparse.ArgumentParser
-    epilog: str
-    store_help: str
-
-    def command(self, parent, name: str, help: str) -> _Parser:
-        return parent.add_parser(name, help=help, description=help, parents=[self.common],
-                                 formatter_class=_Formatter, epilog=self.epilog)
-
-    def store_flag(self, parser: argparse.ArgumentParser) -> None:
-        parser.add_argument("--store", type=store_arg, default=None, metavar="STORE", help=self.store_help)
-
-
 def build_parser() -> argparse.ArgumentParser:
-    common = _Parser(add_help=False)  # -v after the subcommand too; SUPPRESS keeps one given before it
+    common = Parser(add_help=False)  # -v after the subcommand too; SUPPRESS keeps one given before it
     common.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
                         help="log what the engine does")
-    tree = _Tree(common, _EPILOG.format(home=kvtier_home()),
+    tree = Tree(common, _EPILOG.format(home=kvtier_home()),
                  f"L3 store: a directory (LMDB, default: {default_store_dir()}), or a Redis / Valkey URL "
                  "(redis://[user:pass@]host:port[/db], rediss://..., redis+cluster://host:port,host:port)")
-    parser = _Parser(prog="kvtier", description="Tiered KV-cache offload for MLX inference.",
-                     formatter_class=_Formatter, epilog=tree.epilog)
+    parser = Parser(prog="kvtier", description="Tiered KV-cache offload for MLX inference.",
+                     formatter_class=Formatter, epilog=tree.epilog)
     parser.add_argument("--version", action="version", version=f"kvtier {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log what the engine does")
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
     for add in (add_run_parser, add_calibrate_parser, add_bench_parser, add_replay_parser,
                 add_import_gguf_parser, add_serve_parser, add_stats_parser, add_store_parser):
         add(tree, sub)
     return parser
 
 
-def _add_engine_flags(tree: _Tree, parser: argparse.ArgumentParser) -> None:
+def _add_engine_flags(tree: Tree, parser: argparse.ArgumentParser) -> None:
     """The model, engine and store flags that ``run`` and ``serve`` share."""
     parser.add_argument("--model", help=_MODEL_HELP)
     tree.store_flag(parser)
@@ -121,7 +90,7 @@ def _add_engine_flags(tree: _Tree, parser: argparse.ArgumentParser) -> None:
                              "instead of calibrating first")
 
 
-def add_run_parser(tree: _Tree, sub) -> None:
+def add_run_parser(tree: Tree, sub) -> None:
     run = tree.command(sub, "run", "generate with a tiered KV cache")
     src = run.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", action="append", metavar="TEXT",
@@ -140,7 +109,7 @@ def add_run_parser(tree: _Tree, sub) -> None:
     run.add_argument("--json", action="store_true", help="one JSON object per request, then counters")
 
 
-def add_calibrate_parser(tree: _Tree, sub) -> None:
+def add_calibrate_parser(tree: Tree, sub) -> None:
     calibrate = tree.command(sub, "calibrate", "measure links and prefill; store the cost profile")
     tree.store_flag(calibrate)
     calibrate.add_argument("--model", help=_MODEL_HELP)
@@ -149,9 +118,9 @@ def add_calibrate_parser(tree: _Tree, sub) -> None:
                            help="the quick calibration a first run does: fewer, shorter samples, a rougher fit")
 
 
-def add_bench_parser(tree: _Tree, sub) -> None:
+def add_bench_parser(tree: Tree, sub) -> None:
     bench = tree.command(sub, "bench", "measure the store on this machine")
-    bench_sub = bench.add_subparsers(dest="bench", required=True, parser_class=_Parser)
+    bench_sub = bench.add_subparsers(dest="bench", required=True, parser_class=Parser)
     scratch = f"a scratch store is made inside DIR (default: {default_store_dir()})"
     restore = tree.command(bench_sub, "restore", "restore bandwidth per link against size, beside memcpy")
     restore.add_argument("--store", type=store_arg, default=None, metavar="DIR", help=scratch)
@@ -180,7 +149,7 @@ def add_bench_parser(tree: _Tree, sub) -> None:
                       help="draw TTFT against prompt length, log scales, break-even marked (needs matplotlib)")
 
 
-def add_replay_parser(tree: _Tree, sub) -> None:
+def add_replay_parser(tree: Tree, sub) -> None:
     replay = tree.command(sub, "replay", "replay a Mooncake trace against the store: size the tiers, "
                                          "choose the policy")
     replay.add_argument("trace", type=Path, metavar="TRACE.jsonl")
@@ -207,7 +176,7 @@ def add_replay_parser(tree: _Tree, sub) -> None:
                         help="reused ratio and TTFT against L2 size per policy (needs matplotlib)")
 
 
-def add_import_gguf_parser(tree: _Tree, sub) -> None:
+def add_import_gguf_parser(tree: Tree, sub) -> None:
     imp = tree.command(sub, "import-gguf", "convert a GGUF file (llama.cpp, Ollama, LM Studio) for mlx-lm")
     imp.add_argument("file", type=Path, metavar="FILE.gguf")
     imp.add_argument("--out", type=Path, default=None, help="model directory (default: under the kvtier home)")
@@ -216,7 +185,7 @@ def add_import_gguf_parser(tree: _Tree, sub) -> None:
                           "fastest on CPU)")
 
 
-def add_serve_parser(tree: _Tree, sub) -> None:
+def add_serve_parser(tree: Tree, sub) -> None:
     serve = tree.command(sub, "serve", "OpenAI- and Anthropic-compatible HTTP server on the engine")
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
     serve.add_argument("--port", type=port_number, default=8000, help="0 takes a free port (printed)")
@@ -232,7 +201,7 @@ def add_serve_parser(tree: _Tree, sub) -> None:
                        help="on SIGTERM/SIGINT, let requests in flight finish this long, then cancel them")
 
 
-def add_stats_parser(tree: _Tree, sub) -> None:
+def add_stats_parser(tree: Tree, sub) -> None:
     stats = tree.command(sub, "stats", "counters persisted in a store (read-only unless --reset)")
     tree.store_flag(stats)
     fmt = stats.add_mutually_exclusive_group()
@@ -241,9 +210,9 @@ def add_stats_parser(tree: _Tree, sub) -> None:
     fmt.add_argument("--reset", action="store_true", help="set the store's cumulative counters to zero")
 
 
-def add_store_parser(tree: _Tree, sub) -> None:
+def add_store_parser(tree: Tree, sub) -> None:
     store = tree.command(sub, "store", "list, clear, compact or resize a store")
-    store_sub = store.add_subparsers(dest="store_command", required=True, parser_class=_Parser)
+    store_sub = store.add_subparsers(dest="store_command", required=True, parser_class=Parser)
     ls = tree.command(store_sub, "ls", "pages per namespace (model, page size): tokens, bytes, last use")
     ls.add_argument("--json", action="store_true", help="one JSON object")
     clear = tree.command(store_sub, "clear", "delete every page, or those of some namespaces")

@@ -7,7 +7,7 @@ import threading
 from typing import Callable
 
 from ..text import OutputText
-from ..report import format_tier_table
+from .report import format_tier_table
 
 # A Ctrl-C can land after the engine took a request from its queue and before it ran
 # it: that request is never ended and its stream never closes, so after an interrupt

@@ -7,8 +7,8 @@ import json
 
 from kvtier.tiers.text import format_bytes
 
-from ..report import format_engine_totals, format_last_run, format_tier_table
 from .common import open_store
+from .report import format_engine_totals, format_last_run, format_tier_table
 
 
 def cmd_stats(args: argparse.Namespace) -> int:

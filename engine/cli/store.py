@@ -8,8 +8,8 @@ import json
 from kvtier.tiers.text import format_bytes
 
 from ..paths import default_store_dir
-from ..report import format_namespaces
 from .common import UsageError, open_store
+from .report import format_namespaces
 
 
 def cmd_store(args: argparse.Namespace) -> int:
