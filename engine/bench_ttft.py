@@ -35,7 +35,7 @@ from kvtier.tiers.l3.open import scratch_location
 from kvtier.tiers.page import Source, reusable_pages
 
 from .engine import Engine, EngineConfig
-from .model import LoadedModel
+from .models.load import LoadedModel
 from .request import SamplingParams
 
 RECOMPUTE = "recompute"

@@ -40,7 +40,7 @@ from kvtier.tiers.page import PageKey, Source, page_keys, reusable_pages
 
 from .flights import FlightCoordinator
 from .metrics import RateWindow
-from .model import LoadedModel
+from .models.load import LoadedModel
 from .request import CANCELLED, ERROR, Request, SamplingParams, TokenLogprob
 from .scheduler import Scheduler
 from .text import without_broken_end

@@ -27,7 +27,7 @@ import redis
 from prometheus_client.parser import text_string_to_metric_families
 
 import kvtier
-from kvtier.engine.default_model import packaged_gguf
+from kvtier.engine.models.defaults import packaged_gguf
 
 from .readme_blocks import BIN, CHECKOUT, README, Block, Shell, after, block, blocks, normalized, readme_env
 from .redis_servers import free_port, needs_redis

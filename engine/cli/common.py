@@ -12,7 +12,7 @@ from pathlib import Path
 from kvtier.tiers.text import format_bytes
 
 from ..blas import blas_in_use, openblas_hint
-from ..paths import default_store_dir
+from ..models.paths import default_store_dir
 
 
 class UsageError(Exception):
@@ -83,9 +83,9 @@ def check_sizes(args: argparse.Namespace, store_dir: Path | None) -> None:
 
 
 def load_model(name: str | None):
-    from ..default_model import REAL_MODEL_HINT, TINY_MODEL
-    from ..model import ModelError, default_model_name
-    from ..model import load_model as load
+    from ..models.defaults import REAL_MODEL_HINT, TINY_MODEL
+    from ..models.load import ModelError, default_model_name
+    from ..models.load import load_model as load
 
     logging.getLogger("kvtier").info("BLAS: %s", blas_in_use())
     if hint := openblas_hint():  # for the person at the terminal; scripts and logs get it with -v
@@ -126,7 +126,7 @@ class ProgressBar:
 
 def page_geometry(loaded, page_size: int):
     """The model's page geometry; a model kvtier cannot use is the user's error."""
-    from ..model import ModelError
+    from ..models.load import ModelError
 
     try:
         return loaded.geometry(page_size)

@@ -8,7 +8,7 @@ from .common import ProgressBar, UsageError
 
 
 def cmd_import_gguf(args: argparse.Namespace) -> int:
-    from ..gguf import GGUFError, import_gguf
+    from ..models.gguf import GGUFError, import_gguf
 
     with ProgressBar(f"importing {args.file.name}") as bar:
         try:

@@ -15,7 +15,7 @@ from kvtier.tiers.policy import ADMISSIONS, DEFAULT_POLICY, POLICIES
 from kvtier.tiers.text import format_bytes
 
 from ..interrupts import ignored_interrupts
-from ..paths import default_store_dir, kvtier_home
+from ..models.paths import default_store_dir, kvtier_home
 from .args import (l2_sweep, name_list, non_negative_int, parse_size, parse_throttle, port_number, positive_int,
                    positive_ints, positive_number, positive_size, redis_url, seconds, store_arg, temperature,
                    top_p)

@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from ..paths import default_store_dir
+from ..models.paths import default_store_dir
 from .common import UsageError, load_model, no_data
 
 

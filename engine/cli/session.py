@@ -21,7 +21,7 @@ def open_engine(args: argparse.Namespace, loaded, store_dir: Path | None, **conf
     """The engine and store that the shared engine flags describe (``run``, ``serve``):
     the store calibrated on its first use, every construction error one line."""
     from ..engine import Engine, EngineConfig
-    from ..model import ModelError
+    from ..models.load import ModelError
 
     geometry = page_geometry(loaded, args.page_size)
     if store_dir is not None and not (args.no_auto_calibrate or os.environ.get("KVTIER_NO_AUTO_CALIBRATE")):

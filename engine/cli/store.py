@@ -7,7 +7,7 @@ import json
 
 from kvtier.tiers.text import format_bytes
 
-from ..paths import default_store_dir
+from ..models.paths import default_store_dir
 from .common import UsageError, open_store
 from .report import format_namespaces
 
