@@ -17,7 +17,7 @@ def __getattr__(name: str):
     """``from kvtier import Engine`` without importing mlx for ``import kvtier`` alone."""
     if name in ("Engine", "EngineConfig", "SamplingParams", "load_model", "StoreConfig", "TieredStore"):
         from kvtier.engine.engine import Engine, EngineConfig
-        from kvtier.engine.model import load_model
+        from kvtier.engine.models.load import load_model
         from kvtier.engine.request import SamplingParams
         from kvtier.tiers.hierarchy import StoreConfig, TieredStore
 

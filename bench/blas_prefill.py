@@ -29,7 +29,7 @@ def child(model: str, tokens: int, library: str | None) -> None:
     from mlx_lm.models.cache import make_prompt_cache
 
     from kvtier.engine.blas import blas_in_use
-    from kvtier.engine.model import load_model
+    from kvtier.engine.models.load import load_model
 
     net = load_model(model).model
     ids = mx.array([[(i * 31) % 200 + 32 for i in range(tokens)]])

@@ -90,8 +90,8 @@ from kvtier.costmodel.models import ComputeModel, LinkModel
 from kvtier.costmodel.plan import Profile, restore_seconds
 from kvtier.engine.blas import blas_in_use
 from kvtier.engine.engine import Engine, EngineConfig
-from kvtier.engine.model import load_model
-from kvtier.engine.paths import kvtier_home
+from kvtier.engine.models.load import load_model
+from kvtier.engine.models.paths import kvtier_home
 from kvtier.engine.request import SamplingParams
 from kvtier.tiers.hierarchy import StoreConfig, TieredStore
 from kvtier.tiers.page import Namespace, PageGeometry, Source, page_keys, reusable_pages

@@ -53,7 +53,7 @@ def store_trials(store: Path, trials: int, seed: int, tiered_every: int, max_del
 
 
 def cli_trials(store: Path, trials: int, seed: int) -> dict:
-    from kvtier.engine.model import load_model
+    from kvtier.engine.models.load import load_model
     from tests.engine.test_failures import (cli_crash_trial, leading_stored_pages, outputs, prompt_page_keys,
                                             prompt_set, run, seed_profile, verify_records)
 

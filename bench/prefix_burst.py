@@ -26,7 +26,7 @@ from kvtier.costmodel.calibrate import calibrate
 from kvtier.costmodel.plan import Profile
 from kvtier.engine.blas import blas_in_use
 from kvtier.engine.engine import Engine, EngineConfig
-from kvtier.engine.model import load_model
+from kvtier.engine.models.load import load_model
 from kvtier.engine.request import SamplingParams
 from kvtier.tiers.hierarchy import StoreConfig
 

@@ -110,7 +110,7 @@ PROMPT = " ".join(["the system prompt of an agent with tools, a long history and
 def ttft(url: str) -> dict:
     """TTFT of a prompt recomputed vs restored from Redis by a second engine."""
     from kvtier.engine.engine import Engine, EngineConfig
-    from kvtier.engine.model import load_model
+    from kvtier.engine.models.load import load_model
     from kvtier.engine.request import SamplingParams
 
     loaded = load_model()

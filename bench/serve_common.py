@@ -117,6 +117,6 @@ def rss_bytes(pid: int) -> int:
 
 def default_model_dir() -> str:
     """The directory of kvtier's default model (what ``--model`` omitted loads), for mlx_lm.server too."""
-    from kvtier.engine.model import resolve_model_path
+    from kvtier.engine.models.load import resolve_model_path
 
     return str(resolve_model_path(None))

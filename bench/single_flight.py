@@ -23,7 +23,7 @@ import kvtier  # noqa: F401  (loads OpenBLAS before mlx, when installed)
 
 from kvtier.engine.blas import blas_in_use
 from kvtier.engine.engine import Engine, EngineConfig
-from kvtier.engine.model import load_model
+from kvtier.engine.models.load import load_model
 from kvtier.engine.request import SamplingParams
 from kvtier.tiers.hierarchy import StoreConfig
 

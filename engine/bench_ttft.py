@@ -36,7 +36,7 @@ from kvtier.tiers.page import Source, reusable_pages
 
 from .engine import Engine, EngineConfig
 from .limits import context_length
-from .model import LoadedModel
+from .models.load import LoadedModel
 from .request import SamplingParams
 
 RECOMPUTE = "recompute"

@@ -44,7 +44,7 @@ from .flights import FlightCoordinator, FlightsView
 from .limits import InputError as InputError  # re-exported likewise
 from .limits import check_prompt
 from .metrics import RateWindow
-from .model import LoadedModel
+from .models.load import LoadedModel
 from .prefix_cache import PrefixCaches
 from .prefix_flights import PrefixFlightsView
 from .publisher import Publisher

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from .request import SamplingParams
 
 if TYPE_CHECKING:
-    from .model import LoadedModel
+    from .models.load import LoadedModel
 
 _NO_LIMIT = 10**9  # tokenizers without a limit report a huge sentinel (transformers' VERY_LARGE_INTEGER)
 

@@ -16,7 +16,7 @@ from .request import CANCELLED, ERROR, Request
 from .text import without_broken_end
 
 if TYPE_CHECKING:
-    from .model import LoadedModel
+    from .models.load import LoadedModel
 
 
 @dataclass

@@ -27,7 +27,7 @@ import redis
 from prometheus_client.parser import text_string_to_metric_families
 
 import kvtier
-from kvtier.engine.default_model import packaged_gguf
+from kvtier.engine.models.defaults import packaged_gguf
 
 from .readme_blocks import BIN, CHECKOUT, README, Block, Shell, after, block, blocks, normalized, readme_env
 from .redis_servers import free_port, needs_redis
@@ -59,6 +59,7 @@ COVERAGE = {
     ".venv/bin/python bench/restore_bandwidth.py":
         "not run: benchmarks, minutes each, outside the test run (test_bench_commands_exist checks they exist)",
     "tiers/      page identity": "test_layout",
+    "engine.cli -> ": "test_layout",
 }
 PAGE = 128  # the README's page size (--page-size default)
 slow = pytest.mark.slow
@@ -337,10 +338,15 @@ def test_layout():
     import importlib
 
     for line in block("tiers/      page identity").text.splitlines():
-        if folder := re.match(r"^(\w+)/", line):
+        if folder := re.match(r"^((?:\w+/)+)", line):  # engine/cli/ too
             assert (CHECKOUT / folder.group(1)).is_dir(), folder.group(1)
     for package in re.findall(r"`(kvtier\.\w+)`", after(block("tiers/      page identity"), 300)):
         importlib.import_module(package)
+    drawn = re.findall(r"\w+(?:\.\w+)*(?:\.\{[^}]*\})?", block("engine.cli -> ").text.replace("->", " "))
+    for name in drawn:  # every module the layering drawing names exists: tiers.l3.{a, b} is two
+        stem, _, braced = name.partition(".{")
+        for leaf in braced.rstrip("}").split(",") if braced else [""]:
+            importlib.import_module(".".join(filter(None, ["kvtier", stem, leaf.strip()])))
 
 
 def _trace() -> Path:

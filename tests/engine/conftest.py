@@ -3,8 +3,8 @@ from typing import Sequence
 import pytest
 from mlx_lm.generate import stream_generate
 
-from kvtier.engine.default_model import REAL_MODEL, REAL_MODEL_DISTRIBUTION, TINY_MODEL, packaged_gguf
-from kvtier.engine.model import load_model
+from kvtier.engine.models.defaults import REAL_MODEL, REAL_MODEL_DISTRIBUTION, TINY_MODEL, packaged_gguf
+from kvtier.engine.models.load import load_model
 
 _TAKES_MODEL = {"run", "calibrate", "bench", "serve"}
 

@@ -14,7 +14,7 @@ import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 
-import kvtier.engine.default_model as dm
+import kvtier.engine.models.defaults as dm
 
 
 @pytest.fixture(scope="module")

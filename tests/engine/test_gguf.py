@@ -18,9 +18,9 @@ import mlx_lm
 import numpy as np
 import pytest
 
-from kvtier.engine.default_model import ensure_real_model, packaged_gguf
-from kvtier.engine.gguf import IMPORTS_INDEX, MARKER, GGUFError, default_import_dir, import_gguf
-from kvtier.engine.paths import kvtier_home
+from kvtier.engine.models.defaults import ensure_real_model, packaged_gguf
+from kvtier.engine.models.gguf import IMPORTS_INDEX, MARKER, GGUFError, default_import_dir, import_gguf
+from kvtier.engine.models.paths import kvtier_home
 
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from kvtier.engine.default_model import packaged_gguf
+from kvtier.engine.models.defaults import packaged_gguf
 
 pytestmark = pytest.mark.slow
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.engine.default_model import REAL_MODEL_DISTRIBUTION, packaged_gguf
+from kvtier.engine.models.defaults import REAL_MODEL_DISTRIBUTION, packaged_gguf
 
 ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()

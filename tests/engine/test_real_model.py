@@ -18,7 +18,7 @@ import mlx_lm
 import pytest
 from mlx_lm.utils import load_model as mlx_load_model
 
-from kvtier.engine.default_model import packaged_gguf
+from kvtier.engine.models.defaults import packaged_gguf
 from kvtier.engine.engine import Engine, EngineConfig
 from kvtier.engine.request import SamplingParams
 from kvtier.tiers.hierarchy import StoreConfig

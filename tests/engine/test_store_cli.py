@@ -125,7 +125,7 @@ def test_unsupported_model_is_one_line_and_exit_2(tmp_path):
     from mlx.utils import tree_flatten
     from mlx_lm.models import llama
 
-    from kvtier.engine.default_model import ensure_default_model
+    from kvtier.engine.models.defaults import ensure_default_model
 
     config = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128,
               "num_attention_heads": 2, "num_key_value_heads": 1, "rms_norm_eps": 1e-5, "vocab_size": 259,

@@ -10,7 +10,7 @@ from mlx.utils import tree_map_with_path
 from mlx_lm.models import qwen2
 from mlx_lm.models.cache import make_prompt_cache
 
-from kvtier.engine.model import LoadedModel
+from kvtier.engine.models.load import LoadedModel
 
 
 class ByteTokenizer:

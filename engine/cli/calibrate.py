@@ -1,0 +1,57 @@
+"""``kvtier calibrate``, and the quick calibration a store gets on its first use."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from .common import UsageError, load_model, no_data, page_geometry, usable_store
+
+
+def calibrate_into(loaded, geometry, store_dir: Path, quick: bool = False, desc: str = "calibrating"):
+    """Measure this machine (with a progress bar ``desc``) and save the profile in the store."""
+    from tqdm import tqdm
+
+    from kvtier.costmodel.calibrate import calibrate, steps
+    from kvtier.tiers.l3.open import StoreError, open_l3
+
+    try:
+        with tqdm(total=steps(quick=quick), desc=desc, unit="sample", file=sys.stderr) as bar:
+            profile = calibrate(loaded.model, geometry, store_dir, bar.update, quick=quick)
+        with open_l3(store_dir) as disk:
+            disk.put_meta(loaded.profile_key(geometry), profile.to_dict())
+    except (OSError, StoreError) as err:
+        raise UsageError(f"cannot calibrate with store {store_dir}: {err}") from None
+    return profile
+
+
+def calibrate_on_first_use(loaded, geometry, store_dir: Path) -> None:
+    """Calibrate once per store, model and page size: the default cost model can be far
+    off this machine, and online refinement needs many requests to correct it."""
+    from kvtier.tiers.l3.open import StoreError, open_l3
+
+    if not no_data(store_dir):
+        try:
+            with open_l3(store_dir, readonly=True) as disk:
+                if disk.get_meta(loaded.profile_key(geometry)) is not None:
+                    return
+        except StoreError:
+            return  # the engine warns and runs without L3
+    print(f"kvtier: no cost profile for this model in {store_dir}: a quick calibration first "
+          "(--no-auto-calibrate skips it; `kvtier calibrate` measures more)", file=sys.stderr)
+    calibrate_into(loaded, geometry, store_dir, quick=True, desc="calibrating (quick, first use)")
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    store_dir = usable_store(args.store)
+    loaded = load_model(args.model)
+    profile = calibrate_into(loaded, page_geometry(loaded, args.page_size), store_dir, args.quick,
+                             "calibrating (quick)" if args.quick else "calibrating")
+    summary = profile.summary()
+    for name, link in summary["links"].items():
+        print(f"{name}: setup {link['setup_s'] * 1e3:.3f} ms, {link['gib_s']:.2f} GiB/s")
+    c = summary["compute"]
+    print(f"prefill: T(n, p) = {c['c0']:.4g} + {c['c1']:.4g}*n + {c['c2']:.4g}*n*(p + n/2) s")
+    print(f"profile saved in {store_dir}")
+    return 0

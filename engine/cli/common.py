@@ -1,0 +1,134 @@
+"""What the commands share: the usage error, the store they name, the model they load."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shutil
+import sys
+from pathlib import Path
+
+from kvtier.tiers.text import format_bytes
+
+from ..blas import blas_in_use, openblas_hint
+from ..models.paths import default_store_dir
+
+
+class UsageError(Exception):
+    """Bad input from the user: one line on stderr, exit status 2."""
+
+
+def no_data(store: Path | str) -> bool:
+    """An LMDB directory holding no store yet (a URL always names a store to ask)."""
+    return isinstance(store, Path) and not (store / "data.mdb").exists()
+
+
+def usable_store(path: Path | None) -> Path:
+    """The store directory the user named (or the default), created if missing; a file
+    or a directory kvtier cannot write is the user's error, not a reason to run without L3."""
+    path = path or default_store_dir()
+    if isinstance(path, str):  # a URL: the engine warns and runs without L3 if it cannot be reached
+        return path
+    if path.exists() and not path.is_dir():
+        raise UsageError(f"store {path} is not a directory")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise UsageError(f"cannot create store directory {path}: {err.strerror or err}") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise UsageError(f"store directory {path} is not writable")
+    return path
+
+
+def open_store(path: Path | None, readonly: bool = False):
+    """The store at ``path`` (it must exist): read-only for reports, writable to manage it."""
+    from kvtier.tiers.l3.open import StoreError, open_l3
+
+    path = path or default_store_dir()
+    if no_data(path):
+        raise UsageError(f"no kvtier store at {path}")
+    try:
+        return open_l3(path, readonly=readonly)
+    except StoreError as err:
+        raise UsageError(str(err)) from None
+
+
+def pages_kept(args: argparse.Namespace | None) -> str:
+    """What the store holds after an interrupted command (its writes were flushed)."""
+    from kvtier.tiers.l3.open import StoreError, open_l3
+
+    if args is None or not hasattr(args, "store") or getattr(args, "no_offload", False):
+        return "no store in use"
+    path = args.store or default_store_dir()
+    try:
+        with open_l3(path, readonly=True) as disk:
+            return f"{disk.counters.pages} pages kept in {path}"
+    except StoreError:
+        return f"0 pages kept in {path}"
+
+
+def check_sizes(args: argparse.Namespace, store_dir: Path | None) -> None:
+    """L1 or L2 larger than the machine's memory is refused; an L3 cap larger than the
+    free disk space is allowed (the file grows with the data) with a warning."""
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for flag, size in (("--l1-bytes", args.l1_bytes), ("--l2-bytes", args.l2_bytes)):
+        if size > memory:
+            raise UsageError(f"{flag} {format_bytes(size)} is more than this machine's memory ({format_bytes(memory)})")
+    if isinstance(store_dir, Path) and args.l3_bytes is not None:
+        free = shutil.disk_usage(store_dir).free
+        if args.l3_bytes > free:
+            print(f"kvtier: warning: --l3-bytes {format_bytes(args.l3_bytes)} is more than the free space "
+                  f"under {store_dir} ({format_bytes(free)}): the disk fills before the cap", file=sys.stderr)
+
+
+def load_model(name: str | None):
+    from ..models.defaults import REAL_MODEL_HINT, TINY_MODEL
+    from ..models.load import ModelError, default_model_name
+    from ..models.load import load_model as load
+
+    logging.getLogger("kvtier").info("BLAS: %s", blas_in_use())
+    if hint := openblas_hint():  # for the person at the terminal; scripts and logs get it with -v
+        if sys.stderr.isatty():
+            print(f"kvtier: {hint}", file=sys.stderr)
+        else:
+            logging.getLogger("kvtier").info(hint)
+    if name is None and default_model_name() == TINY_MODEL:
+        print(f"kvtier: using the generated test model {TINY_MODEL} (its text is gibberish); {REAL_MODEL_HINT}",
+              file=sys.stderr)
+    with ProgressBar("importing model") as bar:
+        try:
+            return load(name, progress=bar.update)
+        except ModelError as err:
+            raise UsageError(str(err)) from None
+
+
+class ProgressBar:
+    """A tqdm bar on stderr that appears only once there is progress to show."""
+
+    def __init__(self, desc: str) -> None:
+        self.desc, self.bar = desc, None
+
+    def update(self, done: int, total: int) -> None:
+        from tqdm import tqdm
+
+        if self.bar is None:
+            self.bar = tqdm(total=total, desc=self.desc, unit="B", unit_scale=True, file=sys.stderr)
+        self.bar.update(done - self.bar.n)
+
+    def __enter__(self) -> "ProgressBar":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def page_geometry(loaded, page_size: int):
+    """The model's page geometry; a model kvtier cannot use is the user's error."""
+    from ..models.load import ModelError
+
+    try:
+        return loaded.geometry(page_size)
+    except (ModelError, ValueError) as err:
+        raise UsageError(str(err)) from None

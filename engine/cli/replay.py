@@ -1,0 +1,74 @@
+"""``kvtier replay``: replay a Mooncake trace against the store to size the tiers and choose the policy."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from ..models.paths import default_store_dir
+from .common import UsageError, load_model, no_data
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from kvtier.costmodel import replay as rp
+    from kvtier.costmodel.plan import Profile
+
+    _check_replay_args(args, rp.BLOCK_TOKENS)
+    try:
+        trace = rp.read_trace(args.trace)
+        profile = Profile.from_dict(json.loads(args.profile.read_text())) if args.profile else None
+    except rp.TraceError as err:
+        raise UsageError(str(err)) from None
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise UsageError(f"cannot read profile {args.profile}: {err}") from None
+    bytes_per_token = args.kv_bytes_per_token
+    if bytes_per_token is None:
+        bytes_per_token, saved = _model_geometry(args)
+        profile = profile or saved
+    base = rp.ReplayConfig(bytes_per_token, args.page_size, args.l1_bytes, args.l2_bytes, args.l3_bytes,
+                           speed=args.speed)
+    configs = rp.configs_for(base, args.policy, args.l3_admit, args.sweep or ())
+    replays = sum(c.policy != rp.BELADY for c in configs)
+    with tqdm(total=len(trace) * replays, desc="replaying", unit="req", file=sys.stderr) as bar:
+        report = rp.replay(trace, configs, profile or Profile.defaults(), lambda: bar.update())
+    if args.plot is not None:
+        rp.plot_report(report, args.plot)
+    print(json.dumps(report) if args.json else rp.format_report(report))
+    return 0
+
+
+def _check_replay_args(args: argparse.Namespace, block_tokens: int) -> None:
+    if block_tokens % args.page_size:
+        raise UsageError(f"--page-size {args.page_size} does not divide {block_tokens}")
+    if not args.speed > 0:
+        raise UsageError("--speed must be positive")
+    if args.plot is not None and not args.sweep:
+        raise UsageError("--plot draws against L2 size: give --sweep l2-bytes=...")
+    if args.plot is not None:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise UsageError("--plot needs matplotlib (pip install matplotlib)") from None
+
+
+def _model_geometry(args: argparse.Namespace):
+    """The model's KV bytes per token, and the profile calibrated for it in the store
+    (None without one, or when ``--profile`` gave one: the store is then not opened)."""
+    from kvtier.costmodel.plan import Profile
+    from kvtier.tiers.l3.open import StoreError, open_l3
+
+    loaded = load_model(args.model)
+    geometry = loaded.geometry(args.page_size)
+    store_dir = args.store or default_store_dir()
+    if args.profile is not None or no_data(store_dir):
+        return geometry.bytes_per_token, None
+    try:
+        disk = open_l3(store_dir, readonly=True)
+    except StoreError as err:
+        raise UsageError(str(err)) from None
+    saved = disk.get_meta(loaded.profile_key(geometry))
+    disk.close()
+    return geometry.bytes_per_token, Profile.from_dict(saved) if saved else None
