@@ -533,7 +533,8 @@ class _Printer:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from .server import DEFAULT_MODEL_ID, DrainingServer, KVTierServer, ServerConfig
+    from .serve.app import DEFAULT_MODEL_ID, KVTierServer, ServerConfig
+    from .serve.draining import DrainingServer
 
     family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
     try:  # bound before the model loads: a busy port fails at once; --port 0 takes a free one
@@ -796,7 +797,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(counters))
     elif args.prometheus:
-        from .prometheus import format_stats
+        from .serve.prometheus import format_stats
 
         print(format_stats(counters), end="")
     else:
