@@ -27,6 +27,7 @@ import zstandard
 from mlx_lm.models.cache import KVCache, load_prompt_cache, save_prompt_cache
 
 from kvtier.tiers.hierarchy import RestoredPrefix, TieredStore
+from kvtier.tiers.links import Link
 from kvtier.tiers.page import PageGeometry, PageKey, Source
 
 from .calibrate import CONTEXTS, PREFILL_TOKENS, QUICK_REPEATS, prefill_samples, quick_grid, scratch_store
@@ -38,7 +39,7 @@ ROUNDS = 7
 QUICK_PAGE_COUNTS = (1, 4, 16)  # --quick: smaller scratch stores, fewer rows, fewer rounds,
 QUICK_ROUNDS = 2  # and the quick calibration's prefill grid (its length scaled to the BLAS's speed)
 # (row name prefix, codec, source of every restored page)
-RESTORES = (("L2->L1", "raw", Source.L2), ("L3->L1", "raw", Source.L3), ("L3 zstd->L1", "zstd", Source.L3))
+RESTORES = ((Link.L2_L1, "raw", Source.L2), (Link.L3_L1, "raw", Source.L3), ("L3 zstd->L1", "zstd", Source.L3))
 
 Tick = Callable[[], None]
 
@@ -145,7 +146,7 @@ def measure(geometry: PageGeometry, store_dir: Path, page_counts: tuple[int, ...
         for name, codec, source in RESTORES:
             store, keys, tokens = stack.enter_context(scratch_store(geometry, store_dir, pages, codec))
             restores[name] = Restores(store, keys, tokens, source)
-        raw_l3 = restores["L3->L1"]
+        raw_l3 = restores[Link.L3_L1]
         peer_path = _saved_prompt_cache(raw_l3.restore(pages), Path(tmp))
         raw_l3.reset()
         memcpy = Memcpy(nbytes)
@@ -173,10 +174,10 @@ def _stored_bytes(restores: Restores, page_counts: tuple[int, ...]) -> dict[int,
     """Bytes read from L3 by a restore of n compressed pages (the link's input size)."""
     stored = {}
     for n in page_counts:
-        before = restores.store.stats()["links"]["L3->L2"]["bytes"]
+        before = restores.store.stats()["links"][Link.L3_L2]["bytes"]
         restores.reset()
         restores.restore(n)
-        stored[n] = restores.store.stats()["links"]["L3->L2"]["bytes"] - before
+        stored[n] = restores.store.stats()["links"][Link.L3_L2]["bytes"] - before
     return stored
 
 
@@ -195,7 +196,7 @@ def _report(calls: dict[str, Call], geometry: PageGeometry, page_counts: tuple[i
                          "ratio_to_memcpy": memcpy.best / call.best, "round_seconds": call.seconds})
     pages = max(page_counts)
     nbytes = pages * geometry.nbytes
-    memcpy, ours, peer = calls[f"memcpy {pages}"], calls[f"L3->L1 {pages}"], calls["load_prompt_cache"]
+    memcpy, ours, peer = calls[f"memcpy {pages}"], calls[f"{Link.L3_L1} {pages}"], calls["load_prompt_cache"]
     limits = {"bytes": nbytes, "memcpy_gib_s": nbytes / memcpy.best / GIB,
               "memcpy_2_threads_gib_s": nbytes / calls[f"memcpy2 {pages}"].best / GIB,
               "lmdb_zero_copy_read_gib_s": nbytes / calls["lmdb_zero_copy_read"].best / GIB,
@@ -216,8 +217,8 @@ def _link_samples(rows: list[dict], compressed: dict[int, int]) -> list[dict]:
     links = []
     for r in rows:
         if r["row"] == "L3 zstd->L1":
-            seconds = max(r["seconds"] - by["L2->L1", r["pages"]]["seconds"], 1e-9)
-            links.append({"link": "L3->L2", "pages": r["pages"], "bytes": compressed[r["pages"]],
+            seconds = max(r["seconds"] - by[Link.L2_L1, r["pages"]]["seconds"], 1e-9)
+            links.append({"link": Link.L3_L2, "pages": r["pages"], "bytes": compressed[r["pages"]],
                           "seconds": seconds, "gib_s": compressed[r["pages"]] / seconds / GIB})
         else:
             links.append({"link": r["row"], "pages": r["pages"], "bytes": r["bytes"], "seconds": r["seconds"],

@@ -28,6 +28,7 @@ from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
 from kvtier.tiers.hierarchy import StoreConfig, TieredStore
 from kvtier.tiers.l3.open import scratch_location
+from kvtier.tiers.links import Link
 from kvtier.tiers.page import Namespace, PageGeometry, page_keys
 
 from .plan import Profile
@@ -120,7 +121,7 @@ def link_samples(geometry: PageGeometry, store_dir: Path, tick: Tick, page_count
     ``repeats`` (default ``REPEATS``) timings each."""
     counts = tuple(page_counts)
     samples = []
-    for codec, links in (("raw", ("L2->L1", "L3->L1")), ("zstd", ("L3->L2",))):
+    for codec, links in (("raw", (Link.L2_L1, Link.L3_L1)), ("zstd", (Link.L3_L2,))):
         with scratch_store(geometry, store_dir, max(counts), codec) as (store, keys, tokens):
             store.flush()
             for link in links:
@@ -130,7 +131,7 @@ def link_samples(geometry: PageGeometry, store_dir: Path, tick: Tick, page_count
     return samples
 
 
-def _timed(store: TieredStore, keys: list, tokens: list[int], link: str, repeats: int) -> tuple[str, int, float]:
+def _timed(store: TieredStore, keys: list, tokens: list[int], link: Link, repeats: int) -> tuple[str, int, float]:
     """Bytes and median seconds on ``link`` of ``repeats`` steady-state restores of ``keys``
     (for an L3 link, with L2's copies dropped before each, so every restore reads L3)."""
     seconds = []

@@ -6,7 +6,7 @@ from itertools import accumulate
 from dataclasses import dataclass
 from typing import Sequence
 
-from kvtier.tiers.links import READ_LINKS, links_crossed
+from kvtier.tiers.links import READ_LINKS, Link, links_crossed
 from kvtier.tiers.page import Source
 
 from .environment import environment_id
@@ -35,8 +35,8 @@ class Profile:
         """Guesses for an uncalibrated machine: slow links (1 and 0.5 GiB/s), and prefill at
         1 ms a token. Wrongly recomputing a long prefix costs far more than wrongly
         restoring a short one, so the guesses lean towards restoring."""
-        links = {"L2->L1": LinkModel.of(1e-3, 1 * GIB), "L3->L1": LinkModel.of(2e-3, 0.5 * GIB),
-                 "L3->L2": LinkModel.of(2e-3, 0.5 * GIB)}
+        links = {Link.L2_L1: LinkModel.of(1e-3, 1 * GIB), Link.L3_L1: LinkModel.of(2e-3, 0.5 * GIB),
+                 Link.L3_L2: LinkModel.of(2e-3, 0.5 * GIB)}
         return cls(links, ComputeModel([1e-3, 1e-3, 0.0]))
 
     def to_dict(self) -> dict:
@@ -122,7 +122,7 @@ class LoadCost:
         (checks, decodes) run beside it; joining every page into the KV (priced as
         an L2->L1 copy) runs after it, on the model's thread. For a raw L3 page that
         counts its copy twice: a pessimism that keeps overlap for clear wins."""
-        join = self.profile.links["L2->L1"].predict(self.joined[stop] - self.joined[start])
+        join = self.profile.links[Link.L2_L1].predict(self.joined[stop] - self.joined[start])
         return self.seconds(start, stop, READ_LINKS["L3"]), join
 
 

@@ -85,3 +85,11 @@ def test_the_l3_backends_and_the_record_codec_stay_below_the_store(graph):
              "kvtier.tiers.join"}
     assert {name: targets & above for name, targets in l3.items() if targets & above} == {}
     assert graph["kvtier.tiers.l3.record"] <= {"kvtier.tiers.layout"}
+
+
+def test_the_server_stands_on_the_engine_never_on_the_cli(graph):
+    """``engine.serve`` imports the engine's core; the CLI, above it, is never imported by it."""
+    serve = {name: targets for name, targets in graph.items() if name.startswith("kvtier.engine.serve")}
+    assert "kvtier.engine.serve.app" in serve
+    assert {name: {t for t in targets if t.startswith("kvtier.engine.cli")} for name, targets in serve.items()
+            if any(t.startswith("kvtier.engine.cli") for t in targets)} == {}

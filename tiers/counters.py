@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
 
-LINKS = ("L3->L1", "L3->L2", "L2->L1", "L1->L2", "L2->L3", "L1->L3")
 GAUGES = ("capacity", "bytes_used", "pages")
 
 

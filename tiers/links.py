@@ -11,23 +11,41 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict
+from enum import Enum
 
-from .counters import LINKS, LinkCounters
+from .counters import LinkCounters
 from .page import Source
 
-L3_L1, L3_L2, L2_L1, L1_L2, L2_L3, L1_L3 = LINKS
+
+class Link(str, Enum):
+    """A link between two tiers. A member is its name as a string (``Link.L2_L1 ==
+    "L2->L1"``, same hash), so counters keyed by either are read by either, and JSON,
+    msgpack and Prometheus labels carry the plain name; ``str`` is the string's too, so
+    f-strings print the name (Python 3.11 made it ``Link.L2_L1`` for mixed-in enums).
+    ``(str, Enum)`` rather than ``StrEnum``: kvtier supports Python 3.10."""
+
+    L3_L1 = "L3->L1"
+    L3_L2 = "L3->L2"
+    L2_L1 = "L2->L1"
+    L1_L2 = "L1->L2"
+    L2_L3 = "L2->L3"
+    L1_L3 = "L1->L3"
+
+    __str__ = str.__str__
+
+
 # The links that read from a tier (what a read throttle on that tier slows).
-READ_LINKS = {"L2": (L2_L1,), "L3": (L3_L1, L3_L2)}
+READ_LINKS = {"L2": (Link.L2_L1,), "L3": (Link.L3_L1, Link.L3_L2)}
 
 
-def links_crossed(source: Source, codec: str = "raw") -> tuple[str, ...]:
+def links_crossed(source: Source, codec: str = "raw") -> tuple[Link, ...]:
     """Links a page crosses on its way into a request's KV, by the tier it is found in
     and the codec it is stored with there: a raw L3 page is read straight from the
     record (LMDB's map, the bytes Redis sent), a compressed one is decoded into L2 and
     joined from there; an L1 page crosses none."""
     if source is Source.L3:
-        return (L3_L1,) if codec == "raw" else (L3_L2, L2_L1)
-    return (L2_L1,) if source is Source.L2 else ()
+        return (Link.L3_L1,) if codec == "raw" else (Link.L3_L2, Link.L2_L1)
+    return (Link.L2_L1,) if source is Source.L2 else ()
 
 
 class Throttle:
@@ -54,9 +72,9 @@ class LinkLedger:
     """Bytes, pages and seconds that crossed each link in this process."""
 
     def __init__(self) -> None:
-        self.links = {name: LinkCounters() for name in LINKS}
+        self.links = {link: LinkCounters() for link in Link}
 
-    def record(self, link: str, nbytes: int, seconds: float, pages: int = 1) -> None:
+    def record(self, link: Link, nbytes: int, seconds: float, pages: int = 1) -> None:
         self.links[link].record(nbytes, seconds, pages)
 
     def record_restore(self, pages: list[tuple[Source, str, int]], page_nbytes: int, host_s: float,
@@ -67,20 +85,20 @@ class LinkLedger:
         share of the host work (``host_s``: decodes, checks, an L3 throttle's wait,
         counted on the link that leaves L3). A link out of L3 carries the stored bytes,
         ``L2->L1`` the raw ones; an L2 throttle stretches the joins."""
-        moved: dict[str, LinkCounters] = {}
+        moved: dict[Link, LinkCounters] = {}
         from_l3 = sum(source is Source.L3 for source, _, _ in pages)
         for source, codec, stored in pages:
             for link in links_crossed(source, codec):
                 leaves_l3 = link in READ_LINKS["L3"]
                 seconds = (host_s / from_l3 if leaves_l3 else 0.0) + (join_s / len(pages) if link.endswith("L1") else 0.0)
                 moved.setdefault(link, LinkCounters()).record(stored if leaves_l3 else page_nbytes, seconds)
-        if (joined := moved.get(L2_L1)) is not None and joined.seconds > 0:
+        if (joined := moved.get(Link.L2_L1)) is not None and joined.seconds > 0:
             joined.seconds = throttle.wait("L2", joined.bytes, joined.seconds)
         for name, link in moved.items():
             self.record(name, link.bytes, link.seconds, link.pages)
 
-    def cumulative(self) -> dict[str, dict[str, float]]:
+    def cumulative(self) -> dict[Link, dict[str, float]]:
         return {name: link.cumulative() for name, link in self.links.items()}
 
-    def stats(self) -> dict[str, dict[str, float]]:
+    def stats(self) -> dict[Link, dict[str, float]]:
         return {name: asdict(link) for name, link in self.links.items()}

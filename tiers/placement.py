@@ -23,7 +23,7 @@ import mlx.core as mx
 import numpy as np
 
 from .l3.base import L3Store
-from .links import L1_L2, L1_L3, L2_L3, LinkLedger
+from .links import Link, LinkLedger
 from .page import PageKey
 from .policy import L3Admission
 from .tier import DeviceTier, HostTier, Tier, kv_to_host
@@ -77,7 +77,7 @@ class Placement:
                 if len(page.tokens) >= self.page_size:  # a partial page is dropped
                     self.place_below_l1(victim, page.tokens, page.kv, cost)
             else:
-                self.write_l3(victim, self.l2.entries[victim].tokens, self.l2.read(victim), L2_L3)
+                self.write_l3(victim, self.l2.entries[victim].tokens, self.l2.read(victim), Link.L2_L3)
                 self.l2.pop(victim)
         return True
 
@@ -89,8 +89,8 @@ class Placement:
         data = kv_to_host(kv)
         if self.make_room(self.l2):
             self.l2.write(key, page_tokens, data, cost)
-            self.ledger.record(L1_L2, len(data), time.perf_counter() - t0)
-        elif not self.write_l3(key, page_tokens, data, L1_L3):
+            self.ledger.record(Link.L1_L2, len(data), time.perf_counter() - t0)
+        elif not self.write_l3(key, page_tokens, data, Link.L1_L3):
             self.l2.counters.writes_dropped += 1
 
     def write_l3(self, key: PageKey, page_tokens: tuple[int, ...], data: np.ndarray, link: str,
@@ -115,7 +115,7 @@ class Placement:
         for key in self.l1:
             page = self.l1.entries[key]
             if key not in self.l2 and len(page.tokens) >= self.page_size:
-                self.write_l3(key, page.tokens, kv_to_host(page.kv), L1_L3, wait=True)
+                self.write_l3(key, page.tokens, kv_to_host(page.kv), Link.L1_L3, wait=True)
         for key in self.l2:
-            self.write_l3(key, self.l2.entries[key].tokens, self.l2.read(key), L2_L3, wait=True)
+            self.write_l3(key, self.l2.entries[key].tokens, self.l2.read(key), Link.L2_L3, wait=True)
         self.disk.flush()

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from kvtier.tiers.links import Link
+
 
 def format_restore(report: dict) -> str:
     """``kvtier bench restore``'s report as a table and a few lines."""
@@ -31,7 +33,7 @@ def plot_restore(report: dict, path: Path) -> None:
     for name in dict.fromkeys(r["row"] for r in report["restores"]):
         rows = [r for r in report["restores"] if r["row"] == name]
         ax.plot([r["bytes"] / (1 << 20) for r in rows], [r["gib_s"] for r in rows], marker="o", label=name)
-    rows = [r for r in report["restores"] if r["row"] == "L2->L1"]
+    rows = [r for r in report["restores"] if r["row"] == Link.L2_L1]
     ax.plot([r["bytes"] / (1 << 20) for r in rows], [r["memcpy_gib_s"] for r in rows], "k:", label="memcpy")
     ax.set(xscale="log", xlabel="restore size (MiB)", ylabel="GiB/s",
            title=f"kvtier restore bandwidth (best of {report['rounds']} rounds)")

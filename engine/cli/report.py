@@ -1,4 +1,4 @@
-"""Counters as people read them: text tables (the Prometheus format is engine/prometheus.py).
+"""Counters as people read them: text tables (the Prometheus format is engine/serve/prometheus.py).
 
 Input is the dict of ``Engine.stats()`` or the counters a store persisted (``kvtier
 stats``): ``{"tiers": {name: fields}, "links": {name: fields}, "engine": {...}}``.

@@ -13,7 +13,8 @@ from .session import close_engine, open_engine
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from ..server import DEFAULT_MODEL_ID, DrainingServer, KVTierServer, ServerConfig
+    from ..serve.app import DEFAULT_MODEL_ID, KVTierServer, ServerConfig
+    from ..serve.draining import DrainingServer
 
     family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
     try:  # bound before the model loads: a busy port fails at once; --port 0 takes a free one

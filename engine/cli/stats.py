@@ -28,7 +28,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(counters))
     elif args.prometheus:
-        from ..prometheus import format_stats
+        from ..serve.prometheus import format_stats
 
         print(format_stats(counters), end="")
     else:

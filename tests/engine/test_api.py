@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from kvtier.engine import api, responses
+from kvtier.engine.serve import api, responses
 from kvtier.engine.text import OutputText
 
 

@@ -11,7 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvtier.engine.engine import Engine, EngineConfig
 from kvtier.engine.request import SamplingParams
-from kvtier.engine.server import KVTierServer, ServerConfig
+from kvtier.engine.serve.app import KVTierServer, ServerConfig
 from kvtier.tiers.hierarchy import StoreConfig
 
 from .conftest import text_prompt

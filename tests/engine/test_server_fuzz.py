@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from starlette.testclient import TestClient
 
 from kvtier.engine.engine import Engine, EngineConfig
-from kvtier.engine.server import KVTierServer, ServerConfig
+from kvtier.engine.serve.app import KVTierServer, ServerConfig
 from kvtier.tiers.hierarchy import StoreConfig
 
 ERROR_KEYS = {"message", "type", "param", "code"}

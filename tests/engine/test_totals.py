@@ -1,7 +1,7 @@
 """The engine's typed totals: what each ending adds, and the JSON shape that
 ``Engine.stats()["engine"]``, the Prometheus export and a store's persisted counters read."""
 
-from kvtier.engine.prometheus import ENGINE_COUNTERS
+from kvtier.engine.serve.prometheus import ENGINE_COUNTERS
 from kvtier.engine.request import Request, SamplingParams
 from kvtier.engine.totals import EngineTotals
 

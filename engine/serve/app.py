@@ -5,11 +5,11 @@ tokenize, submit, read ``Request.stream`` and cancel. Blocking calls (submission
 takes the store's lock, a stream waits for the next token) run in worker threads,
 so the event loop never waits on the engine.
 
-A request's life here: read the body (413 past the limit), check it (``engine/api.py``:
+A request's life here: read the body (413 past the limit), check it (``api``:
 400 or 404), render and tokenize the prompt, check it against the context, refuse it
 with 429 if the waiting queue is full, submit, then stream or collect the text, cut at
 the first stop string. A client that goes away cancels its request (batch slot and
-pins released). On shutdown (:class:`DrainingServer`) the server stops accepting, lets
+pins released). On shutdown (``draining.DrainingServer``) the server stops accepting, lets
 the requests in flight run for the drain timeout, then cancels those left, whose
 streams end with an error event; then the engine closes, which flushes L1 and L2 to L3.
 """
@@ -17,15 +17,12 @@ streams end with an error event; then the engine closes, which flushes L1 and L2
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import AsyncIterator
 
 import anyio
-import uvicorn
-from mlx_lm.tokenizer_utils import TokenizerWrapper
 from starlette.applications import Starlette
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
@@ -33,14 +30,15 @@ from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from ..engine import Engine
+from ..limits import InputError, context_length
+from ..request import Request, SamplingParams
+from ..text import OutputText
 from . import api, responses
 from .api import APIError
-from .engine import Engine
-from .limits import InputError, context_length
+from .generation import Generation, cancel_on_disconnect
 from .prometheus import ServerMetrics
-from .request import Request, SamplingParams
-from .responses import Finished, PromptUsage
-from .text import OutputText
+from .responses import Finished
 
 log = logging.getLogger(__name__)
 
@@ -50,9 +48,6 @@ ANTHROPIC_PATHS = ("/v1/messages",)
 # examples and a client's settings work on either.
 DEFAULT_MODEL_ID = "kvtier-default"
 RETRY_AFTER_S = 1  # a 429's Retry-After: a batch slot frees as soon as one request ends
-# After the drain timeout the requests left are cancelled and end at the engine's next
-# step; uvicorn kills what is still open this much later (it logs each as a traceback).
-_DRAIN_GRACE_S = 10.0
 
 
 @dataclass
@@ -61,59 +56,6 @@ class ServerConfig:
     max_waiting: int = 64  # requests queued for a batch slot; past it, 429
     default_max_tokens: int = 512  # when a request names none (capped by the context)
     max_body_bytes: int = 8 << 20  # larger bodies answer 413
-
-
-class Generation:
-    """One submitted request as the server follows it: its text, cut at a stop string, and
-    the log-probabilities of its tokens when it asked for them."""
-
-    def __init__(self, request: Request, text: OutputText, page_size: int, tokenizer: TokenizerWrapper) -> None:
-        self.request = request
-        self.text = text
-        self.page_size = page_size
-        self.tokenizer = tokenizer
-        self.tokens = 0  # generated tokens read, up to the one that completed a stop string
-        self._described = 0  # of them, those whose logprobs were handed out
-
-    def new_logprobs(self) -> list[responses.TokenChoice] | None:
-        """The logprobs of the tokens read since the last call (None: none were asked for).
-        The engine records a token's logprobs before it streams the token."""
-        if self.request.params.logprobs is None:
-            return None
-        start, self._described = self._described, self.tokens
-        decode, request = self.tokenizer.decode, self.request
-        return [responses.TokenChoice(decode([token]), entry.logprob, [(decode([t]), lp) for t, lp in entry.top])
-                for token, entry in zip(request.output[start:self.tokens], request.logprobs[start:self.tokens])]
-
-    async def deltas(self) -> AsyncIterator[str]:
-        """Pieces of text as tokens arrive (may be empty); ends with the request or a stop string."""
-        stream = self.request.stream()
-        while (token := await anyio.to_thread.run_sync(next, stream, None, abandon_on_cancel=True)) is not None:
-            self.tokens += 1
-            yield self.text.add(token)
-            if self.text.stop_string is not None:
-                self.request.cancel()  # the engine ends it at its next step
-                return
-        yield self.text.finish()
-
-    def prompt_usage(self) -> PromptUsage:
-        """Where the prompt came from (known once the request was admitted)."""
-        request = self.request
-        plan = request.plan.to_dict() if request.plan else None
-        return PromptUsage(len(request.prompt), request.sources(), self.page_size, plan)
-
-    def finished(self) -> Finished:
-        """The outcome once ``deltas`` is exhausted; an engine failure is a 500."""
-        if self.text.stop_string is not None:
-            reason = "stop"
-        elif self.request.finish_reason in ("stop", "length"):
-            reason = self.request.finish_reason
-        elif self.request.finish_reason == "error":
-            raise APIError(500, f"generation failed: {self.request.error}", "server_error")
-        else:
-            raise APIError(503, "the request was cancelled (server shutting down)", "server_error")
-        return Finished(self.text.text, self.tokens, reason, self.text.stop_string, self.prompt_usage(),
-                        self.new_logprobs())
 
 
 class KVTierServer:
@@ -316,7 +258,7 @@ class KVTierServer:
         """Run a request to its end; cancel it if the client goes away first."""
         try:
             async with anyio.create_task_group() as group:
-                group.start_soon(_cancel_on_disconnect, http, gen.request)
+                group.start_soon(cancel_on_disconnect, http, gen.request)
                 async for _ in gen.deltas():
                     pass
                 group.cancel_scope.cancel()
@@ -355,29 +297,3 @@ class KVTierServer:
         return await self._api_error(http, APIError(500, f"internal error: {type(err).__name__}", "server_error"))
 
 
-async def _cancel_on_disconnect(http: HTTPRequest, request: Request) -> None:
-    while (await http.receive())["type"] != "http.disconnect":
-        pass
-    request.cancel()
-
-
-class DrainingServer(uvicorn.Server):
-    """uvicorn serving ``server.app``, whose graceful shutdown ends the requests itself.
-
-    On the first SIGTERM / SIGINT uvicorn stops accepting and waits for the requests in
-    flight; ``drain_timeout`` seconds later those left are cancelled (:meth:`KVTierServer.cancel_live`),
-    so every response ends as the API says (an error event, a 503) instead of being cut
-    by uvicorn, whose own timeout comes ``_DRAIN_GRACE_S`` later as a backstop. A
-    second Ctrl-C is uvicorn's forced exit.
-    """
-
-    def __init__(self, server: KVTierServer, drain_timeout: float, log_level: str) -> None:
-        super().__init__(uvicorn.Config(server.app, lifespan="on", log_level=log_level,
-                                        timeout_graceful_shutdown=drain_timeout + _DRAIN_GRACE_S))
-        self._cancel_later = threading.Timer(drain_timeout, server.cancel_live)
-        self._cancel_later.daemon = True
-
-    def handle_exit(self, sig: int, frame) -> None:
-        if not self.should_exit:  # the first stop signal starts the drain clock
-            self._cancel_later.start()
-        super().handle_exit(sig, frame)

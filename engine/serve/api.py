@@ -1,7 +1,7 @@
 """The requests of ``kvtier serve`` (DESIGN §8a): request bodies, their checks, and
-error objects; what goes back is built in ``engine/responses.py``.
+error objects; what goes back is built in ``responses``.
 
-Nothing here knows the engine: the server (``engine/server.py``) turns a checked body
+Nothing here knows the engine: the server (``app``) turns a checked body
 into tokens and sampling settings and runs them.
 """
 

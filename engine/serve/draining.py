@@ -1,0 +1,38 @@
+"""Graceful shutdown of ``kvtier serve``: uvicorn stops accepting, the requests in flight
+run for the drain timeout, then those left are cancelled, so each ends as the API says
+(an error event, a 503) before the engine closes and flushes L1 and L2 to L3.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import uvicorn
+
+from .app import KVTierServer
+
+# After the drain timeout the requests left are cancelled and end at the engine's next
+# step; uvicorn kills what is still open this much later (it logs each as a traceback).
+_DRAIN_GRACE_S = 10.0
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn serving ``server.app``, whose graceful shutdown ends the requests itself.
+
+    On the first SIGTERM / SIGINT uvicorn stops accepting and waits for the requests in
+    flight; ``drain_timeout`` seconds later those left are cancelled (:meth:`KVTierServer.cancel_live`),
+    so every response ends as the API says (an error event, a 503) instead of being cut
+    by uvicorn, whose own timeout comes ``_DRAIN_GRACE_S`` later as a backstop. A
+    second Ctrl-C is uvicorn's forced exit.
+    """
+
+    def __init__(self, server: KVTierServer, drain_timeout: float, log_level: str) -> None:
+        super().__init__(uvicorn.Config(server.app, lifespan="on", log_level=log_level,
+                                        timeout_graceful_shutdown=drain_timeout + _DRAIN_GRACE_S))
+        self._cancel_later = threading.Timer(drain_timeout, server.cancel_live)
+        self._cancel_later.daemon = True
+
+    def handle_exit(self, sig: int, frame) -> None:
+        if not self.should_exit:  # the first stop signal starts the drain clock
+            self._cancel_later.start()
+        super().handle_exit(sig, frame)
