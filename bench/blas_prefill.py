@@ -64,8 +64,13 @@ def main() -> None:
     best: dict[str, dict] = {}
     for _ in range(args.repeats):
         for name, library in setups.items():
-            done = subprocess.run([sys.executable, __file__, "--model", args.model, "--tokens", str(args.tokens),
-                                   "--child", library], capture_output=True, text=True, env=env, check=True)
+            done = subprocess.run(
+                [sys.executable, __file__, "--model", args.model, "--tokens", str(args.tokens), "--child", library],
+                capture_output=True,
+                text=True,
+                env=env,
+                check=True,
+            )
             run = json.loads(done.stdout.splitlines()[-1])
             if name not in best or run["seconds"] < best[name]["seconds"]:
                 best[name] = run

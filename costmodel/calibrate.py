@@ -47,8 +47,9 @@ PROBE_TOKENS = 4
 Tick = Callable[[], None]
 
 
-def calibrate(model: nn.Module, geometry: PageGeometry, store_dir: Path, tick: Tick = lambda: None,
-              quick: bool = False) -> Profile:
+def calibrate(
+    model: nn.Module, geometry: PageGeometry, store_dir: Path, tick: Tick = lambda: None, quick: bool = False
+) -> Profile:
     """Measure links and prefill on this machine; ``tick`` is called once per sample.
     ``quick``: the quick grid (``quick_grid``), a rougher fit in seconds."""
     profile = Profile.defaults()
@@ -90,8 +91,9 @@ def steps(page_counts: Iterable[int] = PAGE_COUNTS, quick: bool = False) -> int:
 
 
 @contextmanager
-def scratch_store(geometry: PageGeometry, store_dir: Path | str, pages: int,
-                  codec: str = "raw") -> Iterator[tuple[TieredStore, list, list[int]]]:
+def scratch_store(
+    geometry: PageGeometry, store_dir: Path | str, pages: int, codec: str = "raw"
+) -> Iterator[tuple[TieredStore, list, list[int]]]:
     """A throwaway store beside ``store_dir`` (same filesystem, or the same Redis server:
     the L3 link measured is the one in use) holding ``pages`` random pages in L2 (and
     nothing in L1), with their keys and tokens; removed afterwards.
@@ -113,8 +115,13 @@ def scratch_store(geometry: PageGeometry, store_dir: Path | str, pages: int,
             store.close()
 
 
-def link_samples(geometry: PageGeometry, store_dir: Path, tick: Tick, page_counts: Iterable[int] = PAGE_COUNTS,
-                 repeats: int | None = None) -> list[tuple[str, int, float]]:
+def link_samples(
+    geometry: PageGeometry,
+    store_dir: Path,
+    tick: Tick,
+    page_counts: Iterable[int] = PAGE_COUNTS,
+    repeats: int | None = None,
+) -> list[tuple[str, int, float]]:
     """(link, bytes, seconds) of restores from L2 and from L3 (OS page cache warm): raw
     pages (``L3->L1``) and zstd pages (``L3->L2``, their decode into L2); the median of
     ``repeats`` (default ``REPEATS``) timings each."""
@@ -144,8 +151,13 @@ def _timed(store: TieredStore, keys: list, tokens: list[int], link: str, repeats
     return link, after["bytes"] - before["bytes"], statistics.median(seconds[1:])
 
 
-def prefill_samples(model: nn.Module, tick: Tick, prefill_tokens: Iterable[int] = PREFILL_TOKENS,
-                    contexts: Iterable[int] = CONTEXTS, repeats: int | None = None) -> list[tuple[int, int, float]]:
+def prefill_samples(
+    model: nn.Module,
+    tick: Tick,
+    prefill_tokens: Iterable[int] = PREFILL_TOKENS,
+    contexts: Iterable[int] = CONTEXTS,
+    repeats: int | None = None,
+) -> list[tuple[int, int, float]]:
     """(new tokens, cached tokens, median seconds of ``repeats``, default ``REPEATS``) of forward passes."""
     prefill_tokens, contexts = tuple(prefill_tokens), tuple(contexts)
     tokens = mx.array([[(i * 31) % 200 + 32 for i in range(max(contexts) + max(prefill_tokens))]])

@@ -19,8 +19,9 @@ def openblas() -> dict | None:
     (``scipy_cblas_*``) that mlx never binds to, so they do not count."""
     from threadpoolctl import threadpool_info
 
-    return next((lib for lib in threadpool_info()
-                 if lib["internal_api"] == "openblas" and lib["prefix"] == "libopenblas"), None)
+    return next(
+        (lib for lib in threadpool_info() if lib["internal_api"] == "openblas" and lib["prefix"] == "libopenblas"), None
+    )
 
 
 def blas_id() -> str:

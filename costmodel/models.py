@@ -53,9 +53,14 @@ def robust_fit(features: np.ndarray, times: np.ndarray) -> np.ndarray:
     if np.all(np.abs(np.log(np.maximum(predicted, _TINY) / times)) <= np.log(OUTLIER)):
         return coef / scale
     log_times = np.log(times)
-    fit = least_squares(lambda c: np.log(np.maximum(scaled @ c, _TINY)) - log_times, coef,
-                        jac=lambda c: scaled / np.maximum(scaled @ c, _TINY)[:, None],
-                        bounds=(0.0, np.inf), loss="soft_l1", f_scale=0.02)
+    fit = least_squares(
+        lambda c: np.log(np.maximum(scaled @ c, _TINY)) - log_times,
+        coef,
+        jac=lambda c: scaled / np.maximum(scaled @ c, _TINY)[:, None],
+        bounds=(0.0, np.inf),
+        loss="soft_l1",
+        f_scale=0.02,
+    )
     return fit.x / scale
 
 
@@ -73,8 +78,7 @@ class ErrorLog:
         if not self.errors:
             return {"count": 0}
         values = np.array(self.errors)
-        return {"count": len(values), "median": float(np.median(values)),
-                "p90": float(np.percentile(values, 90))}
+        return {"count": len(values), "median": float(np.median(values)), "p90": float(np.percentile(values, 90))}
 
 
 @dataclass

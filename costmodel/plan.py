@@ -35,13 +35,19 @@ class Profile:
         """Guesses for an uncalibrated machine: slow links (1 and 0.5 GiB/s), and prefill at
         1 ms a token. Wrongly recomputing a long prefix costs far more than wrongly
         restoring a short one, so the guesses lean towards restoring."""
-        links = {"L2->L1": LinkModel.of(1e-3, 1 * GIB), "L3->L1": LinkModel.of(2e-3, 0.5 * GIB),
-                 "L3->L2": LinkModel.of(2e-3, 0.5 * GIB)}
+        links = {
+            "L2->L1": LinkModel.of(1e-3, 1 * GIB),
+            "L3->L1": LinkModel.of(2e-3, 0.5 * GIB),
+            "L3->L2": LinkModel.of(2e-3, 0.5 * GIB),
+        }
         return cls(links, ComputeModel([1e-3, 1e-3, 0.0]))
 
     def to_dict(self) -> dict:
-        return {"calibrated": self.calibrated, "compute": self.compute.to_dict(),
-                "links": {name: link.to_dict() for name, link in self.links.items()}}
+        return {
+            "calibrated": self.calibrated,
+            "compute": self.compute.to_dict(),
+            "links": {name: link.to_dict() for name, link in self.links.items()},
+        }
 
     @classmethod
     def from_dict(cls, d: dict) -> Profile:
@@ -66,8 +72,10 @@ class Profile:
 
     def summary(self) -> dict:
         """Fitted parameters and prediction errors, for stats."""
-        links = {name: {"setup_s": link.setup_s, "gib_s": link.bytes_per_s / GIB, "error": link.error.summary()}
-                 for name, link in self.links.items()}
+        links = {
+            name: {"setup_s": link.setup_s, "gib_s": link.bytes_per_s / GIB, "error": link.error.summary()}
+            for name, link in self.links.items()
+        }
         c0, c1, c2 = self.compute.coef
         compute = {"c0": c0, "c1": c1, "c2": c2, "error": self.compute.error.summary()}
         return {"calibrated": self.calibrated, "links": links, "compute": compute}
@@ -97,9 +105,13 @@ class RestorePlan:
         return self.l1_pages + self.overlap_pages
 
     def to_dict(self) -> dict:
-        return {"matched": self.matched, "restore_pages": self.restore_pages,
-                "overlap_pages": self.overlap_pages, "predicted_s": round(self.predicted_s, 6),
-                "recompute_s": round(self.recompute_s, 6)}
+        return {
+            "matched": self.matched,
+            "restore_pages": self.restore_pages,
+            "overlap_pages": self.overlap_pages,
+            "predicted_s": round(self.predicted_s, 6),
+            "recompute_s": round(self.recompute_s, 6),
+        }
 
 
 class LoadCost:
@@ -109,13 +121,18 @@ class LoadCost:
     def __init__(self, matched: Sequence[Source], page_bytes: int, profile: Profile, codec: str = "raw") -> None:
         self.profile = profile
         crossed = [links_crossed(source, codec) for source in matched]
-        self.prefix = {link: list(accumulate((page_bytes * (link in c) for c in crossed), initial=0))
-                       for link in {link for c in crossed for link in c}}
+        self.prefix = {
+            link: list(accumulate((page_bytes * (link in c) for c in crossed), initial=0))
+            for link in {link for c in crossed for link in c}
+        }
         self.joined = list(accumulate((page_bytes * (s is not Source.L1) for s in matched), initial=0))
 
     def seconds(self, start: int, stop: int, links: Sequence[str] | None = None) -> float:
-        return sum(self.profile.links[link].predict(sums[stop] - sums[start])
-                   for link, sums in self.prefix.items() if links is None or link in links)
+        return sum(
+            self.profile.links[link].predict(sums[stop] - sums[start])
+            for link, sums in self.prefix.items()
+            if links is None or link in links
+        )
 
     def overlapped(self, start: int, stop: int) -> tuple[float, float]:
         """(reads, join) of loading these pages beside the model: only the L3 reads
@@ -131,8 +148,9 @@ def restore_seconds(sources: Sequence[Source], page_bytes: int, profile: Profile
     return LoadCost(sources, page_bytes, profile, codec).seconds(0, len(sources))
 
 
-def plan_restore(matched: Sequence[Source], prompt_tokens: int, page_size: int,
-                 page_bytes: int, profile: Profile, codec: str = "raw") -> RestorePlan:
+def plan_restore(
+    matched: Sequence[Source], prompt_tokens: int, page_size: int, page_bytes: int, profile: Profile, codec: str = "raw"
+) -> RestorePlan:
     """The plan with the least predicted time to the end of prefill.
 
     For each restored prefix length ``k`` (at least up to the last L1 page: L1 pages
@@ -157,6 +175,7 @@ def plan_restore(matched: Sequence[Source], prompt_tokens: int, page_size: int,
         options = [(loads.seconds(0, k) + rest, 0)]
         most = k - lead - 1 if k <= next_l1 else 0  # compute c pages while at least one loads
         if most >= 1:
+
             def front(c: int) -> float:
                 return compute(c * page_size, lead * page_size)
 
@@ -192,8 +211,16 @@ class WaitPlan:
     deadline_s: float
 
 
-def plan_wait(stored: Sequence[Source], awaited_pages: int, leader_tokens: int, prompt_tokens: int,
-              page_size: int, page_bytes: int, profile: Profile, codec: str = "raw") -> WaitPlan:
+def plan_wait(
+    stored: Sequence[Source],
+    awaited_pages: int,
+    leader_tokens: int,
+    prompt_tokens: int,
+    page_size: int,
+    page_bytes: int,
+    profile: Profile,
+    codec: str = "raw",
+) -> WaitPlan:
     """Wait for ``awaited_pages`` pages after the ``stored`` ones, which a leader with
     ``leader_tokens`` tokens already in its cache is computing, or compute them now?
 
@@ -206,8 +233,9 @@ def plan_wait(stored: Sequence[Source], awaited_pages: int, leader_tokens: int, 
     compute = profile.compute.predict
     ready = (len(stored) + awaited_pages) * page_size
     leader_left = compute(ready - leader_tokens, leader_tokens) if ready > leader_tokens else 0.0
-    after = restore_seconds([*stored, *[Source.L1] * awaited_pages], page_bytes, profile, codec) \
-        + compute(prompt_tokens - ready, ready)
+    after = restore_seconds([*stored, *[Source.L1] * awaited_pages], page_bytes, profile, codec) + compute(
+        prompt_tokens - ready, ready
+    )
     own = plan_restore(stored, prompt_tokens, page_size, page_bytes, profile, codec).predicted_s
     now = own + min(own, leader_left)
     waiting = leader_left + after

@@ -93,8 +93,9 @@ def join_pages(hosts: list[np.ndarray], geometry: PageGeometry, digest: Sequence
     return Joined(layers, [None if h is None else h.intdigest() for h in hashers])
 
 
-def _join_group(hosts: list[np.ndarray], geometry: PageGeometry, layers: range,
-                hashers: list[xxh3_64 | None]) -> mx.array:
+def _join_group(
+    hosts: list[np.ndarray], geometry: PageGeometry, layers: range, hashers: list[xxh3_64 | None]
+) -> mx.array:
     """The pages joined along tokens for ``layers``, as one new mlx array, read now
     (while the pages are pinned), each hasher fed its page's bytes of these layers."""
     if len(hosts) == 1 and len(layers) == geometry.num_layers:  # a page is its own join: one copy
@@ -159,8 +160,9 @@ class _JoinedPages:
 
     closed = False
 
-    def __init__(self, hosts: list[np.ndarray], geometry: PageGeometry, layers: range,
-                 hashers: Sequence[xxh3_64 | None] = ()) -> None:
+    def __init__(
+        self, hosts: list[np.ndarray], geometry: PageGeometry, layers: range, hashers: Sequence[xxh3_64 | None] = ()
+    ) -> None:
         g = geometry
         self.hosts = [host[layers.start : layers.stop] for host in hosts]
         self.hashers = list(hashers) or [None] * len(hosts)
@@ -173,7 +175,8 @@ class _JoinedPages:
         self.size = self.payload + _SLACK  # bytes of the file's payload
         header = io.BytesIO()
         np.lib.format.write_array_header_1_0(
-            header, {"descr": self.dtype.str, "fortran_order": False, "shape": (self.size // self.dtype.itemsize,)})
+            header, {"descr": self.dtype.str, "fortran_order": False, "shape": (self.size // self.dtype.itemsize,)}
+        )
         self.header = header.getvalue()
         self.pos = 0
 

@@ -15,8 +15,9 @@ KEY = "from kvtier.costmodel.plan import profile_key; print(profile_key(bytes(8)
 
 
 def key_in_a_process(**env: str) -> str:
-    done = subprocess.run([sys.executable, "-c", KEY], capture_output=True, text=True, check=True,
-                          env={**os.environ, **env})
+    done = subprocess.run(
+        [sys.executable, "-c", KEY], capture_output=True, text=True, check=True, env={**os.environ, **env}
+    )
     return done.stdout.strip()
 
 

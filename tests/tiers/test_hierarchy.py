@@ -214,8 +214,14 @@ def test_join_hashes_the_flagged_pages_as_it_copies(monkeypatch, pages, groups, 
     monkeypatch.setattr(join, "_MAX_BUFFER", pages * PAGE // groups)
     if pieces:  # serve the payload in two reads: the run-by-run path, which hashes nothing
         whole = join._JoinedPages._gather
-        monkeypatch.setattr(join._JoinedPages, "_gather", lambda self, out, offset: (
-            whole(self, out[: len(out) // 2], offset), whole(self, out[len(out) // 2 :], offset + len(out) // 2)))
+        monkeypatch.setattr(
+            join._JoinedPages,
+            "_gather",
+            lambda self, out, offset: (
+                whole(self, out[: len(out) // 2], offset),
+                whole(self, out[len(out) // 2 :], offset + len(out) // 2),
+            ),
+        )
     flags = [i % 2 == 0 for i in range(pages)]
     result = join.join_pages(hosts, GEOMETRY, flags)
     assert result.digests == [xxh3_64_intdigest(h) if f else None for h, f in zip(hosts, flags)]

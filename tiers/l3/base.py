@@ -77,8 +77,7 @@ class Snapshot(ABC):
     def _value(self, key: bytes) -> memoryview | bytes | None:
         """The stored value of ``key``, None when absent or unreadable (logged)."""
 
-    def find(self, key: bytes, namespace_digest: bytes, tokens: Sequence[int],
-             raw_nbytes: int) -> StoredRecord | None:
+    def find(self, key: bytes, namespace_digest: bytes, tokens: Sequence[int], raw_nbytes: int) -> StoredRecord | None:
         """The record of ``key`` if its header matches this page, else None (a record
         with a bad header is rejected). Counts the lookup."""
         store = self.store
@@ -106,8 +105,7 @@ class L3Store(ABC):
     backend = ""  # "lmdb" or "redis": what stats call this L3
     tracks_use = True  # the writer records each use (a backend that sees its reads does not)
 
-    def __init__(self, capacity: int, *, codec: str, zstd_level: int, queue_pages: int,
-                 readonly: bool) -> None:
+    def __init__(self, capacity: int, *, codec: str, zstd_level: int, queue_pages: int, readonly: bool) -> None:
         if codec not in CODECS:
             raise ValueError(f"unknown L3 codec {codec!r}; expected one of {', '.join(CODECS)}")
         self.readonly = readonly
@@ -210,8 +208,9 @@ class L3Store(ABC):
         """How many leading ``keys`` have a record (a remote backend asks in one round trip)."""
         return next((i for i, key in enumerate(keys) if not self.contains(key)), len(keys))
 
-    def get(self, key: bytes, namespace_digest: bytes, tokens: Sequence[int],
-            raw_nbytes: int, out: np.ndarray | None = None) -> tuple[bytes | np.ndarray, int] | None:
+    def get(
+        self, key: bytes, namespace_digest: bytes, tokens: Sequence[int], raw_nbytes: int, out: np.ndarray | None = None
+    ) -> tuple[bytes | np.ndarray, int] | None:
         """Verified raw payload and the stored record size D (bytes read), or None.
 
         With ``out`` (uint8, ``raw_nbytes`` long) the payload is written there and
@@ -282,8 +281,15 @@ class L3Store(ABC):
                 self._deletes[bytes(key)] = fingerprint
                 self._wake.notify_all()
 
-    def put(self, key: bytes, namespace_digest: bytes, tokens: Sequence[int],
-            payload: bytes | memoryview, *, wait: bool = False) -> bool:
+    def put(
+        self,
+        key: bytes,
+        namespace_digest: bytes,
+        tokens: Sequence[int],
+        payload: bytes | memoryview,
+        *,
+        wait: bool = False,
+    ) -> bool:
         """Queue a write-once page write; False (and counted) when the queue is full.
 
         ``wait=True`` waits for room instead of dropping (for flushes, off the request path).
