@@ -24,10 +24,10 @@ import time
 def child(model: str, tokens: int, library: str | None) -> None:
     if library:
         ctypes.CDLL(library, mode=ctypes.RTLD_GLOBAL)
-    import kvtier  # noqa: F401  (KVTIER_NO_OPENBLAS=1 in every child: it preloads nothing itself)
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
+    import kvtier  # noqa: F401  (KVTIER_NO_OPENBLAS=1 in every child: it preloads nothing itself)
     from kvtier.engine.blas import blas_in_use
     from kvtier.engine.model import load_model
 

@@ -77,14 +77,14 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable, Sequence
 
-import kvtier  # noqa: F401  (loads OpenBLAS before mlx, when installed)
 import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
+import kvtier  # noqa: F401  (loads OpenBLAS before mlx, when installed)
 from kvtier.costmodel.calibrate import calibrate
 from kvtier.costmodel.models import ComputeModel, LinkModel
 from kvtier.costmodel.plan import Profile, restore_seconds
@@ -614,7 +614,8 @@ def print_tables(report: dict) -> None:
         )
         print(
             f"{'tier':<4} {'throttle':>12} {'tokens':>6} {'pages':>5} {'restore s':>9} {'recomp s':>9} "
-            f"{'pred rest':>9} {'pred reco':>9} {'oracle':>9} {'chosen':>9} {'pred chos':>9} {'chosen s':>9} {'regret':>7}"
+            f"{'pred rest':>9} {'pred reco':>9} {'oracle':>9} {'chosen':>9} {'pred chos':>9} "
+            f"{'chosen s':>9} {'regret':>7}"
         )
         for c in report["regret"]["cases"]:
             if "regret" not in c:
@@ -640,9 +641,8 @@ def print_tables(report: dict) -> None:
         for name in ("unthrottled", "throttled"):
             t = s[name]
             print(f"   {name}: {t['cases']} cases, median {_pct(t['median'])}, max {_pct(t['max'])}")
-    print(
-        f"\nwall time {report['meta']['elapsed_s']:.0f} s ({', '.join(f'{k} {v:.0f} s' for k, v in meta['phases_s'].items())})"
-    )
+    phases = ", ".join(f"{k} {v:.0f} s" for k, v in meta["phases_s"].items())
+    print(f"\nwall time {report['meta']['elapsed_s']:.0f} s ({phases})")
 
 
 # -- main -----------------------------------------------------------------------

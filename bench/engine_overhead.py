@@ -19,10 +19,10 @@ import tempfile
 import time
 from pathlib import Path
 
-import kvtier  # noqa: F401  (loads OpenBLAS before mlx, when installed)
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
 
+import kvtier  # noqa: F401  (loads OpenBLAS before mlx, when installed)
 from kvtier.engine.blas import blas_in_use
 from kvtier.engine.engine import Engine, EngineConfig
 from kvtier.engine.model import load_model

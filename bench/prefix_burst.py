@@ -21,7 +21,6 @@ import time
 from pathlib import Path
 
 import kvtier  # noqa: F401  (loads OpenBLAS before mlx, when installed)
-
 from kvtier.costmodel.calibrate import calibrate
 from kvtier.costmodel.plan import Profile
 from kvtier.engine.blas import blas_in_use

@@ -24,7 +24,7 @@ class Server:
     proc: subprocess.Popen | None = None
     log: Path | None = None
 
-    def start(self, timeout: float = 300) -> "Server":
+    def start(self, timeout: float = 300) -> Server:
         self.log = Path(os.environ.get("TMPDIR", "/tmp")) / f"bench-{self.name}-{os.getpid()}.log"
         self.proc = subprocess.Popen(self.cmd, stdout=self.log.open("w"), stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout

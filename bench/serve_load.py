@@ -1,7 +1,8 @@
 """Load on kvtier serve: N concurrent streaming clients (default 16) for a bounded time.
 Each client loops over chat requests that share a system prompt (cached by one request
-before the clients start) and differ in their question. Reports errors, TTFT p50 / p95, generated tokens per second, and the server's
-resident memory sampled through the run (it must level off, not grow per request).
+before the clients start) and differ in their question. Reports errors, TTFT p50 / p95,
+generated tokens per second, and the server's resident memory sampled through the run (it
+must level off, not grow per request).
 
     python bench/serve_load.py [--model DIR] [--clients 16] [--seconds 60] [--json]
 """

@@ -20,7 +20,6 @@ import statistics
 import time
 
 import kvtier  # noqa: F401  (loads OpenBLAS before mlx, when installed)
-
 from kvtier.engine.blas import blas_in_use
 from kvtier.engine.engine import Engine, EngineConfig
 from kvtier.engine.model import load_model

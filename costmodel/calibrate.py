@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -141,7 +141,7 @@ def _timed(store: TieredStore, keys: list, tokens: list[int], link: str, repeats
     """Bytes and median seconds on ``link`` of ``repeats`` steady-state restores of ``keys``
     (for an L3 link, with L2's copies dropped before each, so every restore reads L3)."""
     seconds = []
-    for i in range(repeats + 1):  # the first warms mlx's buffers (and the page cache)
+    for _ in range(repeats + 1):  # the first warms mlx's buffers (and the page cache)
         if link.startswith("L3"):
             store.drop_l2()
         before = dict(store.stats()["links"][link])

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from itertools import accumulate
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
+from itertools import accumulate
 
 from kvtier.tiers.links import READ_LINKS, links_crossed
 from kvtier.tiers.page import Source

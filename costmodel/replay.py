@@ -29,9 +29,9 @@ import heapq
 import json
 import os
 import tempfile
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -295,7 +295,7 @@ class Replay:
             *self._restore(store, keys[: plan.l1_pages], tokens, 0),  # as the engine does
             *self._restore(store, keys[: plan.restore_pages], tokens, plan.first_loaded),
         ]
-        for key, source in restored:
+        for _key, source in restored:
             result.sources[source.value] += size
         result.sources[Source.RECOMPUTED.value] += request.input_length - len(restored) * size
         result.reused.append(len(restored) * size)

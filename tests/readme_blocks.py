@@ -135,7 +135,7 @@ class Shell:
         assert done.returncode == 0, f"snippet failed: {last[0]}\n{done.stderr[-3000:]}"
         return done.stdout
 
-    def start(self, command: str) -> "Background":
+    def start(self, command: str) -> Background:
         return Background(
             subprocess.Popen(
                 ["bash", "-c", "exec " + as_run(command, **self.values)],

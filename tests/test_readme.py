@@ -40,7 +40,9 @@ COVERAGE = {
     ".venv/bin/kvtier run --chat --sequential": "test_first_run_and_shared_prefixes",
     "── request 0: 177 prompt tokens": "test_first_run_and_shared_prefixes",
     ".venv/bin/kvtier run --json --store /tmp/kv --prompt": "test_a_second_process_restores_from_l3",
-    ".venv/bin/kvtier run --json --store /tmp/kv --throttle": "not run: the throttle demo's rate is being rewritten with its own test (issue 21, item 4)",
+    ".venv/bin/kvtier run --json --store /tmp/kv --throttle": (
+        "not run: the throttle demo's rate is being rewritten with its own test (issue 21, item 4)"
+    ),
     "from pathlib import Path": "test_engine_snippet",
     ".venv/bin/kvtier serve --port 8000": "test_serve_snippets",
     "kvtier serve [--host 127.0.0.1]": "test_flags_are_the_commands_flags",
@@ -55,7 +57,9 @@ COVERAGE = {
     "# on the Redis host": "test_redis_example",
     ".venv/bin/kvtier run --model mlx-community/": "not run: a Hugging Face hub id needs the network",
     "gguf=$(.venv/bin/python": "test_import_gguf",
-    ".venv/bin/python bench/restore_bandwidth.py": "not run: benchmarks, minutes each, outside the test run (test_bench_commands_exist checks they exist)",
+    ".venv/bin/python bench/restore_bandwidth.py": (
+        "not run: benchmarks, minutes each, outside the test run (test_bench_commands_exist checks they exist)"
+    ),
     "tiers/      page identity": "test_layout",
 }
 PAGE = 128  # the README's page size (--page-size default)

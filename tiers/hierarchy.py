@@ -45,19 +45,19 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import MappingProxyType
-from typing import Mapping, Sequence
 
 import mlx.core as mx
 
 from .counters import add_into
+from .join import keep_buffers_for_restores
 from .l3.base import L3Store, StoreError
 from .l3.open import open_l3
-from .page import Namespace, PageGeometry, PageKey, Source, page_tokens, partial_key, shared_start
-from .join import keep_buffers_for_restores
 from .links import LinkLedger, Throttle
+from .page import Namespace, PageGeometry, PageKey, Source, page_tokens, partial_key, shared_start
 from .placement import Pins, Placement
 from .policy import DEFAULT_POLICY, L3Admission, make_policy
 from .restore import PendingRestore, RestoredPrefix, Restorer

@@ -13,16 +13,16 @@ import io
 import os
 import threading
 import time
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import mlx.core as mx
 import numpy as np
 from xxhash import xxh3_64
 
-from .page import PageGeometry
 from .layout import SLOT_OFFSET
+from .page import PageGeometry
 
 # Threads for a restore's bulk copies: numpy copies and LMDB reads release the GIL, and
 # one thread alone does not saturate memory bandwidth (on the 2-core dev VM, when idle,
@@ -67,8 +67,8 @@ def join_pages(hosts: list[np.ndarray], geometry: PageGeometry, digest: Sequence
     ``mx.load`` reads the joined prefix from a file-like ``_JoinedPages``, whose
     ``readinto`` is handed mlx's freshly allocated buffer and gathers the pages
     straight into it: no host staging, no zero-fill, so nothing beyond the
-    request's own KV (and ``_SLACK`` bytes an array, to place it). One load per group of layers of at most ``_MAX_BUFFER``
-    bytes (a few for a long prefix): mlx's buffer cache then keeps and reuses
+    request's own KV (and ``_SLACK`` bytes an array, to place it). One load per group of
+    layers of at most ``_MAX_BUFFER`` bytes (a few for a long prefix): mlx's buffer cache then keeps and reuses
     them like the model's own buffers, and a cache trim drops one group, not
     the whole prefix. The layers are views of the groups' arrays.
 
@@ -148,9 +148,10 @@ class _JoinedPages:
     the one way mlx's Python API lets us fill a fresh mlx buffer in a single pass
     (``mx.array`` copies a finished host buffer, ``mx.zeros``/``mx.empty`` write the
     whole buffer first). That is mlx's private behaviour, not its API: pyproject pins
-    the mlx versions whose behaviour tests/tiers/test_hierarchy.py checks directly. mlx calls ``readinto`` on one of its own I/O threads, which
-    takes the GIL; CPython 3.11's tracemalloc is not safe with threads made outside
-    Python (it can crash), so do not trace allocations around restores.
+    the mlx versions whose behaviour tests/tiers/test_hierarchy.py checks directly. mlx
+    calls ``readinto`` on one of its own I/O threads, which takes the GIL; CPython 3.11's
+    tracemalloc is not safe with threads made outside Python (it can crash), so do not
+    trace allocations around restores.
 
     A read of the whole payload (what ``mx.load`` does) gathers with a few threads,
     one run of pages each, hashing each page's layers just before copying them;

@@ -18,12 +18,12 @@ own key (``partial_key``) and reused up to the tokens a later prompt shares with
 
 from __future__ import annotations
 
-import math
-
 import hashlib
+import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from enum import Enum
-from typing import NewType, Sequence
+from typing import NewType
 
 import msgpack
 import numpy as np

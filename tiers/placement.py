@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from typing import Iterable, Mapping
+from collections.abc import Iterable, Mapping
 
 import mlx.core as mx
 import numpy as np

@@ -18,9 +18,9 @@ Not thread-safe by itself: the store calls it under its lock.
 from __future__ import annotations
 
 import time
-from contextlib import ExitStack, nullcontext
+from collections.abc import Sequence
+from contextlib import AbstractContextManager, ExitStack, nullcontext
 from dataclasses import dataclass
-from typing import ContextManager, Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -194,7 +194,7 @@ class Restorer:
         hash_now = [p.raw_l3 and d is None for p, d in zip(pending.pages, pending.digests)]
         return join_pages([p.data for p in pending.pages], self.geometry, hash_now)
 
-    def _snapshot(self) -> ContextManager[Snapshot | None]:
+    def _snapshot(self) -> AbstractContextManager[Snapshot | None]:
         return self.disk.snapshot() if self.disk is not None else nullcontext()
 
     def _plan(

@@ -11,8 +11,9 @@ Invariants kept here:
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
-from typing import Callable, Generic, Iterator, TypeVar
+from typing import Generic, TypeVar
 
 import mlx.core as mx
 import numpy as np

@@ -1,4 +1,3 @@
-import numpy as np
 import pytest
 
 from kvtier.costmodel.models import ComputeModel, LinkModel

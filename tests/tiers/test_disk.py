@@ -22,11 +22,10 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
 from xxhash import xxh3_64_intdigest
 
-from kvtier.tiers.l3.lmdb_admin import compact_store
 from kvtier.tiers.l3.base import StoreError
+from kvtier.tiers.l3.lmdb_admin import compact_store
 from kvtier.tiers.l3.lmdb_store import DiskTier
 from kvtier.tiers.l3.record import FORMAT_VERSION, RAW_PAYLOAD_OFFSET, CorruptRecord, RecordHeader, decode_record
 

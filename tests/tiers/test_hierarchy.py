@@ -10,14 +10,14 @@ import lmdb
 import mlx.core as mx
 import numpy as np
 import pytest
-from xxhash import xxh3_64_intdigest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from xxhash import xxh3_64_intdigest
 
-import kvtier.tiers.restore as restore_module
 import kvtier.tiers.join as join
 import kvtier.tiers.layout as layout
+import kvtier.tiers.restore as restore_module
 from kvtier.tiers.hierarchy import StoreConfig, TieredStore
 from kvtier.tiers.page import Namespace, PageGeometry, Source, page_keys
 from kvtier.tiers.tier import kv_to_host

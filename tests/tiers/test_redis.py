@@ -14,15 +14,15 @@ import pytest
 from xxhash import xxh3_64_intdigest
 
 from kvtier.costmodel.calibrate import link_samples
-from kvtier.engine.request import SamplingParams
 from kvtier.costmodel.models import ComputeModel
 from kvtier.costmodel.plan import Profile, plan_restore
+from kvtier.engine.request import SamplingParams
 from kvtier.tiers.hierarchy import StoreConfig, TieredStore
 from kvtier.tiers.l3.base import Batch, PendingPut, StoreError
 from kvtier.tiers.l3.open import open_l3
-from kvtier.tiers.page import Source
 from kvtier.tiers.l3.record import FORMAT_VERSION, RecordHeader, token_bytes
 from kvtier.tiers.l3.redis_store import RedisTier
+from kvtier.tiers.page import Source
 from kvtier.tiers.tier import kv_to_host
 
 from ..redis_servers import SlowProxy, free_port, needs_redis, redis_cluster, redis_server, redis_tls_server  # noqa: F401

@@ -31,9 +31,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from xxhash import xxh3_64_intdigest
 
+from kvtier.tiers.hierarchy import StoreConfig, TieredStore
 from kvtier.tiers.l3.lmdb_store import DiskTier
 from kvtier.tiers.l3.record import CODECS, FORMAT_VERSION, CorruptRecord, RecordHeader, decode_record
-from kvtier.tiers.hierarchy import StoreConfig, TieredStore
 from kvtier.tiers.page import Namespace, PageGeometry, page_keys
 from kvtier.tiers.tier import kv_to_host
 

@@ -24,8 +24,9 @@ from __future__ import annotations
 import logging
 import threading
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import ContextManager, Sequence
 
 import numpy as np
 
@@ -69,7 +70,7 @@ class Snapshot(ABC):
         self.store = store
         self.read_s = 0.0  # seconds spent reading records from the backend (a network's round trips)
 
-    def expect(self, keys: Sequence[bytes], raw_nbytes: int) -> None:
+    def expect(self, keys: Sequence[bytes], raw_nbytes: int) -> None:  # noqa: B027 (a no-op unless a backend batches)
         """A hint: ``find`` will be asked for these keys, in this order (a remote backend
         reads them in a few batched round trips)."""
 
@@ -143,7 +144,7 @@ class L3Store(ABC):
         """A record of ``key`` is stored (False when the backend cannot tell, logged)."""
 
     @abstractmethod
-    def snapshot(self) -> ContextManager[Snapshot]:
+    def snapshot(self) -> AbstractContextManager[Snapshot]:
         """One consistent view for a batch of page lookups."""
 
     @abstractmethod

@@ -20,10 +20,10 @@ import os
 import shutil
 import struct
 import time
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
 
 import lmdb
 import msgpack

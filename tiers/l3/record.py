@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import struct
 import threading
+from collections.abc import Sequence
 from dataclasses import astuple, dataclass
-from typing import Sequence
 
 import msgpack
 import numpy as np

@@ -30,8 +30,10 @@ import hashlib
 import logging
 import secrets
 import time
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Callable, Iterator, Sequence, TypeVar
+from functools import partial
+from typing import TypeVar
 from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
 
 import msgpack
@@ -284,7 +286,7 @@ class RedisTier(L3Store):
 
     def _commit(self, batch: Batch) -> None:
         for key, fingerprint in batch.deletes.items():
-            self._call("delete", lambda: self._delete_if_same(keys=[self._page(key)], args=[fingerprint]), 0)
+            self._call("delete", partial(self._delete_if_same, keys=[self._page(key)], args=[fingerprint]), 0)
         if not batch.puts:
             return
         records = [
