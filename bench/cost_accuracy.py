@@ -63,8 +63,8 @@ every planner decision below uses.
 
 The machine is noisy (2 cores, other work may run): only ratios from one run mean
 anything; the load average at start and end is printed. Progress goes to stderr.
-The default run takes about 13 minutes on the 2-core dev VM (OpenBLAS), most of it
-the recompute timings (3 x 4096 tokens) and the throttled restores.
+The default run takes minutes: most of it is the recompute timings (3 x 4096 tokens)
+and the throttled restores; the wall time of each phase is printed at the end.
 """
 
 from __future__ import annotations

@@ -58,7 +58,7 @@ def kvtier_server(model: str | None, port: int, store: Path, *flags: str) -> Ser
 
 
 # mlx_lm.server with the BLAS kvtier uses: ``import kvtier`` preloads the system OpenBLAS
-# (about 10x faster prefill on Linux CPUs than mlx's bundled BLAS), so neither side is handicapped.
+# (a much faster prefill on Linux CPUs than mlx's bundled BLAS), so neither side is handicapped.
 _MLX_LM_SERVER = (
     "import kvtier, runpy, sys; sys.argv[0] = 'mlx_lm.server'; runpy.run_module('mlx_lm.server', run_name='__main__')"
 )

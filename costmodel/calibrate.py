@@ -6,7 +6,7 @@ state (after a warm-up restore). Compute samples are forward passes of ``n`` tok
 after ``p`` cached ones. Each sample is the median of ``REPEATS`` timings.
 
 The quick calibration (``kvtier run``'s first use of a store, ``kvtier calibrate
---quick``) must stay short on any BLAS: mlx's reference BLAS prefills 10-40x slower
+--quick``) must stay short on any BLAS: mlx's reference BLAS prefills many times slower
 than OpenBLAS, so a fixed grid of prompt lengths takes seconds on one and minutes on
 the other. It times one short forward pass first and scales its prefill grid so that
 the prefills add up to about ``QUICK_PREFILL_S``; its link samples are few and small

@@ -25,9 +25,9 @@ from .layout import SLOT_OFFSET
 from .page import PageGeometry
 
 # Threads for a restore's bulk copies: numpy copies and LMDB reads release the GIL, and
-# one thread alone does not saturate memory bandwidth (on the 2-core dev VM, when idle,
-# two threads copy ~1.6x faster). Each takes at least _MIN_SHARE bytes, so a small
-# restore stays on one thread (handing work over costs more than it saves).
+# one thread alone does not saturate memory bandwidth, so a few threads copy faster
+# (bench/restore_bandwidth.py measures by how much). Each takes at least _MIN_SHARE
+# bytes, so a small restore stays on one thread (handing work over costs more than it saves).
 _WORKERS = max(1, min(4, os.cpu_count() or 1))
 _MIN_SHARE = 4 << 20
 _MAX_BUFFER = 64 << 20  # bytes of one restored array (a group of layers)
@@ -48,7 +48,8 @@ def _let_mlx_finish_loads() -> None:
 def keep_buffers_for_restores(limit: int = 1 << 30) -> None:
     """Raise mlx's buffer-cache limit to at least ``limit``: a restore's arrays come from
     that cache, and below the limit freed buffers are kept for the next restore
-    instead of being returned to the OS and faulted in again (2-3x slower on CPU)."""
+    instead of being returned to the OS and faulted in again (each fresh page is faulted in
+    and zero-filled by the kernel before the copy can write it)."""
     previous = mx.set_cache_limit(1 << 62)  # read the limit by raising it: lowering would trim the cache
     mx.set_cache_limit(max(previous, limit))
 
