@@ -87,7 +87,8 @@ from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 import kvtier  # noqa: F401  (loads OpenBLAS before mlx, when installed)
 from kvtier.costmodel.calibrate import calibrate
 from kvtier.costmodel.models import ComputeModel, LinkModel
-from kvtier.costmodel.plan import Profile, restore_seconds
+from kvtier.costmodel.plan import restore_seconds
+from kvtier.costmodel.profile import Profile
 from kvtier.engine.blas import blas_in_use
 from kvtier.engine.engine import Engine, EngineConfig
 from kvtier.engine.model import load_model

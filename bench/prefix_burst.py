@@ -22,7 +22,7 @@ from pathlib import Path
 
 import kvtier  # noqa: F401  (loads OpenBLAS before mlx, when installed)
 from kvtier.costmodel.calibrate import calibrate
-from kvtier.costmodel.plan import Profile
+from kvtier.costmodel.profile import Profile
 from kvtier.engine.blas import blas_in_use
 from kvtier.engine.engine import Engine, EngineConfig
 from kvtier.engine.model import load_model

@@ -30,7 +30,8 @@ from kvtier.tiers.hierarchy import RestoredPrefix, TieredStore
 from kvtier.tiers.page import PageGeometry, PageKey, Source
 
 from .calibrate import CONTEXTS, PREFILL_TOKENS, QUICK_REPEATS, prefill_samples, quick_grid, scratch_store
-from .plan import Profile, plan_restore
+from .plan import plan_restore
+from .profile import Profile
 
 GIB = 1 << 30
 PAGE_COUNTS = (1, 4, 16, 64)

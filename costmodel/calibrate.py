@@ -30,7 +30,7 @@ from kvtier.tiers.hierarchy import StoreConfig, TieredStore
 from kvtier.tiers.l3.open import scratch_location
 from kvtier.tiers.page import Namespace, PageGeometry, page_keys
 
-from .plan import Profile
+from .profile import Profile
 
 PAGE_COUNTS = (1, 2, 4, 8, 16)
 REPEATS = 3  # timings per sample, the median kept: one stall of a noisy machine moves nothing

@@ -41,7 +41,8 @@ from kvtier.tiers.page import Namespace, PageGeometry, PageKey, Source, page_key
 from kvtier.tiers.policy import DEFAULT_POLICY
 
 from .models import ComputeModel
-from .plan import Profile, plan_restore
+from .plan import plan_restore
+from .profile import Profile
 
 BLOCK_TOKENS = 512
 BELADY = "belady"  # not a store policy: the offline bound for the same total capacity

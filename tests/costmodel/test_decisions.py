@@ -5,7 +5,7 @@ import subprocess
 import sys
 
 from kvtier.costmodel.models import ComputeModel, LinkModel
-from kvtier.costmodel.plan import Profile
+from kvtier.costmodel.profile import Profile
 from kvtier.engine.engine import Engine, EngineConfig
 from kvtier.engine.request import SamplingParams
 from kvtier.tiers.hierarchy import StoreConfig

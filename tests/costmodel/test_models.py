@@ -1,7 +1,8 @@
 import pytest
 
 from kvtier.costmodel.models import ComputeModel, LinkModel
-from kvtier.costmodel.plan import Profile, plan_restore, restore_seconds
+from kvtier.costmodel.plan import plan_restore, restore_seconds
+from kvtier.costmodel.profile import Profile
 from kvtier.tiers.page import Source
 
 MIB = 1 << 20

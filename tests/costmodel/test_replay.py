@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from kvtier.costmodel import replay as rp
-from kvtier.costmodel.plan import Profile
+from kvtier.costmodel.profile import Profile
 
 KV_PER_TOKEN = 12288
 PAGE_BYTES = 512 * KV_PER_TOKEN  # 6 MiB

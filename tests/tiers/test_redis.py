@@ -15,7 +15,8 @@ from xxhash import xxh3_64_intdigest
 
 from kvtier.costmodel.calibrate import link_samples
 from kvtier.costmodel.models import ComputeModel
-from kvtier.costmodel.plan import Profile, plan_restore
+from kvtier.costmodel.plan import plan_restore
+from kvtier.costmodel.profile import Profile
 from kvtier.engine.request import SamplingParams
 from kvtier.tiers.hierarchy import StoreConfig, TieredStore
 from kvtier.tiers.l3.base import Batch, PendingPut, StoreError
