@@ -18,6 +18,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import mlx.core as mx
@@ -158,8 +159,8 @@ def measure(
         memcpy = Memcpy(nbytes)
         calls: dict[str, Call] = {}
         for n in page_counts:
-            calls[f"memcpy {n}"] = Call(lambda n=n: memcpy.one_thread(n * geometry.nbytes))
-            calls[f"memcpy2 {n}"] = Call(lambda n=n: memcpy.two_threads(n * geometry.nbytes))
+            calls[f"memcpy {n}"] = Call(partial(memcpy.one_thread, n * geometry.nbytes))
+            calls[f"memcpy2 {n}"] = Call(partial(memcpy.two_threads, n * geometry.nbytes))
             for name, restore in restores.items():
                 calls[f"{name} {n}"] = restore.call(n)
         frame = zstandard.ZstdCompressor(level=3).compress(

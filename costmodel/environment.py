@@ -37,4 +37,5 @@ def environment_id() -> str:
     """``node/arch/mlx-VERSION/BLAS``; fixed for a process (the BLAS is bound when mlx loads)."""
     import mlx.core as mx
 
-    return f"{platform.node()}/{platform.machine()}/mlx-{mx.__version__}/{blas_id()}"
+    version = mx.__version__  # type: ignore[attr-defined]  # set at runtime, absent from mlx's stubs
+    return f"{platform.node()}/{platform.machine()}/mlx-{version}/{blas_id()}"

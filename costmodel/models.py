@@ -18,7 +18,9 @@ from __future__ import annotations
 import logging
 import math
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import ClassVar, TypeVar
 
 import numpy as np
 from scipy.optimize import least_squares, nnls
@@ -81,6 +83,9 @@ class ErrorLog:
         return {"count": len(values), "median": float(np.median(values)), "p90": float(np.percentile(values, 90))}
 
 
+_Model = TypeVar("_Model", bound="TimeModel")
+
+
 @dataclass
 class TimeModel:
     """``seconds = coef . features(x)``, refitted on a window of recent samples."""
@@ -89,9 +94,8 @@ class TimeModel:
     samples: deque = field(default_factory=lambda: deque(maxlen=WINDOW))
     error: ErrorLog = field(default_factory=ErrorLog)
 
-    @staticmethod
-    def features(*x: float) -> list[float]:
-        raise NotImplementedError
+    # each model's feature vector of its own inputs (bytes; new and cached tokens)
+    features: ClassVar[Callable[..., list[float]]]
 
     def predict(self, *x: float) -> float:
         return max(float(np.dot(self.coef, self.features(*x))), 0.0)
@@ -124,7 +128,7 @@ class TimeModel:
         return {"coef": self.coef, "samples": [list(s) for s in self.samples]}
 
     @classmethod
-    def from_dict(cls, d: dict) -> TimeModel:
+    def from_dict(cls: type[_Model], d: dict) -> _Model:
         model = cls(list(d["coef"]))
         model.samples.extend(tuple(s) for s in d.get("samples", []))
         return model

@@ -66,7 +66,7 @@ class Namespace:
         return _hash(msgpack.packb(asdict(self), use_bin_type=True))
 
 
-def page_keys(namespace: Namespace, tokens: Sequence[int]) -> list[PageKey]:
+def page_keys(namespace: Namespace, tokens: Sequence[int] | np.ndarray) -> list[PageKey]:
     """Chained keys of every full page of ``tokens`` (the partial tail has none)."""
     size = namespace.page_size
     prev = namespace.digest()
