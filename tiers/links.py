@@ -79,8 +79,8 @@ class LinkLedger:
                 moved.setdefault(link, LinkCounters()).record(stored if leaves_l3 else page_nbytes, seconds)
         if (joined := moved.get(L2_L1)) is not None and joined.seconds > 0:
             joined.seconds = throttle.wait("L2", joined.bytes, joined.seconds)
-        for name, link in moved.items():
-            self.record(name, link.bytes, link.seconds, link.pages)
+        for name, counters in moved.items():
+            self.record(name, counters.bytes, counters.seconds, counters.pages)
 
     def cumulative(self) -> dict[str, dict[str, float]]:
         return {name: link.cumulative() for name, link in self.links.items()}
