@@ -24,10 +24,10 @@ import time
 def child(model: str, tokens: int, library: str | None) -> None:
     if library:
         ctypes.CDLL(library, mode=ctypes.RTLD_GLOBAL)
-    import kvtier  # noqa: F401  (KVTIER_NO_OPENBLAS=1 in every child: it preloads nothing itself)
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
+    import kvtier  # noqa: F401  (KVTIER_NO_OPENBLAS=1 in every child: it preloads nothing itself)
     from kvtier.engine.blas import blas_in_use
     from kvtier.engine.models.load import load_model
 
@@ -64,8 +64,13 @@ def main() -> None:
     best: dict[str, dict] = {}
     for _ in range(args.repeats):
         for name, library in setups.items():
-            done = subprocess.run([sys.executable, __file__, "--model", args.model, "--tokens", str(args.tokens),
-                                   "--child", library], capture_output=True, text=True, env=env, check=True)
+            done = subprocess.run(
+                [sys.executable, __file__, "--model", args.model, "--tokens", str(args.tokens), "--child", library],
+                capture_output=True,
+                text=True,
+                env=env,
+                check=True,
+            )
             run = json.loads(done.stdout.splitlines()[-1])
             if name not in best or run["seconds"] < best[name]["seconds"]:
                 best[name] = run

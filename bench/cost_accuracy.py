@@ -63,8 +63,8 @@ every planner decision below uses.
 
 The machine is noisy (2 cores, other work may run): only ratios from one run mean
 anything; the load average at start and end is printed. Progress goes to stderr.
-The default run takes about 13 minutes on the 2-core dev VM (OpenBLAS), most of it
-the recompute timings (3 x 4096 tokens) and the throttled restores.
+The default run takes minutes: most of it is the recompute timings (3 x 4096 tokens)
+and the throttled restores; the wall time of each phase is printed at the end.
 """
 
 from __future__ import annotations
@@ -77,17 +77,18 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable, Sequence
 
-import kvtier  # noqa: F401  (loads OpenBLAS before mlx, when installed)
 import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
+import kvtier  # noqa: F401  (loads OpenBLAS before mlx, when installed)
 from kvtier.costmodel.calibrate import calibrate
 from kvtier.costmodel.models import ComputeModel, LinkModel
-from kvtier.costmodel.plan import Profile, restore_seconds
+from kvtier.costmodel.plan import restore_seconds
+from kvtier.costmodel.profile import Profile
 from kvtier.engine.blas import blas_in_use
 from kvtier.engine.engine import Engine, EngineConfig
 from kvtier.engine.models.load import load_model
@@ -152,21 +153,31 @@ def timed_restore(store: TieredStore, keys: list, tokens: list[int]) -> tuple[li
     wall = time.perf_counter() - t0
     after = store.stats()["links"]
     store.release(restored.keys)
-    moved = {name: {"bytes": after[name]["bytes"] - before.get(name, {}).get("bytes", 0),
-                    "seconds": after[name]["seconds"] - before.get(name, {}).get("seconds", 0.0)}
-             for name in after}
+    moved = {
+        name: {
+            "bytes": after[name]["bytes"] - before.get(name, {}).get("bytes", 0),
+            "seconds": after[name]["seconds"] - before.get(name, {}).get("seconds", 0.0),
+        }
+        for name in after
+    }
     return list(restored.sources), wall, {k: v for k, v in moved.items() if v["bytes"] > 0}
 
 
-def restore_samples(geometry: PageGeometry, profile: Profile, root: Path, counts: Sequence[int],
-                    repeats: int, codec: str) -> list[dict]:
+def restore_samples(
+    geometry: PageGeometry, profile: Profile, root: Path, counts: Sequence[int], repeats: int, codec: str
+) -> list[dict]:
     """One row per (restore, link) and one "restore (wall)" row per restore."""
     pages = max(counts)
     tokens = random_tokens(pages * geometry.page_size + 1, seed=7)
     namespace = Namespace("kvtier-bench-cost-accuracy", geometry.dtype, geometry.page_size)
     keys = page_keys(namespace, tokens)[:pages]
-    config = StoreConfig(l1_bytes=0, l2_bytes=(pages + 2) * geometry.nbytes,
-                         l3_bytes=(2 * pages + 8) * geometry.nbytes, store_dir=root, codec=codec)
+    config = StoreConfig(
+        l1_bytes=0,
+        l2_bytes=(pages + 2) * geometry.nbytes,
+        l3_bytes=(2 * pages + 8) * geometry.nbytes,
+        store_dir=root,
+        codec=codec,
+    )
     store = TieredStore(geometry, namespace, config)
     rng = np.random.default_rng(0)
     size = geometry.page_size
@@ -192,12 +203,29 @@ def restore_samples(geometry: PageGeometry, profile: Profile, root: Path, counts
                     for link, m in moved.items():
                         model = profile.links.get(link)
                         predicted = model.predict(m["bytes"]) if model is not None else None
-                        rows.append({"tier": tier, "pages": k, "link": link, "bytes": m["bytes"],
-                                     "predicted_s": predicted, "measured_s": m["seconds"],
-                                     "error": rel_error(predicted, m["seconds"])})
+                        rows.append(
+                            {
+                                "tier": tier,
+                                "pages": k,
+                                "link": link,
+                                "bytes": m["bytes"],
+                                "predicted_s": predicted,
+                                "measured_s": m["seconds"],
+                                "error": rel_error(predicted, m["seconds"]),
+                            }
+                        )
                     predicted = predicted_load(sources, geometry.nbytes, profile, codec)
-                    rows.append({"tier": tier, "pages": k, "link": f"{tier} restore (wall)", "bytes": k * geometry.nbytes,
-                                 "predicted_s": predicted, "measured_s": wall, "error": rel_error(predicted, wall)})
+                    rows.append(
+                        {
+                            "tier": tier,
+                            "pages": k,
+                            "link": f"{tier} restore (wall)",
+                            "bytes": k * geometry.nbytes,
+                            "predicted_s": predicted,
+                            "measured_s": wall,
+                            "error": rel_error(predicted, wall),
+                        }
+                    )
                 progress(f"restore from {tier}: {k} pages")
     finally:
         store.close()
@@ -226,8 +254,16 @@ def prefill_samples(model, profile: Profile, pairs: Sequence[tuple[int, int]], r
                 times.append(time.perf_counter() - t0)
                 trim_prompt_cache(cache, n)
             predicted = profile.compute.predict(n, p)
-            rows.append({"n": n, "p": p, "predicted_s": predicted, "measured_s": min(times), "all_s": times,
-                         "errors": [rel_error(predicted, t) for t in times]})
+            rows.append(
+                {
+                    "n": n,
+                    "p": p,
+                    "predicted_s": predicted,
+                    "measured_s": min(times),
+                    "all_s": times,
+                    "errors": [rel_error(predicted, t) for t in times],
+                }
+            )
             progress(f"prefill n={n} p={p}: {min(times):.3f} s")
     return rows
 
@@ -260,8 +296,9 @@ def expected_signature(n: int, restored_tokens: int, tier: str) -> tuple:
 class Bench:
     """Engines over temporary stores, the calibrated profile and the shared recompute times."""
 
-    def __init__(self, loaded, profile: Profile, page_size: int, root: Path, lengths: Sequence[int],
-                 repeats: int, codec: str) -> None:
+    def __init__(
+        self, loaded, profile: Profile, page_size: int, root: Path, lengths: Sequence[int], repeats: int, codec: str
+    ) -> None:
         self.loaded, self.profile, self.page_size, self.root = loaded, profile, page_size, root
         self.repeats, self.codec = repeats, codec
         self.prompts = {n: random_tokens(n, seed=1000 + n) for n in lengths}
@@ -275,8 +312,14 @@ class Bench:
         self.l3_bytes = 2 * self.l2_bytes + (64 << 20)
 
     def engine(self, store_dir: Path, throttle: dict[str, float]) -> Engine:
-        store = StoreConfig(l1_bytes=0, l2_bytes=self.l2_bytes, l3_bytes=self.l3_bytes, store_dir=store_dir,
-                            codec=self.codec, throttle=dict(throttle))
+        store = StoreConfig(
+            l1_bytes=0,
+            l2_bytes=self.l2_bytes,
+            l3_bytes=self.l3_bytes,
+            store_dir=store_dir,
+            codec=self.codec,
+            throttle=dict(throttle),
+        )
         engine = Engine(self.loaded, EngineConfig(page_size=self.page_size, store=store))
         # Forced profiles name every link there is, so any path the planner takes finds a model.
         self.links |= set(Profile.defaults().links) | set(self.profile.links) | set(engine.store.stats()["links"])
@@ -348,15 +391,29 @@ class Bench:
             best = min(t_a, t_b)
             load = predicted_load([Source(tier)] * pages, self.geometry.nbytes, capped, self.codec)
             pred_a = None if load is None else load + capped.compute.predict(n - pages * size, pages * size)
-            self.cases.append({
-                **row, "t_restore": t_a, "t_recompute": t_b, "t_chosen": t_c, "chosen": kind,
-                "chosen_sources": dict(chosen), "oracle": "restore" if t_a <= t_b else "recompute",
-                "regret": (t_c - best) / best, "plan": plan,
-                "predicted_restore_s": pred_a, "predicted_recompute_s": capped.compute.predict(n, 0),
-                "restore_all_s": restore_t, "recompute_all_s": recompute_t, "chosen_all_s": planner_t,
-                "note": "; ".join(notes)})
-            progress(f"{tier} throttle={_rate_text(rate)} {n} tokens: restore {t_a:.3f} s, recompute {t_b:.3f} s, "
-                     f"chose {kind} -> regret {(t_c - best) / best:.1%}")
+            self.cases.append(
+                {
+                    **row,
+                    "t_restore": t_a,
+                    "t_recompute": t_b,
+                    "t_chosen": t_c,
+                    "chosen": kind,
+                    "chosen_sources": dict(chosen),
+                    "oracle": "restore" if t_a <= t_b else "recompute",
+                    "regret": (t_c - best) / best,
+                    "plan": plan,
+                    "predicted_restore_s": pred_a,
+                    "predicted_recompute_s": capped.compute.predict(n, 0),
+                    "restore_all_s": restore_t,
+                    "recompute_all_s": recompute_t,
+                    "chosen_all_s": planner_t,
+                    "note": "; ".join(notes),
+                }
+            )
+            progress(
+                f"{tier} throttle={_rate_text(rate)} {n} tokens: restore {t_a:.3f} s, recompute {t_b:.3f} s, "
+                f"chose {kind} -> regret {(t_c - best) / best:.1%}"
+            )
 
     def all_cases(self, throttles: dict[str, float]) -> None:
         main = self.root / "store"
@@ -421,7 +478,7 @@ def throttles_from(specs: list[str], profile: Profile, geometry: PageGeometry) -
             continue
         tier, _, rate = spec.rpartition("=")
         value = auto_rate(profile, geometry) if rate == "auto" else parse_rate(rate)
-        for t in ([tier] if tier else ["L2", "L3"]):
+        for t in [tier] if tier else ["L2", "L3"]:
             if t not in ("L2", "L3"):
                 raise SystemExit(f"bad throttle {spec!r}: tier L2 or L3")
             throttles[t] = value
@@ -464,12 +521,18 @@ def compute_report(prefill: list[dict], bench: Bench | None) -> dict:
 def regret_report(cases: list[dict]) -> dict:
     decided = [c for c in cases if "regret" in c]
     regrets = [c["regret"] for c in decided]
-    out = {"cases": len(decided), "median": statistics.median(regrets) if regrets else None,
-           "max": max(regrets) if regrets else None}
+    out = {
+        "cases": len(decided),
+        "median": statistics.median(regrets) if regrets else None,
+        "max": max(regrets) if regrets else None,
+    }
     for throttled in (False, True):
         mine = [c["regret"] for c in decided if (c["throttle_bytes_s"] is not None) == throttled]
         out["throttled" if throttled else "unthrottled"] = {
-            "cases": len(mine), "median": statistics.median(mine) if mine else None, "max": max(mine) if mine else None}
+            "cases": len(mine),
+            "median": statistics.median(mine) if mine else None,
+            "max": max(mine) if mine else None,
+        }
     out["meets_target"] = bool(regrets) and out["max"] <= REGRET_TARGET
     out["median_meets_target"] = bool(regrets) and out["median"] <= REGRET_TARGET
     return out
@@ -485,8 +548,10 @@ def _ms(x: float | None) -> str:
 
 def print_tables(report: dict) -> None:
     meta = report["meta"]
-    print(f"cost-model accuracy: model {meta['model']}, page {meta['page_size']} tokens "
-          f"({meta['page_bytes'] / MIB:.1f} MiB), codec {meta['codec']}, repeats {meta['repeats']}")
+    print(
+        f"cost-model accuracy: model {meta['model']}, page {meta['page_size']} tokens "
+        f"({meta['page_bytes'] / MIB:.1f} MiB), codec {meta['codec']}, repeats {meta['repeats']}"
+    )
     print(f"BLAS: {meta['blas']}")
     print(f"load average at start {meta['loadavg_start']}, at end {meta['loadavg_end']} (noisy machine: read ratios)")
     cal = report["calibration"]
@@ -500,8 +565,10 @@ def print_tables(report: dict) -> None:
 
     if "restore" in report:
         rows = report["restore"]["rows"]
-        print("\n1a. restores: predicted (calibrated link model of the bytes each link's counter moved) "
-              "vs measured (the counter's seconds); 'Lx restore (wall)': planner's restore_seconds vs wall clock")
+        print(
+            "\n1a. restores: predicted (calibrated link model of the bytes each link's counter moved) "
+            "vs measured (the counter's seconds); 'Lx restore (wall)': planner's restore_seconds vs wall clock"
+        )
         print(f"{'from':<4} {'pages':>5} {'MiB':>7} {'link':<17} {'pred ms':>9} {'meas ms':>9} {'error':>7}")
         groups: dict[tuple, list[dict]] = {}
         for r in rows:
@@ -509,8 +576,10 @@ def print_tables(report: dict) -> None:
         for (tier, pages, link), mine in groups.items():
             measured = statistics.median(r["measured_s"] for r in mine)
             errors = [r["error"] for r in mine if r["error"] is not None]
-            print(f"{tier:<4} {pages:>5} {mine[0]['bytes'] / MIB:>7.1f} {link:<17} {_ms(mine[0]['predicted_s']):>9} "
-                  f"{_ms(measured):>9} {_pct(statistics.median(errors)) if errors else 'no model':>7}")
+            print(
+                f"{tier:<4} {pages:>5} {mine[0]['bytes'] / MIB:>7.1f} {link:<17} {_ms(mine[0]['predicted_s']):>9} "
+                f"{_ms(measured):>9} {_pct(statistics.median(errors)) if errors else 'no model':>7}"
+            )
         print(f"\n   summary, restores >= 1 MiB (target: median <= {RESTORE_TARGET:.0%}):")
         print(f"   {'link':<17} {'samples':>7} {'median':>7} {'p90':>7}  target")
         for link, s in report["restore"]["summary"].items():
@@ -519,44 +588,62 @@ def print_tables(report: dict) -> None:
             print(f"   {link:<17} {s['samples']:>7} {_pct(s['median']):>7} {_pct(s['p90']):>7}  {verdict}{extra}")
 
     if "prefill" in report:
-        print("\n1b. prefill: ComputeModel.predict(n, p) vs forward time (chunks of prefill_step_size, best of repeats)")
+        print(
+            "\n1b. prefill: ComputeModel.predict(n, p) vs forward time (chunks of prefill_step_size, best of repeats)"
+        )
         print(f"{'n':>6} {'p':>6} {'pred s':>9} {'meas s':>9} {'error':>7}")
         for r in report["prefill"]:
-            print(f"{r['n']:>6} {r['p']:>6} {r['predicted_s']:>9.3f} {r['measured_s']:>9.3f} "
-                  f"{_pct(rel_error(r['predicted_s'], r['measured_s'])):>7}")
+            print(
+                f"{r['n']:>6} {r['p']:>6} {r['predicted_s']:>9.3f} {r['measured_s']:>9.3f} "
+                f"{_pct(rel_error(r['predicted_s'], r['measured_s'])):>7}"
+            )
         for name, s in report["compute_error"].items():
             print(f"   {name}: samples {s['count']}, median {_pct(s['median'])}, p90 {_pct(s['p90'])}")
         if report.get("recompute_ttft"):
             print("   full recompute through the engine (TTFT) vs predict(n, 0):")
             for n, (pred, best) in report["recompute_ttft"].items():
-                print(f"     n={n:>5}: predicted {pred:.3f} s, measured (best) {best:.3f} s, "
-                      f"error {_pct(rel_error(pred, best))}")
+                print(
+                    f"     n={n:>5}: predicted {pred:.3f} s, measured (best) {best:.3f} s, "
+                    f"error {_pct(rel_error(pred, best))}"
+                )
 
     if "regret" in report:
-        print(f"\n2. decision regret (TTFT, best of {meta['repeats']}; throttles: "
-              f"{ {k: _rate_text(v) for k, v in report['throttles'].items()} }, auto = break-even at "
-              f"{BREAK_EVEN_TOKENS} tokens)")
-        print(f"{'tier':<4} {'throttle':>12} {'tokens':>6} {'pages':>5} {'restore s':>9} {'recomp s':>9} "
-              f"{'pred rest':>9} {'pred reco':>9} {'oracle':>9} {'chosen':>9} {'pred chos':>9} {'chosen s':>9} {'regret':>7}")
+        print(
+            f"\n2. decision regret (TTFT, best of {meta['repeats']}; throttles: "
+            f"{ {k: _rate_text(v) for k, v in report['throttles'].items()} }, auto = break-even at "
+            f"{BREAK_EVEN_TOKENS} tokens)"
+        )
+        print(
+            f"{'tier':<4} {'throttle':>12} {'tokens':>6} {'pages':>5} {'restore s':>9} {'recomp s':>9} "
+            f"{'pred rest':>9} {'pred reco':>9} {'oracle':>9} {'chosen':>9} {'pred chos':>9} "
+            f"{'chosen s':>9} {'regret':>7}"
+        )
         for c in report["regret"]["cases"]:
             if "regret" not in c:
-                print(f"{c['tier']:<4} {_rate_text(c['throttle_bytes_s']):>12} {c['tokens']:>6} {c['pages']:>5} "
-                      f"{'-':>9} {c['t_recompute']:>9.3f}   ({c['note']})")
+                print(
+                    f"{c['tier']:<4} {_rate_text(c['throttle_bytes_s']):>12} {c['tokens']:>6} {c['pages']:>5} "
+                    f"{'-':>9} {c['t_recompute']:>9.3f}   ({c['note']})"
+                )
                 continue
             pred_a = "-" if c["predicted_restore_s"] is None else f"{c['predicted_restore_s']:.3f}"
             pred_c = "-" if not c.get("plan") else f"{c['plan']['predicted_s']:.3f}"
-            print(f"{c['tier']:<4} {_rate_text(c['throttle_bytes_s']):>12} {c['tokens']:>6} {c['pages']:>5} "
-                  f"{c['t_restore']:>9.3f} {c['t_recompute']:>9.3f} {pred_a:>9} {c['predicted_recompute_s']:>9.3f} "
-                  f"{c['oracle']:>9} {c['chosen']:>9} {pred_c:>9} {c['t_chosen']:>9.3f} {_pct(c['regret']):>7}"
-                  + (f"  [{c['note']}]" if c.get("note") else ""))
+            print(
+                f"{c['tier']:<4} {_rate_text(c['throttle_bytes_s']):>12} {c['tokens']:>6} {c['pages']:>5} "
+                f"{c['t_restore']:>9.3f} {c['t_recompute']:>9.3f} {pred_a:>9} {c['predicted_recompute_s']:>9.3f} "
+                f"{c['oracle']:>9} {c['chosen']:>9} {pred_c:>9} {c['t_chosen']:>9.3f} {_pct(c['regret']):>7}"
+                + (f"  [{c['note']}]" if c.get("note") else "")
+            )
         s = report["regret"]["summary"]
-        print(f"   summary over {s['cases']} cases with pages to reuse (target <= {REGRET_TARGET:.0%}): "
-              f"median {_pct(s['median'])}, max {_pct(s['max'])} -> "
-              f"{'ok' if s['meets_target'] else ('median ok, max MISSED' if s['median_meets_target'] else 'MISSED')}")
+        print(
+            f"   summary over {s['cases']} cases with pages to reuse (target <= {REGRET_TARGET:.0%}): "
+            f"median {_pct(s['median'])}, max {_pct(s['max'])} -> "
+            f"{'ok' if s['meets_target'] else ('median ok, max MISSED' if s['median_meets_target'] else 'MISSED')}"
+        )
         for name in ("unthrottled", "throttled"):
             t = s[name]
             print(f"   {name}: {t['cases']} cases, median {_pct(t['median'])}, max {_pct(t['max'])}")
-    print(f"\nwall time {report['meta']['elapsed_s']:.0f} s ({', '.join(f'{k} {v:.0f} s' for k, v in meta['phases_s'].items())})")
+    phases = ", ".join(f"{k} {v:.0f} s" for k, v in meta["phases_s"].items())
+    print(f"\nwall time {report['meta']['elapsed_s']:.0f} s ({phases})")
 
 
 # -- main -----------------------------------------------------------------------
@@ -573,8 +660,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=list(LENGTHS), help="prompt lengths (tokens)")
     parser.add_argument("--repeats", type=int, default=3, help="timings per measurement (best is kept)")
-    parser.add_argument("--throttle", action="append", default=[], metavar="auto|none|RATE|TIER=RATE",
-                        help="read throttle for the throttled cases (default auto, both tiers)")
+    parser.add_argument(
+        "--throttle",
+        action="append",
+        default=[],
+        metavar="auto|none|RATE|TIER=RATE",
+        help="read throttle for the throttled cases (default auto, both tiers)",
+    )
     parser.add_argument("--pages", type=int, nargs="+", default=list(PAGE_COUNTS), help="restore sizes (pages)")
     parser.add_argument("--prefill", type=parse_pair, nargs="+", default=list(PREFILL), metavar="N:P")
     parser.add_argument("--page-size", type=int, default=128)
@@ -606,7 +698,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         sizes = {name: len({x[0] for x in link.samples if x[0] > 0}) for name, link in profile.links.items()}
         phase("calibration")
         if 1 in args.parts:
-            rows = restore_samples(geometry, profile, root / "restore", sorted(set(args.pages)), args.repeats, args.codec)
+            rows = restore_samples(
+                geometry, profile, root / "restore", sorted(set(args.pages)), args.repeats, args.codec
+            )
             report["restore"] = {"rows": rows, "summary": restore_report(rows)}
             phase("restores")
             step = EngineConfig().prefill_step_size
@@ -626,11 +720,19 @@ def main(argv: Sequence[str] | None = None) -> int:
             if "prefill" not in report:
                 report["prefill"] = []
     report["meta"] = {
-        "model": loaded.name, "page_size": args.page_size, "page_bytes": geometry.nbytes, "codec": args.codec,
-        "repeats": args.repeats, "blas": blas_in_use(), "loadavg_start": loadavg_start,
-        "loadavg_end": [round(x, 2) for x in os.getloadavg()], "elapsed_s": time.perf_counter() - _T0,
-        "phases_s": phases, "argv": sys.argv[1:],
-        "calibration_sizes": sizes}
+        "model": loaded.name,
+        "page_size": args.page_size,
+        "page_bytes": geometry.nbytes,
+        "codec": args.codec,
+        "repeats": args.repeats,
+        "blas": blas_in_use(),
+        "loadavg_start": loadavg_start,
+        "loadavg_end": [round(x, 2) for x in os.getloadavg()],
+        "elapsed_s": time.perf_counter() - _T0,
+        "phases_s": phases,
+        "argv": sys.argv[1:],
+        "calibration_sizes": sizes,
+    }
     if args.json:
         print(json.dumps(report))
     else:

@@ -48,14 +48,28 @@ def store_trials(store: Path, trials: int, seed: int, tiered_every: int, max_del
             crash_trial(store, log, rng, mode, count=2000 if mode == "disk" else 1500, max_delay=max_delay)
         except AssertionError:
             break  # recorded in log.failures; the store is left as it was for inspection
-    return {"trials": log.trials, "killed": log.killed, "pages_verified": log.pages_verified,
-            "pages_survived": log.survived, "failures": log.failures, "seconds": round(time.perf_counter() - t0, 1)}
+    return {
+        "trials": log.trials,
+        "killed": log.killed,
+        "pages_verified": log.pages_verified,
+        "pages_survived": log.survived,
+        "failures": log.failures,
+        "seconds": round(time.perf_counter() - t0, 1),
+    }
 
 
 def cli_trials(store: Path, trials: int, seed: int) -> dict:
     from kvtier.engine.models.load import load_model
-    from tests.engine.test_failures import (cli_crash_trial, leading_stored_pages, outputs, prompt_page_keys,
-                                            prompt_set, run, seed_profile, verify_records)
+    from tests.engine.test_failures import (
+        cli_crash_trial,
+        leading_stored_pages,
+        outputs,
+        prompt_page_keys,
+        prompt_set,
+        run,
+        seed_profile,
+        verify_records,
+    )
 
     rng = random.Random(seed)
     t0 = time.perf_counter()
@@ -85,8 +99,12 @@ def cli_trials(store: Path, trials: int, seed: int) -> dict:
             failures.append(f"after the kills: {restored} pages restored, {leading} servable were stored")
         if verify_records(store) != len({k for keys in prompt_page_keys(everything, loaded) for k in keys}):
             failures.append("after the kills: a full run did not leave every page in L3")
-        report.update(prompts=len(everything), servable_pages_left=leading, pages_restored=restored,
-                      outputs_equal=outputs(results) == expected)
+        report.update(
+            prompts=len(everything),
+            servable_pages_left=leading,
+            pages_restored=restored,
+            outputs_equal=outputs(results) == expected,
+        )
     report.update(failures=failures, seconds=round(time.perf_counter() - t0, 1))
     return report
 
@@ -94,7 +112,9 @@ def cli_trials(store: Path, trials: int, seed: int) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--trials", type=int, default=200, help="store-level trials")
-    parser.add_argument("--tiered-every", type=int, default=5, help="every Nth store trial writes through TieredStore (0: never)")
+    parser.add_argument(
+        "--tiered-every", type=int, default=5, help="every Nth store trial writes through TieredStore (0: never)"
+    )
     parser.add_argument("--cli-trials", type=int, default=0, help="kvtier run trials (about 3 s each)")
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--max-delay", type=float, default=0.35, help="longest wait after the child is ready, s")
@@ -115,14 +135,18 @@ def main() -> int:
         print(f"seed {seed}, stores under {root}")
         if "store" in report:
             s = report["store"]
-            print(f"store trials: {s['trials']} ({s['killed']} killed mid-run), {s['pages_verified']} pages "
-                  f"verified, {s['pages_survived']} pages of killed writers survived intact, {s['seconds']} s")
+            print(
+                f"store trials: {s['trials']} ({s['killed']} killed mid-run), {s['pages_verified']} pages "
+                f"verified, {s['pages_survived']} pages of killed writers survived intact, {s['seconds']} s"
+            )
         if "cli" in report:
             c = report["cli"]
-            print(f"cli trials: {c['trials']} ({c['killed']} killed), records after each kill "
-                  f"{c['records_after_each']}; then one run of all {c.get('prompts')} prompts: outputs equal "
-                  f"to --no-offload: {c.get('outputs_equal')}, {c.get('pages_restored')} pages restored of "
-                  f"{c.get('servable_pages_left')} servable left by the kills, {c['seconds']} s")
+            print(
+                f"cli trials: {c['trials']} ({c['killed']} killed), records after each kill "
+                f"{c['records_after_each']}; then one run of all {c.get('prompts')} prompts: outputs equal "
+                f"to --no-offload: {c.get('outputs_equal')}, {c.get('pages_restored')} pages restored of "
+                f"{c.get('servable_pages_left')} servable left by the kills, {c['seconds']} s"
+            )
         print(f"failures: {len(failures)}")
         for failure in failures:
             print("  " + failure)

@@ -19,10 +19,10 @@ import tempfile
 import time
 from pathlib import Path
 
-import kvtier  # noqa: F401  (loads OpenBLAS before mlx, when installed)
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
 
+import kvtier  # noqa: F401  (loads OpenBLAS before mlx, when installed)
 from kvtier.engine.blas import blas_in_use
 from kvtier.engine.engine import Engine, EngineConfig
 from kvtier.engine.models.load import load_model
@@ -36,8 +36,9 @@ def unique_prompts(count: int, tokens: int, seed: int) -> list[list[int]]:
 
 def run_mlx_lm(loaded, prompts, max_tokens) -> float:
     t0 = time.perf_counter()
-    generator = BatchGenerator(loaded.model, stop_tokens=[[t] for t in loaded.tokenizer.eos_token_ids],
-                               prefill_step_size=512)
+    generator = BatchGenerator(
+        loaded.model, stop_tokens=[[t] for t in loaded.tokenizer.eos_token_ids], prefill_step_size=512
+    )
     generator.insert(prompts, max_tokens=[max_tokens] * len(prompts))
     remaining = len(prompts)
     while remaining:
@@ -76,23 +77,29 @@ def main() -> None:
         times["close"].append(close)
         times["store"].append(store / seconds)
 
-    ways = [lambda prompts: times["mlx_lm"].append(run_mlx_lm(loaded, prompts, args.max_tokens)),
-            lambda prompts: times["off"].append(run_engine(loaded, prompts, args.max_tokens, offload=False)[0]),
-            on]
+    ways = [
+        lambda prompts: times["mlx_lm"].append(run_mlx_lm(loaded, prompts, args.max_tokens)),
+        lambda prompts: times["off"].append(run_engine(loaded, prompts, args.max_tokens, offload=False)[0]),
+        on,
+    ]
     for repeat in range(args.repeats):
         prompts = unique_prompts(args.prompts, args.tokens, repeat)  # never seen before
-        for way in ways[repeat % 3:] + ways[: repeat % 3]:
+        for way in ways[repeat % 3 :] + ways[: repeat % 3]:
             way(prompts)
             mx.clear_cache()
     med = {k: statistics.median(v) for k, v in times.items()}
     print(f"BLAS: {blas_in_use()}")
-    print(f"{args.prompts} unique prompts x {args.tokens} tokens, {args.max_tokens} output tokens, "
-          f"median of {args.repeats}")
+    print(
+        f"{args.prompts} unique prompts x {args.tokens} tokens, {args.max_tokens} output tokens, "
+        f"median of {args.repeats}"
+    )
     for name in ("mlx_lm", "off", "on", "close"):
         print(f"  {name:>7}: {med[name]:7.3f} s")
     print(f"engine (offload off) throughput vs mlx_lm BatchGenerator: {med['mlx_lm'] / med['off']:.3f}x")
-    print(f"offload on / off time: {med['on'] / med['off']:.3f} (plus close/flush to L3: "
-          f"{med['close'] / med['off']:.3f} of a run)")
+    print(
+        f"offload on / off time: {med['on'] / med['off']:.3f} (plus close/flush to L3: "
+        f"{med['close'] / med['off']:.3f} of a run)"
+    )
     print(f"time inside the store during offload-on runs (restore + publish): {med['store']:.2%} of the run")
 
 

@@ -21,9 +21,8 @@ import time
 from pathlib import Path
 
 import kvtier  # noqa: F401  (loads OpenBLAS before mlx, when installed)
-
 from kvtier.costmodel.calibrate import calibrate
-from kvtier.costmodel.plan import Profile
+from kvtier.costmodel.profile import Profile
 from kvtier.engine.blas import blas_in_use
 from kvtier.engine.engine import Engine, EngineConfig
 from kvtier.engine.models.load import load_model
@@ -45,21 +44,29 @@ def run_burst(loaded, profile: Profile, policy: str, prompts: list[list[int]], p
     total = time.perf_counter() - t0
     engine.close()
     ttft = sorted(r.t_first_token - r.t_submit for r in requests)
-    return {"computed": sum(r.sources()["recomputed"] for r in requests),
-            "mean_ttft": statistics.mean(ttft), "p95_ttft": ttft[min(len(ttft) - 1, round(0.95 * (len(ttft) - 1)))],
-            "total": total, "waited": sum(r.waited_tokens for r in requests)}
+    return {
+        "computed": sum(r.sources()["recomputed"] for r in requests),
+        "mean_ttft": statistics.mean(ttft),
+        "p95_ttft": ttft[min(len(ttft) - 1, round(0.95 * (len(ttft) - 1)))],
+        "total": total,
+        "waited": sum(r.waited_tokens for r in requests),
+    }
 
 
 def show(title: str, rows: dict[str, dict], ideal: int | None) -> None:
     print(title)
-    print(f"  {'policy':>14} {'computed':>9} {'/ideal':>7} {'waited':>7} {'mean TTFT s':>12} {'x off':>6} "
-          f"{'p95 TTFT s':>11} {'total s':>8} {'x off':>6}")
+    print(
+        f"  {'policy':>14} {'computed':>9} {'/ideal':>7} {'waited':>7} {'mean TTFT s':>12} {'x off':>6} "
+        f"{'p95 TTFT s':>11} {'total s':>8} {'x off':>6}"
+    )
     off = rows["off"]
     for policy, r in rows.items():
         ratio = f"{r['computed'] / ideal:7.2f}" if ideal else f"{'-':>7}"
-        print(f"  {policy:>14} {r['computed']:>9} {ratio} {r['waited']:>7} {r['mean_ttft']:>12.2f} "
-              f"{r['mean_ttft'] / off['mean_ttft']:>6.2f} {r['p95_ttft']:>11.2f} {r['total']:>8.2f} "
-              f"{r['total'] / off['total']:>6.2f}")
+        print(
+            f"  {policy:>14} {r['computed']:>9} {ratio} {r['waited']:>7} {r['mean_ttft']:>12.2f} "
+            f"{r['mean_ttft'] / off['mean_ttft']:>6.2f} {r['p95_ttft']:>11.2f} {r['total']:>8.2f} "
+            f"{r['total'] / off['total']:>6.2f}"
+        )
 
 
 def main() -> None:
@@ -73,8 +80,10 @@ def main() -> None:
     params = SamplingParams(max_tokens=args.max_tokens)
     with tempfile.TemporaryDirectory() as scratch:
         profile = calibrate(loaded.model, loaded.geometry(EngineConfig().page_size), Path(scratch), quick=True)
-    print(f"model {loaded.name}, BLAS {blas_in_use()}, prefix {args.prefix} + suffix {args.suffix} tokens, "
-          f"{args.max_tokens} output tokens each; prefill model c0, c1, c2 = {profile.compute.coef}")
+    print(
+        f"model {loaded.name}, BLAS {blas_in_use()}, prefix {args.prefix} + suffix {args.suffix} tokens, "
+        f"{args.max_tokens} output tokens each; prefill model c0, c1, c2 = {profile.compute.coef}"
+    )
     shared = tokens(args.prefix, 0)
     for n in args.sizes:
         prompts = [shared + tokens(args.suffix, 1 + i) for i in range(n)]

@@ -81,7 +81,9 @@ def bandwidth(page_counts: list[int], rounds: int, cluster: bool) -> list[dict]:
         (tmp / "cluster").mkdir()
         servers = {"redis": RedisServer(tmp / "redis", "--maxmemory", "2gb", "--maxmemory-policy", "allkeys-lru")}
         if cluster:
-            servers["cluster"] = RedisCluster(tmp / "cluster", "--maxmemory", "1gb", "--maxmemory-policy", "allkeys-lru")
+            servers["cluster"] = RedisCluster(
+                tmp / "cluster", "--maxmemory", "1gb", "--maxmemory-policy", "allkeys-lru"
+            )
         try:
             for n in page_counts:
                 nbytes = n * GEOMETRY.nbytes
@@ -130,18 +132,39 @@ def ttft(url: str) -> dict:
     (warm,) = second.generate([prompt], params)
     second.close()
     assert warm.output == cold.output
-    return {"prompt_tokens": len(prompt), "restored_tokens": warm.sources().get("L3", 0),
-            "recompute_ttft_s": cold.t_first_token - cold.t_submit, "redis_ttft_s": warm.t_first_token - warm.t_submit,
-            "speedup": (cold.t_first_token - cold.t_submit) / (warm.t_first_token - warm.t_submit)}
+    return {
+        "prompt_tokens": len(prompt),
+        "restored_tokens": warm.sources().get("L3", 0),
+        "recompute_ttft_s": cold.t_first_token - cold.t_submit,
+        "redis_ttft_s": warm.t_first_token - warm.t_submit,
+        "speedup": (cold.t_first_token - cold.t_submit) / (warm.t_first_token - warm.t_submit),
+    }
 
 
 def concurrent_runs(url: str, processes: int = 4) -> dict:
     """``processes`` kvtier runs at once on one Redis (each its own home), restoring what a
     first run computed; wall time over one such run alone."""
+
     def launch(home: Path) -> subprocess.Popen:
         env = {**os.environ, "KVTIER_HOME": str(home), "KVTIER_NO_AUTO_CALIBRATE": "1"}
-        return subprocess.Popen([sys.executable, "-m", "kvtier.engine.cli", "run", "--json", "--max-tokens", "4",
-                                 "--store", url, "--prompt", PROMPT], stdout=subprocess.PIPE, text=True, env=env)
+        return subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "kvtier.engine.cli",
+                "run",
+                "--json",
+                "--max-tokens",
+                "4",
+                "--store",
+                url,
+                "--prompt",
+                PROMPT,
+            ],
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
 
     with tempfile.TemporaryDirectory() as tmp:
         launch(Path(tmp) / "first").communicate()  # computes the prompt into Redis
@@ -152,9 +175,12 @@ def concurrent_runs(url: str, processes: int = 4) -> dict:
         runs = [launch(Path(tmp) / str(i)) for i in range(processes)]
         results = [json.loads(r.communicate()[0].splitlines()[0]) for r in runs]
         together_s = time.perf_counter() - t0
-    return {"processes": processes, "restored_from_l3": sum(r["sources"].get("L3", 0) > 0 for r in results),
-            "same_output": len({tuple(r["output_token_ids"]) for r in results}) == 1,
-            "wall_over_one_alone": together_s / alone_s}
+    return {
+        "processes": processes,
+        "restored_from_l3": sum(r["sources"].get("L3", 0) > 0 for r in results),
+        "same_output": len({tuple(r["output_token_ids"]) for r in results}) == 1,
+        "wall_over_one_alone": together_s / alone_s,
+    }
 
 
 def main() -> None:
@@ -181,16 +207,23 @@ def main() -> None:
         return
     for row in report["bandwidth"]:
         cells = [f"{row['pages']:>3} pages ({row['mib']:.0f} MiB): memcpy {row['memcpy_gib_s']:.2f} GiB/s"]
-        cells += [f"{name} {row[f'{name}_gib_s']:.2f} GiB/s ({row[f'{name}_vs_memcpy']:.2f}x memcpy)"
-                  for name in ("lmdb", "redis", "cluster") if f"{name}_gib_s" in row]
+        cells += [
+            f"{name} {row[f'{name}_gib_s']:.2f} GiB/s ({row[f'{name}_vs_memcpy']:.2f}x memcpy)"
+            for name in ("lmdb", "redis", "cluster")
+            if f"{name}_gib_s" in row
+        ]
         print("; ".join(cells))
     if "ttft" in report:
         t = report["ttft"]
-        print(f"TTFT, {t['prompt_tokens']} tokens ({t['restored_tokens']} from Redis): "
-              f"restored {t['speedup']:.1f}x faster than recomputed")
+        print(
+            f"TTFT, {t['prompt_tokens']} tokens ({t['restored_tokens']} from Redis): "
+            f"restored {t['speedup']:.1f}x faster than recomputed"
+        )
         c = report["concurrent"]
-        print(f"{c['processes']} concurrent runs: {c['restored_from_l3']} restored from L3, same output: "
-              f"{c['same_output']}, wall time {c['wall_over_one_alone']:.2f}x one alone")
+        print(
+            f"{c['processes']} concurrent runs: {c['restored_from_l3']} restored from L3, same output: "
+            f"{c['same_output']}, wall time {c['wall_over_one_alone']:.2f}x one alone"
+        )
 
 
 if __name__ == "__main__":

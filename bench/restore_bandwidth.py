@@ -15,10 +15,10 @@ import json
 import tempfile
 from pathlib import Path
 
-import kvtier  # noqa: F401  (loads OpenBLAS before mlx, when installed)
 import mlx.core as mx
 import numpy as np
 
+import kvtier  # noqa: F401  (loads OpenBLAS before mlx, when installed)
 from kvtier.costmodel.bandwidth import ROUNDS, Memcpy, measure  # noqa: F401  (Memcpy: bench/redis_restore.py)
 from kvtier.engine.blas import blas_in_use
 from kvtier.tiers.page import Namespace, PageGeometry, page_keys
@@ -49,16 +49,22 @@ def main() -> None:
     if args.json:
         print(json.dumps(report, indent=1))
         return
-    print(f"BLAS: {report['blas']}; page = {GEOMETRY.nbytes / (1 << 20):.1f} MiB; "
-          f"best of {report['rounds']} interleaved rounds")
+    print(
+        f"BLAS: {report['blas']}; page = {GEOMETRY.nbytes / (1 << 20):.1f} MiB; "
+        f"best of {report['rounds']} interleaved rounds"
+    )
     print(f"{'pages':>5} {'restore':>12} {'GiB/s':>7} {'memcpy':>7} {'2thr':>6} {'ratio':>6}")
     for r in report["restores"]:
-        print(f"{r['pages']:>5} {r['row']:>12} {r['gib_s']:7.2f} {r['memcpy_gib_s']:7.2f} "
-              f"{r['memcpy_2_threads_gib_s']:6.2f} {r['ratio_to_memcpy']:6.2f}")
+        print(
+            f"{r['pages']:>5} {r['row']:>12} {r['gib_s']:7.2f} {r['memcpy_gib_s']:7.2f} "
+            f"{r['memcpy_2_threads_gib_s']:6.2f} {r['ratio_to_memcpy']:6.2f}"
+        )
     limits, peer = report["limits"], report["peer"]
-    print(f"{peer['pages']} pages: LMDB zero-copy read {limits['lmdb_zero_copy_read_gib_s']:.2f} GiB/s, zstd "
-          f"decompress {limits['zstd_decompress_gib_s']:.2f}, load_prompt_cache "
-          f"{peer['load_prompt_cache_gib_s']:.2f}; its time / ours from L3: {peer['ratio']:.2f}")
+    print(
+        f"{peer['pages']} pages: LMDB zero-copy read {limits['lmdb_zero_copy_read_gib_s']:.2f} GiB/s, zstd "
+        f"decompress {limits['zstd_decompress_gib_s']:.2f}, load_prompt_cache "
+        f"{peer['load_prompt_cache_gib_s']:.2f}; its time / ours from L3: {peer['ratio']:.2f}"
+    )
     print("ratio: memcpy time (one thread) / restore time, same bytes; 2thr: memcpy split over two threads, GiB/s")
 
 

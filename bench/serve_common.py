@@ -24,7 +24,7 @@ class Server:
     proc: subprocess.Popen | None = None
     log: Path | None = None
 
-    def start(self, timeout: float = 300) -> "Server":
+    def start(self, timeout: float = 300) -> Server:
         self.log = Path(os.environ.get("TMPDIR", "/tmp")) / f"bench-{self.name}-{os.getpid()}.log"
         self.proc = subprocess.Popen(self.cmd, stdout=self.log.open("w"), stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout
@@ -58,8 +58,10 @@ def kvtier_server(model: str | None, port: int, store: Path, *flags: str) -> Ser
 
 
 # mlx_lm.server with the BLAS kvtier uses: ``import kvtier`` preloads the system OpenBLAS
-# (about 10x faster prefill on Linux CPUs than mlx's bundled BLAS), so neither side is handicapped.
-_MLX_LM_SERVER = "import kvtier, runpy, sys; sys.argv[0] = 'mlx_lm.server'; runpy.run_module('mlx_lm.server', run_name='__main__')"
+# (a much faster prefill on Linux CPUs than mlx's bundled BLAS), so neither side is handicapped.
+_MLX_LM_SERVER = (
+    "import kvtier, runpy, sys; sys.argv[0] = 'mlx_lm.server'; runpy.run_module('mlx_lm.server', run_name='__main__')"
+)
 
 
 def mlx_lm_server(model: str, port: int) -> Server:
@@ -79,8 +81,14 @@ class Reply:
 
 def stream_chat(client: httpx.Client, server: Server, messages: list[dict], max_tokens: int) -> Reply:
     """One streamed greedy chat request; TTFT is the time to the first chunk with text."""
-    body = {"model": server.model, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
-            "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": server.model,
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     t0 = time.perf_counter()
     ttft, pieces, usage, finish = None, [], {}, None
     with client.stream("POST", server.url + "/v1/chat/completions", json=body) as response:
@@ -88,7 +96,7 @@ def stream_chat(client: httpx.Client, server: Server, messages: list[dict], max_
         for line in response.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
-            chunk = json.loads(line[len("data: "):])
+            chunk = json.loads(line[len("data: ") :])
             usage = chunk.get("usage") or usage
             for choice in chunk.get("choices", []):
                 finish = choice.get("finish_reason") or finish
@@ -97,8 +105,9 @@ def stream_chat(client: httpx.Client, server: Server, messages: list[dict], max_
                     ttft = time.perf_counter() - t0
                 pieces.append(text)
     total = time.perf_counter() - t0
-    return Reply("".join(pieces), ttft if ttft is not None else total, total,
-                 usage.get("completion_tokens", 0), finish, usage)
+    return Reply(
+        "".join(pieces), ttft if ttft is not None else total, total, usage.get("completion_tokens", 0), finish, usage
+    )
 
 
 def percentile(values: list[float], q: float) -> float:

@@ -30,9 +30,15 @@ sys.path.insert(0, str(Path(__file__).parent))
 from serve_common import Server, default_model_dir, kvtier_server, mlx_lm_server, percentile, stream_chat  # noqa: E402
 
 TOOLS = [
-    {"name": name, "description": f"{what} Use it whenever the task needs it; never guess its output.",
-     "parameters": {"type": "object", "properties": {arg: {"type": "string", "description": f"the {arg}"}
-                                                     for arg in args}, "required": list(args)}}
+    {
+        "name": name,
+        "description": f"{what} Use it whenever the task needs it; never guess its output.",
+        "parameters": {
+            "type": "object",
+            "properties": {arg: {"type": "string", "description": f"the {arg}"} for arg in args},
+            "required": list(args),
+        },
+    }
     for name, what, args in [
         ("read_file", "Read a file of the repository and return its text.", ["path"]),
         ("write_file", "Write text to a file of the repository, replacing it.", ["path", "text"]),
@@ -44,21 +50,36 @@ TOOLS = [
         ("ask_user", "Ask the user a question and wait for the answer.", ["question"]),
     ]
 ]
-SYSTEM = ("You are a coding agent working in a Python repository. Think step by step, call one tool "
-          "at a time by answering with a JSON object {\"tool\": name, \"arguments\": {...}}, and explain "
-          "briefly what you do. Keep changes small and run the tests after each one.\n\nTools:\n"
-          + "\n".join(json.dumps(tool) for tool in TOOLS))
-TASKS = ["Fix the failing test in tests/test_cache.py.", "Add a --verbose flag to the CLI.",
-         "Why is the restore slow for long prompts?", "Rename Page to KVPage everywhere.",
-         "Write a docstring for the eviction policy.", "Find where the LMDB environment is opened.",
-         "Add a test for an empty prompt.", "Summarise what the scheduler does."]
-FOLLOW_UPS = ["Go on.", "The tool returned: OK. What next?", "Run the tests now.",
-              "The tests pass. Anything else?", "Commit it with a short message."]
+SYSTEM = (
+    "You are a coding agent working in a Python repository. Think step by step, call one tool "
+    'at a time by answering with a JSON object {"tool": name, "arguments": {...}}, and explain '
+    "briefly what you do. Keep changes small and run the tests after each one.\n\nTools:\n"
+    + "\n".join(json.dumps(tool) for tool in TOOLS)
+)
+TASKS = [
+    "Fix the failing test in tests/test_cache.py.",
+    "Add a --verbose flag to the CLI.",
+    "Why is the restore slow for long prompts?",
+    "Rename Page to KVPage everywhere.",
+    "Write a docstring for the eviction policy.",
+    "Find where the LMDB environment is opened.",
+    "Add a test for an empty prompt.",
+    "Summarise what the scheduler does.",
+]
+FOLLOW_UPS = [
+    "Go on.",
+    "The tool returned: OK. What next?",
+    "Run the tests now.",
+    "The tests pass. Anything else?",
+    "Commit it with a short message.",
+]
 
 
 def run_pass(server: Server, conversations: int, turns: int, max_tokens: int) -> dict:
-    histories = [[{"role": "system", "content": SYSTEM}, {"role": "user", "content": TASKS[c % len(TASKS)]}]
-                 for c in range(conversations)]
+    histories = [
+        [{"role": "system", "content": SYSTEM}, {"role": "user", "content": TASKS[c % len(TASKS)]}]
+        for c in range(conversations)
+    ]
     ttfts, first_turns, cached, prompt = [], [], 0, 0
     t0 = time.perf_counter()
     with httpx.Client(timeout=600) as client:
@@ -71,13 +92,21 @@ def run_pass(server: Server, conversations: int, turns: int, max_tokens: int) ->
                 details = reply.usage.get("prompt_tokens_details") or {}
                 cached += details.get("cached_tokens") or 0
                 prompt += reply.usage.get("prompt_tokens", 0)
-                history += [{"role": "assistant", "content": reply.text},
-                            {"role": "user", "content": FOLLOW_UPS[turn % len(FOLLOW_UPS)]}]
-    later = ttfts[len(first_turns):]
-    return {"ttft_p50_s": percentile(ttfts, 50), "ttft_p95_s": percentile(ttfts, 95),
-            "first_request_ttft_s": ttfts[0], "first_turn_ttft_p50_s": percentile(first_turns, 50), "later_turns_ttft_p50_s": percentile(later, 50),
-            "total_s": time.perf_counter() - t0, "requests": len(ttfts),
-            "cached_fraction": cached / prompt if prompt else None}
+                history += [
+                    {"role": "assistant", "content": reply.text},
+                    {"role": "user", "content": FOLLOW_UPS[turn % len(FOLLOW_UPS)]},
+                ]
+    later = ttfts[len(first_turns) :]
+    return {
+        "ttft_p50_s": percentile(ttfts, 50),
+        "ttft_p95_s": percentile(ttfts, 95),
+        "first_request_ttft_s": ttfts[0],
+        "first_turn_ttft_p50_s": percentile(first_turns, 50),
+        "later_turns_ttft_p50_s": percentile(later, 50),
+        "total_s": time.perf_counter() - t0,
+        "requests": len(ttfts),
+        "cached_fraction": cached / prompt if prompt else None,
+    }
 
 
 def main() -> int:
@@ -101,32 +130,53 @@ def main() -> int:
         for name, make in servers.items():
             server = make().start()
             try:
-                results.setdefault(name, {})[pass_name] = run_pass(server, args.conversations, args.turns,
-                                                                   args.max_tokens)
+                results.setdefault(name, {})[pass_name] = run_pass(
+                    server, args.conversations, args.turns, args.max_tokens
+                )
             finally:
                 server.stop()
-    ratios = {p: {k: results["kvtier"][p][k] / results["mlx_lm.server"][p][k]
-                  for k in ("ttft_p50_s", "ttft_p95_s", "first_request_ttft_s", "first_turn_ttft_p50_s",
-                            "later_turns_ttft_p50_s", "total_s")}
-              for p in ("first", "after_restart")}
+    ratios = {
+        p: {
+            k: results["kvtier"][p][k] / results["mlx_lm.server"][p][k]
+            for k in (
+                "ttft_p50_s",
+                "ttft_p95_s",
+                "first_request_ttft_s",
+                "first_turn_ttft_p50_s",
+                "later_turns_ttft_p50_s",
+                "total_s",
+            )
+        }
+        for p in ("first", "after_restart")
+    }
     report = {"model": model, "page_size": args.page_size, "results": results, "kvtier_over_mlx_lm": ratios}
     if args.json:
         print(json.dumps(report))
         return 0
-    print(f"model {model}, {args.conversations} conversations x {args.turns} turns, "
-          f"{args.max_tokens} tokens per answer, page size {args.page_size}")
-    print(f"{'server':<14} {'pass':<14} {'TTFT p50':>9} {'TTFT p95':>9} {'request 1':>9} {'turn 1':>8} {'later':>8} "
-          f"{'total':>8} {'cached':>7}")
+    print(
+        f"model {model}, {args.conversations} conversations x {args.turns} turns, "
+        f"{args.max_tokens} tokens per answer, page size {args.page_size}"
+    )
+    print(
+        f"{'server':<14} {'pass':<14} {'TTFT p50':>9} {'TTFT p95':>9} {'request 1':>9} {'turn 1':>8} {'later':>8} "
+        f"{'total':>8} {'cached':>7}"
+    )
     for name, passes in results.items():
         for pass_name, r in passes.items():
             cached = f"{r['cached_fraction']:.0%}" if r["cached_fraction"] is not None else "-"
-            print(f"{name:<14} {pass_name:<14} {r['ttft_p50_s']:>8.3f}s {r['ttft_p95_s']:>8.3f}s "
-                  f"{r['first_request_ttft_s']:>8.3f}s {r['first_turn_ttft_p50_s']:>7.3f}s {r['later_turns_ttft_p50_s']:>7.3f}s "
-                  f"{r['total_s']:>7.1f}s {cached:>7}")
+            print(
+                f"{name:<14} {pass_name:<14} {r['ttft_p50_s']:>8.3f}s {r['ttft_p95_s']:>8.3f}s "
+                f"{r['first_request_ttft_s']:>8.3f}s {r['first_turn_ttft_p50_s']:>7.3f}s "
+                f"{r['later_turns_ttft_p50_s']:>7.3f}s "
+                f"{r['total_s']:>7.1f}s {cached:>7}"
+            )
     for pass_name, r in ratios.items():
-        print(f"kvtier / mlx_lm.server, {pass_name}: TTFT p50 {r['ttft_p50_s']:.2f}x, "
-              f"p95 {r['ttft_p95_s']:.2f}x, first request {r['first_request_ttft_s']:.2f}x, first turns p50 {r['first_turn_ttft_p50_s']:.2f}x, "
-              f"later turns p50 {r['later_turns_ttft_p50_s']:.2f}x, total {r['total_s']:.2f}x")
+        print(
+            f"kvtier / mlx_lm.server, {pass_name}: TTFT p50 {r['ttft_p50_s']:.2f}x, "
+            f"p95 {r['ttft_p95_s']:.2f}x, first request {r['first_request_ttft_s']:.2f}x, "
+            f"first turns p50 {r['first_turn_ttft_p50_s']:.2f}x, "
+            f"later turns p50 {r['later_turns_ttft_p50_s']:.2f}x, total {r['total_s']:.2f}x"
+        )
     return 0
 
 

@@ -1,7 +1,8 @@
 """Load on kvtier serve: N concurrent streaming clients (default 16) for a bounded time.
 Each client loops over chat requests that share a system prompt (cached by one request
-before the clients start) and differ in their question. Reports errors, TTFT p50 / p95, generated tokens per second, and the server's
-resident memory sampled through the run (it must level off, not grow per request).
+before the clients start) and differ in their question. Reports errors, TTFT p50 / p95,
+generated tokens per second, and the server's resident memory sampled through the run (it
+must level off, not grow per request).
 
     python bench/serve_load.py [--model DIR] [--clients 16] [--seconds 60] [--json]
 """
@@ -50,13 +51,21 @@ def main() -> int:
     args = parser.parse_args()
     server = kvtier_server(args.model, args.port, Path(tempfile.mkdtemp(prefix="kvtier-load-"))).start()
     with httpx.Client(timeout=600) as client:  # one request first: the shared system prompt is cached, as
-        stream_chat(client, server, [{"role": "system", "content": SYSTEM},  # in a server that has been up a while
-                                     {"role": "user", "content": TASKS[0]}], 1)
+        stream_chat(
+            client,
+            server,
+            [
+                {"role": "system", "content": SYSTEM},  # in a server that has been up a while
+                {"role": "user", "content": TASKS[0]},
+            ],
+            1,
+        )
     out: dict = {"ttft": [], "tokens": 0, "errors": []}
     stop = threading.Event()
     rss = [(0.0, rss_bytes(server.proc.pid), 0)]
-    threads = [threading.Thread(target=client_loop, args=(server, stop, i, args.max_tokens, out))
-               for i in range(args.clients)]
+    threads = [
+        threading.Thread(target=client_loop, args=(server, stop, i, args.max_tokens, out)) for i in range(args.clients)
+    ]
     t0 = time.perf_counter()
     for thread in threads:
         thread.start()
@@ -70,11 +79,20 @@ def main() -> int:
     exit_status = server.stop()
     third = len(rss) // 3
     report = {
-        "clients": args.clients, "seconds": wall, "requests": len(out["ttft"]), "errors": len(out["errors"]),
-        "first_errors": out["errors"][:3], "ttft_p50_s": percentile(out["ttft"], 50),
-        "ttft_p95_s": percentile(out["ttft"], 95), "tokens_per_s": out["tokens"] / wall,
-        "rss_mib": {"start": rss[0][1] / 2**20, "after_first_third": rss[third][1] / 2**20,
-                    "end": rss[-1][1] / 2**20, "peak": max(r for _, r, _ in rss) / 2**20},
+        "clients": args.clients,
+        "seconds": wall,
+        "requests": len(out["ttft"]),
+        "errors": len(out["errors"]),
+        "first_errors": out["errors"][:3],
+        "ttft_p50_s": percentile(out["ttft"], 50),
+        "ttft_p95_s": percentile(out["ttft"], 95),
+        "tokens_per_s": out["tokens"] / wall,
+        "rss_mib": {
+            "start": rss[0][1] / 2**20,
+            "after_first_third": rss[third][1] / 2**20,
+            "end": rss[-1][1] / 2**20,
+            "peak": max(r for _, r, _ in rss) / 2**20,
+        },
         # growth per request over the last two thirds (after warm-up): near 0 if nothing leaks
         "rss_kib_per_request_after_warmup": ((rss[-1][1] - rss[third][1]) / 1024 / max(rss[-1][2] - rss[third][2], 1)),
         "server_exit_status": exit_status,

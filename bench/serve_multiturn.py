@@ -21,9 +21,13 @@ import httpx
 sys.path.insert(0, str(Path(__file__).parent))
 from serve_common import kvtier_server, stream_chat  # noqa: E402
 
-QUESTIONS = ["What is a KV cache, in two sentences?", "Why does it grow with the prompt?",
-             "Where can it be kept when the accelerator is full?", "What does restoring it save?",
-             "Summarise our conversation in one line."]
+QUESTIONS = [
+    "What is a KV cache, in two sentences?",
+    "Why does it grow with the prompt?",
+    "Where can it be kept when the accelerator is full?",
+    "What does restoring it save?",
+    "Summarise our conversation in one line.",
+]
 
 
 def main() -> int:
@@ -35,8 +39,9 @@ def main() -> int:
     parser.add_argument("--port", type=int, default=8731)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    server = kvtier_server(args.model, args.port, Path(tempfile.mkdtemp(prefix="kvtier-chat-")),
-                           "--page-size", str(args.page_size)).start()
+    server = kvtier_server(
+        args.model, args.port, Path(tempfile.mkdtemp(prefix="kvtier-chat-")), "--page-size", str(args.page_size)
+    ).start()
     messages = [{"role": "system", "content": "You are a helpful assistant who answers briefly."}]
     rows, shared = [], None
     try:
@@ -47,9 +52,16 @@ def main() -> int:
                 usage = reply.usage
                 cached = usage["prompt_tokens_details"]["cached_tokens"]
                 bound = None if shared is None else shared // args.page_size * args.page_size
-                rows.append({"turn": turn + 1, "prompt_tokens": usage["prompt_tokens"], "cached_tokens": cached,
-                             "shared_with_previous": shared, "page_bound": bound,
-                             "completion_tokens": usage["completion_tokens"]})
+                rows.append(
+                    {
+                        "turn": turn + 1,
+                        "prompt_tokens": usage["prompt_tokens"],
+                        "cached_tokens": cached,
+                        "shared_with_previous": shared,
+                        "page_bound": bound,
+                        "completion_tokens": usage["completion_tokens"],
+                    }
+                )
                 # the answer, and its end-of-turn token if it ended with one (fed back into the
                 # cache too), begin the next prompt
                 shared = usage["prompt_tokens"] + usage["completion_tokens"] + (reply.finish_reason == "stop")
@@ -63,8 +75,10 @@ def main() -> int:
     print(f"{'turn':>4} {'prompt':>7} {'cached':>7} {'shared':>7} {'bound':>7} {'cached/shared':>14}")
     for r in rows:
         ratio = f"{r['cached_tokens'] / r['shared_with_previous']:.0%}" if r["shared_with_previous"] else "-"
-        print(f"{r['turn']:>4} {r['prompt_tokens']:>7} {r['cached_tokens']:>7} {r['shared_with_previous'] or '-':>7} "
-              f"{r['page_bound'] or '-':>7} {ratio:>14}")
+        print(
+            f"{r['turn']:>4} {r['prompt_tokens']:>7} {r['cached_tokens']:>7} {r['shared_with_previous'] or '-':>7} "
+            f"{r['page_bound'] or '-':>7} {ratio:>14}"
+        )
     return 0
 
 

@@ -20,7 +20,6 @@ import statistics
 import time
 
 import kvtier  # noqa: F401  (loads OpenBLAS before mlx, when installed)
-
 from kvtier.engine.blas import blas_in_use
 from kvtier.engine.engine import Engine, EngineConfig
 from kvtier.engine.models.load import load_model
@@ -47,7 +46,9 @@ def summarise(requests, t0: float) -> dict:
     followers = requests[1:]
     return {
         "computed": sum(r.sources()["recomputed"] for r in requests),
-        "reused_per_follower": statistics.mean(r.restored.num_pages * r.page_size for r in followers) if followers else 0,
+        "reused_per_follower": statistics.mean(r.restored.num_pages * r.page_size for r in followers)
+        if followers
+        else 0,
         "mean_ttft": statistics.mean(r.t_first_token - r.t_submit for r in requests),
         "slowest": max(r.t_done for r in requests) - t0,
     }
@@ -78,8 +79,10 @@ def show(title: str, rows: dict[str, dict]) -> None:
     print(title)
     print(f"  {'mode':>20} {'computed':>9} {'reused/follower':>16} {'mean TTFT s':>12} {'slowest s':>10}")
     for mode, r in rows.items():
-        print(f"  {mode:>20} {r['computed']:>9} {r['reused_per_follower']:>16.0f} "
-              f"{r['mean_ttft']:>12.3f} {r['slowest']:>10.3f}")
+        print(
+            f"  {mode:>20} {r['computed']:>9} {r['reused_per_follower']:>16.0f} "
+            f"{r['mean_ttft']:>12.3f} {r['slowest']:>10.3f}"
+        )
 
 
 def main() -> None:
@@ -108,8 +111,10 @@ def main() -> None:
         for key in ("mean_ttft", "slowest"):
             ratio = control["sf-after-prefill"][key] / control["incremental"][key]
             print(f"  single flight / off, {key}: {ratio:.3f}")
-    rows = {mode: arrives_in_decode(loaded, mode, prompt(args.tokens, 7), params)
-            for mode in ("sf-at-completion", "sf-after-prefill")}
+    rows = {
+        mode: arrives_in_decode(loaded, mode, prompt(args.tokens, 7), params)
+        for mode in ("sf-at-completion", "sf-after-prefill")
+    }
     show("second request arrives just after the first enters decode", rows)
 
 

@@ -43,27 +43,36 @@ def main() -> None:
     loaded = tiny_model()
     page_bytes = loaded.geometry(PAGE).nbytes
     with tempfile.TemporaryDirectory() as scratch:
-        store = StoreConfig(l1_bytes=64 * page_bytes, l2_bytes=64 * page_bytes, l3_bytes=256 * page_bytes,
-                            store_dir=args.store or Path(scratch))
+        store = StoreConfig(
+            l1_bytes=64 * page_bytes,
+            l2_bytes=64 * page_bytes,
+            l3_bytes=256 * page_bytes,
+            store_dir=args.store or Path(scratch),
+        )
         engine = Engine(loaded, EngineConfig(page_size=PAGE, store=store, max_running=16, window_s=1.0))
         t0 = time.perf_counter()
         report = soak(engine, rounds=args.rounds, per_round=args.per_round, threads=args.threads)
         seconds = time.perf_counter() - t0
         engine.close()
     total = args.rounds * args.per_round
-    print(json.dumps({
-        "requests": total,
-        "threads": args.threads,
-        "outcomes": {f"{action}->{reason}": n for (action, reason), n in sorted(report.outcomes.items())},
-        "ended": sum(report.outcomes.values()),
-        "wrong_outputs": report.wrong_outputs,
-        "pins_left": report.pins,
-        "over_cap": report.over_cap,
-        "grown_structures": report.grown,
-        "rss_mib_and_mlx_active_mib_per_round": [[round(m, 1) for m in pair] for pair in report.memory],
-        "totals": {k: report.totals[k] for k in ("requests", "cancelled", "errors")},
-        "requests_per_s": round(total / seconds, 1),
-    }, indent=1))
+    print(
+        json.dumps(
+            {
+                "requests": total,
+                "threads": args.threads,
+                "outcomes": {f"{action}->{reason}": n for (action, reason), n in sorted(report.outcomes.items())},
+                "ended": sum(report.outcomes.values()),
+                "wrong_outputs": report.wrong_outputs,
+                "pins_left": report.pins,
+                "over_cap": report.over_cap,
+                "grown_structures": report.grown,
+                "rss_mib_and_mlx_active_mib_per_round": [[round(m, 1) for m in pair] for pair in report.memory],
+                "totals": {k: report.totals[k] for k in ("requests", "cancelled", "errors")},
+                "requests_per_s": round(total / seconds, 1),
+            },
+            indent=1,
+        )
+    )
 
 
 if __name__ == "__main__":

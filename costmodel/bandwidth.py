@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import tempfile
 import timeit
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
-from typing import Callable
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -27,11 +28,11 @@ import zstandard
 from mlx_lm.models.cache import KVCache, load_prompt_cache, save_prompt_cache
 
 from kvtier.tiers.hierarchy import RestoredPrefix, TieredStore
-from kvtier.tiers.links import Link
 from kvtier.tiers.page import PageGeometry, PageKey, Source
 
 from .calibrate import CONTEXTS, PREFILL_TOKENS, QUICK_REPEATS, prefill_samples, quick_grid, scratch_store
-from .plan import Profile, plan_restore
+from .plan import plan_restore
+from .profile import Profile
 
 GIB = 1 << 30
 PAGE_COUNTS = (1, 4, 16, 64)
@@ -39,7 +40,7 @@ ROUNDS = 7
 QUICK_PAGE_COUNTS = (1, 4, 16)  # --quick: smaller scratch stores, fewer rows, fewer rounds,
 QUICK_ROUNDS = 2  # and the quick calibration's prefill grid (its length scaled to the BLAS's speed)
 # (row name prefix, codec, source of every restored page)
-RESTORES = ((Link.L2_L1, "raw", Source.L2), (Link.L3_L1, "raw", Source.L3), ("L3 zstd->L1", "zstd", Source.L3))
+RESTORES = (("L2->L1", "raw", Source.L2), ("L3->L1", "raw", Source.L3), ("L3 zstd->L1", "zstd", Source.L3))
 
 Tick = Callable[[], None]
 
@@ -129,13 +130,19 @@ class Restores:
         mx.eval([a for layer in restored.layers for a in layer])
         self.last = restored
         if restored.sources != [self.source] * n:  # a row must time what it names
-            raise RuntimeError(f"restored {restored.num_pages}/{n} pages from {restored.sources}, "
-                               f"wanted all from {self.source.value}")
+            raise RuntimeError(
+                f"restored {restored.num_pages}/{n} pages from {restored.sources}, wanted all from {self.source.value}"
+            )
         return restored
 
 
-def measure(geometry: PageGeometry, store_dir: Path, page_counts: tuple[int, ...] = PAGE_COUNTS,
-            rounds: int = ROUNDS, tick: Tick = lambda: None) -> dict:
+def measure(
+    geometry: PageGeometry,
+    store_dir: Path,
+    page_counts: tuple[int, ...] = PAGE_COUNTS,
+    rounds: int = ROUNDS,
+    tick: Tick = lambda: None,
+) -> dict:
     """Restores per link and page count, memcpy (one and two threads) of the same bytes,
     and, on the whole prompt (the most pages): LMDB's zero-copy read, zstd decompression
     and ``load_prompt_cache`` of the same KV; every row timed in the same rounds."""
@@ -146,18 +153,19 @@ def measure(geometry: PageGeometry, store_dir: Path, page_counts: tuple[int, ...
         for name, codec, source in RESTORES:
             store, keys, tokens = stack.enter_context(scratch_store(geometry, store_dir, pages, codec))
             restores[name] = Restores(store, keys, tokens, source)
-        raw_l3 = restores[Link.L3_L1]
+        raw_l3 = restores["L3->L1"]
         peer_path = _saved_prompt_cache(raw_l3.restore(pages), Path(tmp))
         raw_l3.reset()
         memcpy = Memcpy(nbytes)
         calls: dict[str, Call] = {}
         for n in page_counts:
-            calls[f"memcpy {n}"] = Call(lambda n=n: memcpy.one_thread(n * geometry.nbytes))
-            calls[f"memcpy2 {n}"] = Call(lambda n=n: memcpy.two_threads(n * geometry.nbytes))
+            calls[f"memcpy {n}"] = Call(partial(memcpy.one_thread, n * geometry.nbytes))
+            calls[f"memcpy2 {n}"] = Call(partial(memcpy.two_threads, n * geometry.nbytes))
             for name, restore in restores.items():
                 calls[f"{name} {n}"] = restore.call(n)
         frame = zstandard.ZstdCompressor(level=3).compress(
-            np.random.default_rng(0).standard_normal(geometry.nbytes // 4, dtype=np.float32).tobytes())
+            np.random.default_rng(0).standard_normal(geometry.nbytes // 4, dtype=np.float32).tobytes()
+        )
         decompressor = zstandard.ZstdDecompressor()
         calls["lmdb_zero_copy_read"] = Call(lambda: raw_l3.store.read_through_l3(raw_l3.keys))
         calls["zstd_decompress"] = Call(lambda: [decompressor.decompress(frame) for _ in range(pages)])
@@ -174,39 +182,68 @@ def _stored_bytes(restores: Restores, page_counts: tuple[int, ...]) -> dict[int,
     """Bytes read from L3 by a restore of n compressed pages (the link's input size)."""
     stored = {}
     for n in page_counts:
-        before = restores.store.stats()["links"][Link.L3_L2]["bytes"]
+        before = restores.store.stats()["links"]["L3->L2"]["bytes"]
         restores.reset()
         restores.restore(n)
-        stored[n] = restores.store.stats()["links"][Link.L3_L2]["bytes"] - before
+        stored[n] = restores.store.stats()["links"]["L3->L2"]["bytes"] - before
     return stored
 
 
-def _report(calls: dict[str, Call], geometry: PageGeometry, page_counts: tuple[int, ...], rounds: int,
-            compressed: dict[int, int]) -> dict:
+def _report(
+    calls: dict[str, Call],
+    geometry: PageGeometry,
+    page_counts: tuple[int, ...],
+    rounds: int,
+    compressed: dict[int, int],
+) -> dict:
     rows = []
     for n in page_counts:
         nbytes = n * geometry.nbytes
         memcpy = calls[f"memcpy {n}"]
         for name, _, source in RESTORES:
             call = calls[f"{name} {n}"]
-            rows.append({"row": name, "from": source.value, "pages": n, "bytes": nbytes, "seconds": call.best,
-                         "gib_s": nbytes / call.best / GIB, "memcpy_seconds": memcpy.best,
-                         "memcpy_gib_s": nbytes / memcpy.best / GIB,
-                         "memcpy_2_threads_gib_s": nbytes / calls[f"memcpy2 {n}"].best / GIB,
-                         "ratio_to_memcpy": memcpy.best / call.best, "round_seconds": call.seconds})
+            rows.append(
+                {
+                    "row": name,
+                    "from": source.value,
+                    "pages": n,
+                    "bytes": nbytes,
+                    "seconds": call.best,
+                    "gib_s": nbytes / call.best / GIB,
+                    "memcpy_seconds": memcpy.best,
+                    "memcpy_gib_s": nbytes / memcpy.best / GIB,
+                    "memcpy_2_threads_gib_s": nbytes / calls[f"memcpy2 {n}"].best / GIB,
+                    "ratio_to_memcpy": memcpy.best / call.best,
+                    "round_seconds": call.seconds,
+                }
+            )
     pages = max(page_counts)
     nbytes = pages * geometry.nbytes
-    memcpy, ours, peer = calls[f"memcpy {pages}"], calls[f"{Link.L3_L1} {pages}"], calls["load_prompt_cache"]
-    limits = {"bytes": nbytes, "memcpy_gib_s": nbytes / memcpy.best / GIB,
-              "memcpy_2_threads_gib_s": nbytes / calls[f"memcpy2 {pages}"].best / GIB,
-              "lmdb_zero_copy_read_gib_s": nbytes / calls["lmdb_zero_copy_read"].best / GIB,
-              "zstd_decompress_gib_s": nbytes / calls["zstd_decompress"].best / GIB}
-    peer_report = {"bytes": nbytes, "pages": pages, "load_prompt_cache_seconds": peer.best,
-                   "load_prompt_cache_gib_s": nbytes / peer.best / GIB, "ours_l3_seconds": ours.best,
-                   "ours_l3_gib_s": nbytes / ours.best / GIB, "ratio": peer.best / ours.best,
-                   "round_seconds": peer.seconds}
-    return {"rounds": rounds, "restores": rows, "links": _link_samples(rows, compressed),
-            "limits": limits, "peer": peer_report}
+    memcpy, ours, peer = calls[f"memcpy {pages}"], calls[f"L3->L1 {pages}"], calls["load_prompt_cache"]
+    limits = {
+        "bytes": nbytes,
+        "memcpy_gib_s": nbytes / memcpy.best / GIB,
+        "memcpy_2_threads_gib_s": nbytes / calls[f"memcpy2 {pages}"].best / GIB,
+        "lmdb_zero_copy_read_gib_s": nbytes / calls["lmdb_zero_copy_read"].best / GIB,
+        "zstd_decompress_gib_s": nbytes / calls["zstd_decompress"].best / GIB,
+    }
+    peer_report = {
+        "bytes": nbytes,
+        "pages": pages,
+        "load_prompt_cache_seconds": peer.best,
+        "load_prompt_cache_gib_s": nbytes / peer.best / GIB,
+        "ours_l3_seconds": ours.best,
+        "ours_l3_gib_s": nbytes / ours.best / GIB,
+        "ratio": peer.best / ours.best,
+        "round_seconds": peer.seconds,
+    }
+    return {
+        "rounds": rounds,
+        "restores": rows,
+        "links": _link_samples(rows, compressed),
+        "limits": limits,
+        "peer": peer_report,
+    }
 
 
 def _link_samples(rows: list[dict], compressed: dict[int, int]) -> list[dict]:
@@ -217,12 +254,26 @@ def _link_samples(rows: list[dict], compressed: dict[int, int]) -> list[dict]:
     links = []
     for r in rows:
         if r["row"] == "L3 zstd->L1":
-            seconds = max(r["seconds"] - by[Link.L2_L1, r["pages"]]["seconds"], 1e-9)
-            links.append({"link": Link.L3_L2, "pages": r["pages"], "bytes": compressed[r["pages"]],
-                          "seconds": seconds, "gib_s": compressed[r["pages"]] / seconds / GIB})
+            seconds = max(r["seconds"] - by["L2->L1", r["pages"]]["seconds"], 1e-9)
+            links.append(
+                {
+                    "link": "L3->L2",
+                    "pages": r["pages"],
+                    "bytes": compressed[r["pages"]],
+                    "seconds": seconds,
+                    "gib_s": compressed[r["pages"]] / seconds / GIB,
+                }
+            )
         else:
-            links.append({"link": r["row"], "pages": r["pages"], "bytes": r["bytes"], "seconds": r["seconds"],
-                          "gib_s": r["gib_s"]})
+            links.append(
+                {
+                    "link": r["row"],
+                    "pages": r["pages"],
+                    "bytes": r["bytes"],
+                    "seconds": r["seconds"],
+                    "gib_s": r["gib_s"],
+                }
+            )
     return links
 
 
@@ -244,8 +295,15 @@ def steps(rounds: int = ROUNDS, quick: bool = False) -> int:
     return 1 + rounds + (6 if quick else len(PREFILL_TOKENS) * len(CONTEXTS))
 
 
-def run(model: nn.Module, geometry: PageGeometry, store_dir: Path, tick: Tick = lambda: None,
-        page_counts: tuple[int, ...] = PAGE_COUNTS, rounds: int = ROUNDS, quick: bool = False) -> dict:
+def run(
+    model: nn.Module,
+    geometry: PageGeometry,
+    store_dir: Path,
+    tick: Tick = lambda: None,
+    page_counts: tuple[int, ...] = PAGE_COUNTS,
+    rounds: int = ROUNDS,
+    quick: bool = False,
+) -> dict:
     """The report behind ``kvtier bench restore --json``: ``measure``, and the shortest
     prompt worth restoring from each tier by a profile fitted to these samples and the
     model's timed prefills (``quick``: the quick calibration's shorter ones)."""

@@ -6,7 +6,7 @@ state (after a warm-up restore). Compute samples are forward passes of ``n`` tok
 after ``p`` cached ones. Each sample is the median of ``REPEATS`` timings.
 
 The quick calibration (``kvtier run``'s first use of a store, ``kvtier calibrate
---quick``) must stay short on any BLAS: mlx's reference BLAS prefills 10-40x slower
+--quick``) must stay short on any BLAS: mlx's reference BLAS prefills many times slower
 than OpenBLAS, so a fixed grid of prompt lengths takes seconds on one and minutes on
 the other. It times one short forward pass first and scales its prefill grid so that
 the prefills add up to about ``QUICK_PREFILL_S``; its link samples are few and small
@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -31,7 +31,7 @@ from kvtier.tiers.l3.open import scratch_location
 from kvtier.tiers.links import Link
 from kvtier.tiers.page import Namespace, PageGeometry, page_keys
 
-from .plan import Profile
+from .profile import Profile
 
 PAGE_COUNTS = (1, 2, 4, 8, 16)
 REPEATS = 3  # timings per sample, the median kept: one stall of a noisy machine moves nothing
@@ -48,8 +48,9 @@ PROBE_TOKENS = 4
 Tick = Callable[[], None]
 
 
-def calibrate(model: nn.Module, geometry: PageGeometry, store_dir: Path, tick: Tick = lambda: None,
-              quick: bool = False) -> Profile:
+def calibrate(
+    model: nn.Module, geometry: PageGeometry, store_dir: Path, tick: Tick = lambda: None, quick: bool = False
+) -> Profile:
     """Measure links and prefill on this machine; ``tick`` is called once per sample.
     ``quick``: the quick grid (``quick_grid``), a rougher fit in seconds."""
     profile = Profile.defaults()
@@ -91,8 +92,9 @@ def steps(page_counts: Iterable[int] = PAGE_COUNTS, quick: bool = False) -> int:
 
 
 @contextmanager
-def scratch_store(geometry: PageGeometry, store_dir: Path | str, pages: int,
-                  codec: str = "raw") -> Iterator[tuple[TieredStore, list, list[int]]]:
+def scratch_store(
+    geometry: PageGeometry, store_dir: Path | str, pages: int, codec: str = "raw"
+) -> Iterator[tuple[TieredStore, list, list[int]]]:
     """A throwaway store beside ``store_dir`` (same filesystem, or the same Redis server:
     the L3 link measured is the one in use) holding ``pages`` random pages in L2 (and
     nothing in L1), with their keys and tokens; removed afterwards.
@@ -114,8 +116,13 @@ def scratch_store(geometry: PageGeometry, store_dir: Path | str, pages: int,
             store.close()
 
 
-def link_samples(geometry: PageGeometry, store_dir: Path, tick: Tick, page_counts: Iterable[int] = PAGE_COUNTS,
-                 repeats: int | None = None) -> list[tuple[str, int, float]]:
+def link_samples(
+    geometry: PageGeometry,
+    store_dir: Path,
+    tick: Tick,
+    page_counts: Iterable[int] = PAGE_COUNTS,
+    repeats: int | None = None,
+) -> list[tuple[str, int, float]]:
     """(link, bytes, seconds) of restores from L2 and from L3 (OS page cache warm): raw
     pages (``L3->L1``) and zstd pages (``L3->L2``, their decode into L2); the median of
     ``repeats`` (default ``REPEATS``) timings each."""
@@ -135,7 +142,7 @@ def _timed(store: TieredStore, keys: list, tokens: list[int], link: Link, repeat
     """Bytes and median seconds on ``link`` of ``repeats`` steady-state restores of ``keys``
     (for an L3 link, with L2's copies dropped before each, so every restore reads L3)."""
     seconds = []
-    for i in range(repeats + 1):  # the first warms mlx's buffers (and the page cache)
+    for _ in range(repeats + 1):  # the first warms mlx's buffers (and the page cache)
         if link.startswith("L3"):
             store.drop_l2()
         before = dict(store.stats()["links"][link])
@@ -145,8 +152,13 @@ def _timed(store: TieredStore, keys: list, tokens: list[int], link: Link, repeat
     return link, after["bytes"] - before["bytes"], statistics.median(seconds[1:])
 
 
-def prefill_samples(model: nn.Module, tick: Tick, prefill_tokens: Iterable[int] = PREFILL_TOKENS,
-                    contexts: Iterable[int] = CONTEXTS, repeats: int | None = None) -> list[tuple[int, int, float]]:
+def prefill_samples(
+    model: nn.Module,
+    tick: Tick,
+    prefill_tokens: Iterable[int] = PREFILL_TOKENS,
+    contexts: Iterable[int] = CONTEXTS,
+    repeats: int | None = None,
+) -> list[tuple[int, int, float]]:
     """(new tokens, cached tokens, median seconds of ``repeats``, default ``REPEATS``) of forward passes."""
     prefill_tokens, contexts = tuple(prefill_tokens), tuple(contexts)
     tokens = mx.array([[(i * 31) % 200 + 32 for i in range(max(contexts) + max(prefill_tokens))]])

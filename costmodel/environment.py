@@ -19,8 +19,9 @@ def openblas() -> dict | None:
     (``scipy_cblas_*``) that mlx never binds to, so they do not count."""
     from threadpoolctl import threadpool_info
 
-    return next((lib for lib in threadpool_info()
-                 if lib["internal_api"] == "openblas" and lib["prefix"] == "libopenblas"), None)
+    return next(
+        (lib for lib in threadpool_info() if lib["internal_api"] == "openblas" and lib["prefix"] == "libopenblas"), None
+    )
 
 
 def blas_id() -> str:
@@ -36,4 +37,5 @@ def environment_id() -> str:
     """``node/arch/mlx-VERSION/BLAS``; fixed for a process (the BLAS is bound when mlx loads)."""
     import mlx.core as mx
 
-    return f"{platform.node()}/{platform.machine()}/mlx-{mx.__version__}/{blas_id()}"
+    version = mx.__version__  # type: ignore[attr-defined]  # set at runtime, absent from mlx's stubs
+    return f"{platform.node()}/{platform.machine()}/mlx-{version}/{blas_id()}"

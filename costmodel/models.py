@@ -18,7 +18,9 @@ from __future__ import annotations
 import logging
 import math
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import ClassVar, TypeVar
 
 import numpy as np
 from scipy.optimize import least_squares, nnls
@@ -53,9 +55,14 @@ def robust_fit(features: np.ndarray, times: np.ndarray) -> np.ndarray:
     if np.all(np.abs(np.log(np.maximum(predicted, _TINY) / times)) <= np.log(OUTLIER)):
         return coef / scale
     log_times = np.log(times)
-    fit = least_squares(lambda c: np.log(np.maximum(scaled @ c, _TINY)) - log_times, coef,
-                        jac=lambda c: scaled / np.maximum(scaled @ c, _TINY)[:, None],
-                        bounds=(0.0, np.inf), loss="soft_l1", f_scale=0.02)
+    fit = least_squares(
+        lambda c: np.log(np.maximum(scaled @ c, _TINY)) - log_times,
+        coef,
+        jac=lambda c: scaled / np.maximum(scaled @ c, _TINY)[:, None],
+        bounds=(0.0, np.inf),
+        loss="soft_l1",
+        f_scale=0.02,
+    )
     return fit.x / scale
 
 
@@ -73,8 +80,10 @@ class ErrorLog:
         if not self.errors:
             return {"count": 0}
         values = np.array(self.errors)
-        return {"count": len(values), "median": float(np.median(values)),
-                "p90": float(np.percentile(values, 90))}
+        return {"count": len(values), "median": float(np.median(values)), "p90": float(np.percentile(values, 90))}
+
+
+_Model = TypeVar("_Model", bound="TimeModel")
 
 
 @dataclass
@@ -85,9 +94,8 @@ class TimeModel:
     samples: deque = field(default_factory=lambda: deque(maxlen=WINDOW))
     error: ErrorLog = field(default_factory=ErrorLog)
 
-    @staticmethod
-    def features(*x: float) -> list[float]:
-        raise NotImplementedError
+    # each model's feature vector of its own inputs (bytes; new and cached tokens)
+    features: ClassVar[Callable[..., list[float]]]
 
     def predict(self, *x: float) -> float:
         return max(float(np.dot(self.coef, self.features(*x))), 0.0)
@@ -120,7 +128,7 @@ class TimeModel:
         return {"coef": self.coef, "samples": [list(s) for s in self.samples]}
 
     @classmethod
-    def from_dict(cls, d: dict) -> TimeModel:
+    def from_dict(cls: type[_Model], d: dict) -> _Model:
         model = cls(list(d["coef"]))
         model.samples.extend(tuple(s) for s in d.get("samples", []))
         return model

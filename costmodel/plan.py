@@ -1,76 +1,15 @@
-"""The cost profile of one machine and model, and restore-or-recompute plans (DESIGN §6)."""
+"""Restore-or-recompute plans priced with a cost profile (``costmodel.profile``) (DESIGN §6)."""
 
 from __future__ import annotations
 
-from itertools import accumulate
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
+from itertools import accumulate
 
-from kvtier.tiers.links import READ_LINKS, Link, links_crossed
+from kvtier.tiers.links import READ_LINKS, links_crossed
 from kvtier.tiers.page import Source
 
-from .environment import environment_id
-from .models import ComputeModel, LinkModel
-
-GIB = 1 << 30
-
-
-def profile_key(namespace_digest: bytes) -> str:
-    """Where a model's profile is stored: per machine, mlx version and BLAS in use
-    (``environment_id``), so a profile measured under another BLAS is not found and
-    the first run recalibrates instead of planning with its times."""
-    return f"profile/{environment_id()}/{namespace_digest.hex()}"
-
-
-@dataclass
-class Profile:
-    """Fitted link and compute models; ``calibrated`` once ``kvtier calibrate`` ran."""
-
-    links: dict[str, LinkModel]
-    compute: ComputeModel
-    calibrated: bool = False
-
-    @classmethod
-    def defaults(cls) -> Profile:
-        """Guesses for an uncalibrated machine: slow links (1 and 0.5 GiB/s), and prefill at
-        1 ms a token. Wrongly recomputing a long prefix costs far more than wrongly
-        restoring a short one, so the guesses lean towards restoring."""
-        links = {Link.L2_L1: LinkModel.of(1e-3, 1 * GIB), Link.L3_L1: LinkModel.of(2e-3, 0.5 * GIB),
-                 Link.L3_L2: LinkModel.of(2e-3, 0.5 * GIB)}
-        return cls(links, ComputeModel([1e-3, 1e-3, 0.0]))
-
-    def to_dict(self) -> dict:
-        return {"calibrated": self.calibrated, "compute": self.compute.to_dict(),
-                "links": {name: link.to_dict() for name, link in self.links.items()}}
-
-    @classmethod
-    def from_dict(cls, d: dict) -> Profile:
-        """A stored profile; links it lacks (saved by an older kvtier) start at the defaults,
-        and so do coefficients no machine can have (an older kvtier adopted such fits)."""
-        defaults = cls.defaults()
-        links = dict(defaults.links)
-        links.update({name: LinkModel.from_dict(link) for name, link in d["links"].items()})
-        compute = ComputeModel.from_dict(d["compute"])
-        for model, default in ((compute, defaults.compute), *((links[n], defaults.links[n]) for n in defaults.links)):
-            if not model.plausible(model.coef):
-                model.coef = list(default.coef)
-        return cls(links, compute, d.get("calibrated", False))
-
-    def capped(self, throttle: dict[str, float]) -> Profile:
-        """A view whose throttled tiers' links are no faster than the cap (bytes/s)."""
-        links = dict(self.links)
-        for tier, rate in throttle.items():
-            for name in READ_LINKS[tier]:
-                links[name] = LinkModel.of(links[name].setup_s, min(links[name].bytes_per_s, rate))
-        return Profile(links, self.compute, self.calibrated)
-
-    def summary(self) -> dict:
-        """Fitted parameters and prediction errors, for stats."""
-        links = {name: {"setup_s": link.setup_s, "gib_s": link.bytes_per_s / GIB, "error": link.error.summary()}
-                 for name, link in self.links.items()}
-        c0, c1, c2 = self.compute.coef
-        compute = {"c0": c0, "c1": c1, "c2": c2, "error": self.compute.error.summary()}
-        return {"calibrated": self.calibrated, "links": links, "compute": compute}
+from .profile import Profile
 
 
 @dataclass
@@ -97,9 +36,13 @@ class RestorePlan:
         return self.l1_pages + self.overlap_pages
 
     def to_dict(self) -> dict:
-        return {"matched": self.matched, "restore_pages": self.restore_pages,
-                "overlap_pages": self.overlap_pages, "predicted_s": round(self.predicted_s, 6),
-                "recompute_s": round(self.recompute_s, 6)}
+        return {
+            "matched": self.matched,
+            "restore_pages": self.restore_pages,
+            "overlap_pages": self.overlap_pages,
+            "predicted_s": round(self.predicted_s, 6),
+            "recompute_s": round(self.recompute_s, 6),
+        }
 
 
 class LoadCost:
@@ -109,20 +52,25 @@ class LoadCost:
     def __init__(self, matched: Sequence[Source], page_bytes: int, profile: Profile, codec: str = "raw") -> None:
         self.profile = profile
         crossed = [links_crossed(source, codec) for source in matched]
-        self.prefix = {link: list(accumulate((page_bytes * (link in c) for c in crossed), initial=0))
-                       for link in {link for c in crossed for link in c}}
+        self.prefix = {
+            link: list(accumulate((page_bytes * (link in c) for c in crossed), initial=0))
+            for link in {link for c in crossed for link in c}
+        }
         self.joined = list(accumulate((page_bytes * (s is not Source.L1) for s in matched), initial=0))
 
     def seconds(self, start: int, stop: int, links: Sequence[str] | None = None) -> float:
-        return sum(self.profile.links[link].predict(sums[stop] - sums[start])
-                   for link, sums in self.prefix.items() if links is None or link in links)
+        return sum(
+            self.profile.links[link].predict(sums[stop] - sums[start])
+            for link, sums in self.prefix.items()
+            if links is None or link in links
+        )
 
     def overlapped(self, start: int, stop: int) -> tuple[float, float]:
         """(reads, join) of loading these pages beside the model: only the L3 reads
         (checks, decodes) run beside it; joining every page into the KV (priced as
         an L2->L1 copy) runs after it, on the model's thread. For a raw L3 page that
         counts its copy twice: a pessimism that keeps overlap for clear wins."""
-        join = self.profile.links[Link.L2_L1].predict(self.joined[stop] - self.joined[start])
+        join = self.profile.links["L2->L1"].predict(self.joined[stop] - self.joined[start])
         return self.seconds(start, stop, READ_LINKS["L3"]), join
 
 
@@ -131,8 +79,9 @@ def restore_seconds(sources: Sequence[Source], page_bytes: int, profile: Profile
     return LoadCost(sources, page_bytes, profile, codec).seconds(0, len(sources))
 
 
-def plan_restore(matched: Sequence[Source], prompt_tokens: int, page_size: int,
-                 page_bytes: int, profile: Profile, codec: str = "raw") -> RestorePlan:
+def plan_restore(
+    matched: Sequence[Source], prompt_tokens: int, page_size: int, page_bytes: int, profile: Profile, codec: str = "raw"
+) -> RestorePlan:
     """The plan with the least predicted time to the end of prefill.
 
     For each restored prefix length ``k`` (at least up to the last L1 page: L1 pages
@@ -157,6 +106,7 @@ def plan_restore(matched: Sequence[Source], prompt_tokens: int, page_size: int,
         options = [(loads.seconds(0, k) + rest, 0)]
         most = k - lead - 1 if k <= next_l1 else 0  # compute c pages while at least one loads
         if most >= 1:
+
             def front(c: int) -> float:
                 return compute(c * page_size, lead * page_size)
 
@@ -192,8 +142,16 @@ class WaitPlan:
     deadline_s: float
 
 
-def plan_wait(stored: Sequence[Source], awaited_pages: int, leader_tokens: int, prompt_tokens: int,
-              page_size: int, page_bytes: int, profile: Profile, codec: str = "raw") -> WaitPlan:
+def plan_wait(
+    stored: Sequence[Source],
+    awaited_pages: int,
+    leader_tokens: int,
+    prompt_tokens: int,
+    page_size: int,
+    page_bytes: int,
+    profile: Profile,
+    codec: str = "raw",
+) -> WaitPlan:
     """Wait for ``awaited_pages`` pages after the ``stored`` ones, which a leader with
     ``leader_tokens`` tokens already in its cache is computing, or compute them now?
 
@@ -206,8 +164,9 @@ def plan_wait(stored: Sequence[Source], awaited_pages: int, leader_tokens: int, 
     compute = profile.compute.predict
     ready = (len(stored) + awaited_pages) * page_size
     leader_left = compute(ready - leader_tokens, leader_tokens) if ready > leader_tokens else 0.0
-    after = restore_seconds([*stored, *[Source.L1] * awaited_pages], page_bytes, profile, codec) \
-        + compute(prompt_tokens - ready, ready)
+    after = restore_seconds([*stored, *[Source.L1] * awaited_pages], page_bytes, profile, codec) + compute(
+        prompt_tokens - ready, ready
+    )
     own = plan_restore(stored, prompt_tokens, page_size, page_bytes, profile, codec).predicted_s
     now = own + min(own, leader_left)
     waiting = leader_left + after

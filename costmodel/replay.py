@@ -29,9 +29,9 @@ import heapq
 import json
 import os
 import tempfile
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -41,7 +41,8 @@ from kvtier.tiers.page import Namespace, PageGeometry, PageKey, Source, page_key
 from kvtier.tiers.policy import DEFAULT_POLICY
 
 from .models import ComputeModel
-from .plan import Profile, plan_restore
+from .plan import plan_restore
+from .profile import Profile
 
 BLOCK_TOKENS = 512
 BELADY = "belady"  # not a store policy: the offline bound for the same total capacity
@@ -81,13 +82,17 @@ def _parse(line: str, where: str) -> TraceRequest:
         stamp, n, out, ids = d["timestamp"], d["input_length"], d["output_length"], d["hash_ids"]
     except (ValueError, TypeError, KeyError) as exc:
         raise TraceError(f"{where}: not a trace request ({type(exc).__name__}: {exc})") from None
-    if not all(isinstance(v, int) and not isinstance(v, bool) for v in (n, out, *ids)) \
-            or not isinstance(stamp, (int, float)) or n < 1 or out < 0:
-        raise TraceError(f"{where}: timestamp, input_length >= 1, output_length >= 0 and "
-                         "hash_ids must be numbers")
+    if (
+        not all(isinstance(v, int) and not isinstance(v, bool) for v in (n, out, *ids))
+        or not isinstance(stamp, (int, float))
+        or n < 1
+        or out < 0
+    ):
+        raise TraceError(f"{where}: timestamp, input_length >= 1, output_length >= 0 and hash_ids must be numbers")
     if len(ids) != -(-n // BLOCK_TOKENS):
-        raise TraceError(f"{where}: {len(ids)} hash_ids for {n} tokens "
-                         f"(expected ceil({n}/{BLOCK_TOKENS}) = {-(-n // BLOCK_TOKENS)})")
+        raise TraceError(
+            f"{where}: {len(ids)} hash_ids for {n} tokens (expected ceil({n}/{BLOCK_TOKENS}) = {-(-n // BLOCK_TOKENS)})"
+        )
     return TraceRequest(stamp / 1000.0, n, out, tuple(ids))
 
 
@@ -107,8 +112,9 @@ class SyntheticPrompts:
         """Keys of the request's reusable full pages and the tokens they hold."""
         n_pages = reusable_pages(request.input_length, self.page_size)
         blocks = -(-n_pages * self.page_size // BLOCK_TOKENS)
-        dense = np.array([self.dense.setdefault(h, len(self.dense)) for h in request.hash_ids[:blocks]],
-                         dtype=np.uint32)
+        dense = np.array(
+            [self.dense.setdefault(h, len(self.dense)) for h in request.hash_ids[:blocks]], dtype=np.uint32
+        )
         tokens = (dense[:, None] * BLOCK_TOKENS + self._offsets).reshape(-1)[: n_pages * self.page_size]
         return page_keys(self.namespace, tokens), tokens.tolist()
 
@@ -117,8 +123,10 @@ def page_names(request: TraceRequest, page_size: int) -> list[tuple[int, int]]:
     """Its reusable pages as (hash id of the block, page within the block): a block's
     hash id names its whole prefix, so equal names are equal pages."""
     per_block = BLOCK_TOKENS // page_size
-    return [(request.hash_ids[i // per_block], i % per_block)
-            for i in range(reusable_pages(request.input_length, page_size))]
+    return [
+        (request.hash_ids[i // per_block], i % per_block)
+        for i in range(reusable_pages(request.input_length, page_size))
+    ]
 
 
 def infinite_cache(trace: Sequence[TraceRequest], page_size: int) -> list[int]:
@@ -212,15 +220,26 @@ class ReplayResult:
         written = self.l3_pages_written * c.page_bytes
         p50, p90, p99 = np.percentile(self.ttft_s, [50, 90, 99]) if self.ttft_s else (0.0, 0.0, 0.0)
         return {
-            "policy": c.label, "eviction": c.policy, "l3_admit": c.l3_admit,
-            "l1_bytes": c.l1_bytes, "l2_bytes": c.l2_bytes, "l3_bytes": c.l3_bytes,
-            "reused_ratio": restored / max(self.prompt_tokens, 1), "reused_tokens": restored,
-            "sources": dict(self.sources), "prefill_seconds_saved": self.prefill_seconds_saved,
-            "ttft_p50_s": float(p50), "ttft_p90_s": float(p90), "ttft_p99_s": float(p99),
-            "link_bytes": dict(self.links), "l3_bytes_written": written,
+            "policy": c.label,
+            "eviction": c.policy,
+            "l3_admit": c.l3_admit,
+            "l1_bytes": c.l1_bytes,
+            "l2_bytes": c.l2_bytes,
+            "l3_bytes": c.l3_bytes,
+            "reused_ratio": restored / max(self.prompt_tokens, 1),
+            "reused_tokens": restored,
+            "sources": dict(self.sources),
+            "prefill_seconds_saved": self.prefill_seconds_saved,
+            "ttft_p50_s": float(p50),
+            "ttft_p90_s": float(p90),
+            "ttft_p99_s": float(p99),
+            "link_bytes": dict(self.links),
+            "l3_bytes_written": written,
             "l3_write_amplification": written / max(distinct_pages * c.page_bytes, 1),
-            "l3_writes_refused": self.l3_writes_refused, "evictions": dict(self.evictions),
-            "peak_bytes": dict(self.peak_bytes), "makespan_s": self.makespan_s,
+            "l3_writes_refused": self.l3_writes_refused,
+            "evictions": dict(self.evictions),
+            "peak_bytes": dict(self.peak_bytes),
+            "makespan_s": self.makespan_s,
         }
 
 
@@ -253,20 +272,31 @@ class Replay:
 
     def _store_config(self, store_dir: Path) -> StoreConfig:
         c = self.config
-        return StoreConfig(l1_bytes=c.l1_bytes, l2_bytes=c.l2_bytes, l3_bytes=c.l3_bytes,
-                           store_dir=store_dir, policy=c.policy, l3_admit=c.l3_admit,
-                           page_bytes=c.page_bytes, l3_queue_pages=1 << 20)
+        return StoreConfig(
+            l1_bytes=c.l1_bytes,
+            l2_bytes=c.l2_bytes,
+            l3_bytes=c.l3_bytes,
+            store_dir=store_dir,
+            policy=c.policy,
+            l3_admit=c.l3_admit,
+            page_bytes=c.page_bytes,
+            l3_queue_pages=1 << 20,
+        )
 
-    def _serve(self, store: TieredStore, prompts: SyntheticPrompts, request: TraceRequest,
-               free_at: float, result: ReplayResult) -> float:
+    def _serve(
+        self, store: TieredStore, prompts: SyntheticPrompts, request: TraceRequest, free_at: float, result: ReplayResult
+    ) -> float:
         """Restore, publish and time one request; returns when the engine is free again."""
         size, compute = self.config.page_size, self.profile.compute
         keys, tokens = prompts.pages(request)
-        plan = plan_restore(store.locate(keys, tokens), request.input_length, size,
-                            self.config.page_bytes, self.profile)
-        restored = [*self._restore(store, keys[: plan.l1_pages], tokens, 0),  # as the engine does
-                    *self._restore(store, keys[: plan.restore_pages], tokens, plan.first_loaded)]
-        for key, source in restored:
+        plan = plan_restore(
+            store.locate(keys, tokens), request.input_length, size, self.config.page_bytes, self.profile
+        )
+        restored = [
+            *self._restore(store, keys[: plan.l1_pages], tokens, 0),  # as the engine does
+            *self._restore(store, keys[: plan.restore_pages], tokens, plan.first_loaded),
+        ]
+        for _key, source in restored:
             result.sources[source.value] += size
         result.sources[Source.RECOMPUTED.value] += request.input_length - len(restored) * size
         result.reused.append(len(restored) * size)
@@ -282,8 +312,9 @@ class Replay:
         return start + plan.predicted_s + decode_seconds(compute, request.input_length, request.output_length)
 
     @staticmethod
-    def _restore(store: TieredStore, keys: list[PageKey], tokens: list[int],
-                 first: int) -> Iterator[tuple[PageKey, Source]]:
+    def _restore(
+        store: TieredStore, keys: list[PageKey], tokens: list[int], first: int
+    ) -> Iterator[tuple[PageKey, Source]]:
         """Pin and load pages ``first ..`` of ``keys``: (key, tier) of each."""
         if first >= len(keys):
             return iter(())
@@ -313,22 +344,36 @@ def _writable(path: Path) -> bool:
     return os.access(path, os.W_OK | os.X_OK)
 
 
-def replay(trace: Sequence[TraceRequest], configs: Sequence[ReplayConfig], profile: Profile,
-           on_request: Callable[[], None] | None = None) -> dict:
+def replay(
+    trace: Sequence[TraceRequest],
+    configs: Sequence[ReplayConfig],
+    profile: Profile,
+    on_request: Callable[[], None] | None = None,
+) -> dict:
     """Replay ``trace`` once per config; the report ``kvtier replay --json`` prints."""
     page_size = configs[0].page_size
     bound = infinite_cache(trace, page_size)
     prompt_tokens = sum(r.input_length for r in trace)
     distinct = len({name for r in trace for name in page_names(r, page_size)})
     saved = compute_saved(trace, bound, profile)
-    rows = [_belady_row(trace, c, profile, prompt_tokens) if c.policy == BELADY else
-            Replay(trace, c, profile).run(on_request).report(distinct) for c in configs]
+    rows = [
+        _belady_row(trace, c, profile, prompt_tokens)
+        if c.policy == BELADY
+        else Replay(trace, c, profile).run(on_request).report(distinct)
+        for c in configs
+    ]
     return {
-        "requests": len(trace), "prompt_tokens": prompt_tokens, "page_size": page_size,
-        "page_bytes": configs[0].page_bytes, "distinct_pages": distinct,
+        "requests": len(trace),
+        "prompt_tokens": prompt_tokens,
+        "page_size": page_size,
+        "page_bytes": configs[0].page_bytes,
+        "distinct_pages": distinct,
         "profile": "calibrated" if profile.calibrated else "defaults",
-        "infinite_cache": {"reused_ratio": sum(bound) / max(prompt_tokens, 1), "reused_tokens": sum(bound),
-                           "prefill_seconds_saved": saved},
+        "infinite_cache": {
+            "reused_ratio": sum(bound) / max(prompt_tokens, 1),
+            "reused_tokens": sum(bound),
+            "prefill_seconds_saved": saved,
+        },
         "policies": rows,
     }
 
@@ -344,38 +389,54 @@ def _belady_row(trace: Sequence[TraceRequest], config: ReplayConfig, profile: Pr
     """Belady's reuse for the config's L1 + L2 + L3 as one cache (no store, no timing)."""
     capacity = (config.l1_bytes + config.l2_bytes + config.l3_bytes) // config.page_bytes
     reused = belady(trace, config.page_size, capacity)
-    return {"policy": BELADY, "eviction": BELADY, "l3_admit": None, "l1_bytes": config.l1_bytes,
-            "l2_bytes": config.l2_bytes, "l3_bytes": config.l3_bytes,
-            "reused_ratio": sum(reused) / max(prompt_tokens, 1), "reused_tokens": sum(reused),
-            "prefill_seconds_saved": compute_saved(trace, reused, profile)}
+    return {
+        "policy": BELADY,
+        "eviction": BELADY,
+        "l3_admit": None,
+        "l1_bytes": config.l1_bytes,
+        "l2_bytes": config.l2_bytes,
+        "l3_bytes": config.l3_bytes,
+        "reused_ratio": sum(reused) / max(prompt_tokens, 1),
+        "reused_tokens": sum(reused),
+        "prefill_seconds_saved": compute_saved(trace, reused, profile),
+    }
 
 
-def configs_for(base: ReplayConfig, policies: Sequence[str], admits: Sequence[str],
-                l2_sweep: Sequence[int] = ()) -> list[ReplayConfig]:
+def configs_for(
+    base: ReplayConfig, policies: Sequence[str], admits: Sequence[str], l2_sweep: Sequence[int] = ()
+) -> list[ReplayConfig]:
     """One config per L2 size (or the base one), policy and admission, in that order
     (belady, which has no admission, once per L2 size)."""
-    return [replace(base, l2_bytes=l2, policy=p, l3_admit=a)
-            for l2 in (l2_sweep or [base.l2_bytes]) for p in policies for a in admits
-            if p != BELADY or a == admits[0]]
+    return [
+        replace(base, l2_bytes=l2, policy=p, l3_admit=a)
+        for l2 in (l2_sweep or [base.l2_bytes])
+        for p in policies
+        for a in admits
+        if p != BELADY or a == admits[0]
+    ]
 
 
 def format_report(report: dict) -> str:
     """The report as a text table: one row per replay, the bound first."""
     gib = 1 << 30
     bound = report["infinite_cache"]
-    lines = [f"{report['requests']} requests, {report['prompt_tokens']} prompt tokens, page {report['page_size']} "
-             f"tokens = {report['page_bytes'] / (1 << 20):.1f} MiB, cost model: {report['profile']}",
-             f"infinite cache: reused {bound['reused_ratio']:.1%}, prefill saved {bound['prefill_seconds_saved']:.0f} s",
-             "",
-             f"{'policy':<18} {'L1':>6} {'L2':>6} {'L3':>6} {'reused':>7} {'L1 tok':>10} {'L2 tok':>10} "
-             f"{'L3 tok':>10} {'saved s':>9} {'ttft p50':>9} {'p90':>9} {'p99':>9} {'L3 GiB w':>9} "
-             f"{'L3 amp':>6} {'ev L1':>7} {'ev L2':>7} {'ev L3':>7}"]
+    lines = [
+        f"{report['requests']} requests, {report['prompt_tokens']} prompt tokens, page {report['page_size']} "
+        f"tokens = {report['page_bytes'] / (1 << 20):.1f} MiB, cost model: {report['profile']}",
+        f"infinite cache: reused {bound['reused_ratio']:.1%}, prefill saved {bound['prefill_seconds_saved']:.0f} s",
+        "",
+        f"{'policy':<18} {'L1':>6} {'L2':>6} {'L3':>6} {'reused':>7} {'L1 tok':>10} {'L2 tok':>10} "
+        f"{'L3 tok':>10} {'saved s':>9} {'ttft p50':>9} {'p90':>9} {'p99':>9} {'L3 GiB w':>9} "
+        f"{'L3 amp':>6} {'ev L1':>7} {'ev L2':>7} {'ev L3':>7}",
+    ]
     for p in report["policies"]:
         if p["policy"] == BELADY:
             note = "(offline, one cache)"
-            lines.append(f"{p['policy']:<18} {p['l1_bytes'] / gib:>5.0f}G {p['l2_bytes'] / gib:>5.0f}G "
-                         f"{p['l3_bytes'] / gib:>5.0f}G {p['reused_ratio']:>7.1%} {note:>32} "
-                         f"{p['prefill_seconds_saved']:>9.0f}")
+            lines.append(
+                f"{p['policy']:<18} {p['l1_bytes'] / gib:>5.0f}G {p['l2_bytes'] / gib:>5.0f}G "
+                f"{p['l3_bytes'] / gib:>5.0f}G {p['reused_ratio']:>7.1%} {note:>32} "
+                f"{p['prefill_seconds_saved']:>9.0f}"
+            )
             continue
         src, ev = p["sources"], p["evictions"]
         lines.append(
@@ -383,7 +444,8 @@ def format_report(report: dict) -> str:
             f"{p['reused_ratio']:>7.1%} {src['L1']:>10} {src['L2']:>10} {src['L3']:>10} "
             f"{p['prefill_seconds_saved']:>9.0f} {p['ttft_p50_s']:>9.2f} {p['ttft_p90_s']:>9.2f} "
             f"{p['ttft_p99_s']:>9.2f} {p['l3_bytes_written'] / gib:>9.1f} {p['l3_write_amplification']:>6.2f} "
-            f"{ev.get('L1', 0):>7} {ev.get('L2', 0):>7} {ev.get('L3', 0):>7}")
+            f"{ev.get('L1', 0):>7} {ev.get('L2', 0):>7} {ev.get('L3', 0):>7}"
+        )
     return "\n".join(lines)
 
 
@@ -398,8 +460,13 @@ def plot_report(report: dict, path: Path) -> None:
     for label in dict.fromkeys(p["policy"] for p in report["policies"]):
         rows = sorted((p for p in report["policies"] if p["policy"] == label), key=lambda p: p["l2_bytes"])
         sizes = [p["l2_bytes"] / (1 << 30) for p in rows]
-        reuse.plot(sizes, [p["reused_ratio"] for p in rows], marker="o", label=label,
-                   linestyle="--" if label == BELADY else "-")
+        reuse.plot(
+            sizes,
+            [p["reused_ratio"] for p in rows],
+            marker="o",
+            label=label,
+            linestyle="--" if label == BELADY else "-",
+        )
         if label != BELADY:
             ttft.plot(sizes, [p["ttft_p50_s"] for p in rows], marker="o", label=label)
     reuse.axhline(report["infinite_cache"]["reused_ratio"], color="k", linestyle=":", label="infinite cache")

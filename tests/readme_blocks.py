@@ -89,7 +89,7 @@ def after(b: Block, chars: int = 1500) -> str:
     """The README text right after a block: where it says what the block prints."""
     text = README.read_text(encoding="utf-8")
     end = text.index(b.text) + len(b.text)
-    return text[end:end + chars]
+    return text[end : end + chars]
 
 
 def as_run(text: str, **values: object) -> str:
@@ -109,24 +109,43 @@ class Shell:
         (cwd / "examples").symlink_to(CHECKOUT / "examples", target_is_directory=True)
 
     def run(self, command: str, timeout: float = 600, check: bool = True) -> subprocess.CompletedProcess:
-        done = subprocess.run(["bash", "-o", "pipefail", "-c", as_run(command, **self.values)], cwd=self.cwd,
-                              env=self.env, capture_output=True, text=True, timeout=timeout)
+        done = subprocess.run(
+            ["bash", "-o", "pipefail", "-c", as_run(command, **self.values)],
+            cwd=self.cwd,
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
         if check:
             assert done.returncode == 0, f"{command!r} exited {done.returncode}:\n{done.stderr[-3000:]}"
         return done
 
     def python(self, snippet: str, timeout: float = 300) -> str:
         """A Python snippet, run by this venv's interpreter; its stdout."""
-        done = subprocess.run([sys.executable, "-c", as_run(snippet, **self.values)], cwd=self.cwd, env=self.env,
-                              capture_output=True, text=True, timeout=timeout)
+        done = subprocess.run(
+            [sys.executable, "-c", as_run(snippet, **self.values)],
+            cwd=self.cwd,
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
         last = done.stderr.strip().splitlines()[-1:] or [""]
         assert done.returncode == 0, f"snippet failed: {last[0]}\n{done.stderr[-3000:]}"
         return done.stdout
 
-    def start(self, command: str) -> "Background":
-        return Background(subprocess.Popen(["bash", "-c", "exec " + as_run(command, **self.values)], cwd=self.cwd,
-                                           env=self.env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                           text=True))
+    def start(self, command: str) -> Background:
+        return Background(
+            subprocess.Popen(
+                ["bash", "-c", "exec " + as_run(command, **self.values)],
+                cwd=self.cwd,
+                env=self.env,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
 
 
 class Background:

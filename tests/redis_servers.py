@@ -56,15 +56,60 @@ class RedisServer:
         if self.tls:  # a self-signed certificate, made once per server
             cert, key = self.directory / "cert.pem", self.directory / "key.pem"
             if not cert.exists():
-                subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key),
-                                "-out", str(cert), "-days", "1", "-subj", "/CN=127.0.0.1"],
-                               check=True, capture_output=True, timeout=30)
-            ports = ["--port", "0", "--tls-port", str(self.port), "--tls-cert-file", str(cert),
-                     "--tls-key-file", str(key), "--tls-ca-cert-file", str(cert), "--tls-auth-clients", "no"]
+                subprocess.run(
+                    [
+                        "openssl",
+                        "req",
+                        "-x509",
+                        "-newkey",
+                        "rsa:2048",
+                        "-nodes",
+                        "-keyout",
+                        str(key),
+                        "-out",
+                        str(cert),
+                        "-days",
+                        "1",
+                        "-subj",
+                        "/CN=127.0.0.1",
+                    ],
+                    check=True,
+                    capture_output=True,
+                    timeout=30,
+                )
+            ports = [
+                "--port",
+                "0",
+                "--tls-port",
+                str(self.port),
+                "--tls-cert-file",
+                str(cert),
+                "--tls-key-file",
+                str(key),
+                "--tls-ca-cert-file",
+                str(cert),
+                "--tls-auth-clients",
+                "no",
+            ]
         self.process = subprocess.Popen(
-            [REDIS_SERVER, *ports, "--bind", "127.0.0.1", "--dir", str(self.directory),
-             "--save", "", "--appendonly", "no", "--loglevel", "warning", *self.args],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            [
+                REDIS_SERVER,
+                *ports,
+                "--bind",
+                "127.0.0.1",
+                "--dir",
+                str(self.directory),
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--loglevel",
+                "warning",
+                *self.args,
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         _wait_until(self._answers, f"redis-server on port {self.port}")
 
     def _answers(self) -> bool:
@@ -88,10 +133,32 @@ class RedisCluster:
         self.nodes = []
         for i in range(3):
             (directory / str(i)).mkdir()
-            self.nodes.append(RedisServer(directory / str(i), "--cluster-enabled", "yes", "--cluster-config-file",
-                                          "nodes.conf", "--cluster-node-timeout", "2000", *args))
-        subprocess.run(["redis-cli", "--cluster", "create", *(f"127.0.0.1:{n.port}" for n in self.nodes),
-                        "--cluster-replicas", "0", "--cluster-yes"], check=True, capture_output=True, timeout=30)
+            self.nodes.append(
+                RedisServer(
+                    directory / str(i),
+                    "--cluster-enabled",
+                    "yes",
+                    "--cluster-config-file",
+                    "nodes.conf",
+                    "--cluster-node-timeout",
+                    "2000",
+                    *args,
+                )
+            )
+        subprocess.run(
+            [
+                "redis-cli",
+                "--cluster",
+                "create",
+                *(f"127.0.0.1:{n.port}" for n in self.nodes),
+                "--cluster-replicas",
+                "0",
+                "--cluster-yes",
+            ],
+            check=True,
+            capture_output=True,
+            timeout=30,
+        )
         _wait_until(self._ok, "the cluster")
 
     @property
@@ -163,19 +230,23 @@ def _running(make, prefix: str):
 
 @pytest.fixture
 def redis_server():
-    yield from _running(lambda d: RedisServer(d, "--maxmemory", "256mb", "--maxmemory-policy", "allkeys-lru"),
-                        "kvtier-redis-")
+    yield from _running(
+        lambda d: RedisServer(d, "--maxmemory", "256mb", "--maxmemory-policy", "allkeys-lru"), "kvtier-redis-"
+    )
 
 
 @pytest.fixture
 def redis_tls_server():
     if shutil.which("openssl") is None:
         pytest.skip("openssl is not installed (it makes the test certificate)")
-    yield from _running(lambda d: RedisServer(d, "--maxmemory", "64mb", "--maxmemory-policy", "allkeys-lru", tls=True),
-                        "kvtier-redis-tls-")
+    yield from _running(
+        lambda d: RedisServer(d, "--maxmemory", "64mb", "--maxmemory-policy", "allkeys-lru", tls=True),
+        "kvtier-redis-tls-",
+    )
 
 
 @pytest.fixture
 def redis_cluster():
-    yield from _running(lambda d: RedisCluster(d, "--maxmemory", "64mb", "--maxmemory-policy", "allkeys-lru"),
-                        "kvtier-redis-cluster-")
+    yield from _running(
+        lambda d: RedisCluster(d, "--maxmemory", "64mb", "--maxmemory-policy", "allkeys-lru"), "kvtier-redis-cluster-"
+    )

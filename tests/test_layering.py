@@ -72,8 +72,12 @@ def test_no_import_cycles_even_through_function_level_imports(graph):
 
 
 def test_nothing_imports_upward(graph):
-    upward = [(a, b) for a, targets in graph.items() for b in targets
-              if LAYERS.index(b.split(".")[1]) > LAYERS.index(a.split(".")[1])]
+    upward = [
+        (a, b)
+        for a, targets in graph.items()
+        for b in targets
+        if LAYERS.index(b.split(".")[1]) > LAYERS.index(a.split(".")[1])
+    ]
     assert upward == []
 
 
@@ -81,8 +85,13 @@ def test_the_l3_backends_and_the_record_codec_stay_below_the_store(graph):
     """``tiers.l3`` imports nothing of the hierarchy above it, and the record codec needs
     no device tier (so no mlx)."""
     l3 = {name: targets for name, targets in graph.items() if name.startswith("kvtier.tiers.l3")}
-    above = {"kvtier.tiers.hierarchy", "kvtier.tiers.restore", "kvtier.tiers.placement", "kvtier.tiers.tier",
-             "kvtier.tiers.join"}
+    above = {
+        "kvtier.tiers.hierarchy",
+        "kvtier.tiers.restore",
+        "kvtier.tiers.placement",
+        "kvtier.tiers.tier",
+        "kvtier.tiers.join",
+    }
     assert {name: targets & above for name, targets in l3.items() if targets & above} == {}
     assert graph["kvtier.tiers.l3.record"] <= {"kvtier.tiers.layout"}
 
@@ -91,5 +100,8 @@ def test_the_server_stands_on_the_engine_never_on_the_cli(graph):
     """``engine.serve`` imports the engine's core; the CLI, above it, is never imported by it."""
     serve = {name: targets for name, targets in graph.items() if name.startswith("kvtier.engine.serve")}
     assert "kvtier.engine.serve.app" in serve
-    assert {name: {t for t in targets if t.startswith("kvtier.engine.cli")} for name, targets in serve.items()
-            if any(t.startswith("kvtier.engine.cli") for t in targets)} == {}
+    assert {
+        name: {t for t in targets if t.startswith("kvtier.engine.cli")}
+        for name, targets in serve.items()
+        if any(t.startswith("kvtier.engine.cli") for t in targets)
+    } == {}

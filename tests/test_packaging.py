@@ -13,8 +13,11 @@ PRODUCT = ("tiers", "engine", "costmodel")
 
 def source_packages() -> set[str]:
     """Every folder of the product that holds a module, as an import name."""
-    return {"kvtier"} | {"kvtier." + ".".join(module.parent.relative_to(REPO).parts)
-                         for top in PRODUCT for module in (REPO / top).rglob("*.py")}
+    return {"kvtier"} | {
+        "kvtier." + ".".join(module.parent.relative_to(REPO).parts)
+        for top in PRODUCT
+        for module in (REPO / top).rglob("*.py")
+    }
 
 
 def test_every_subpackage_is_listed_for_setuptools():
@@ -26,8 +29,12 @@ def test_every_subpackage_is_listed_for_setuptools():
 
 
 def test_wheel_installs_only_the_kvtier_package(tmp_path):
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp_path), str(REPO)],
-                   check=True, capture_output=True, timeout=600)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp_path), str(REPO)],
+        check=True,
+        capture_output=True,
+        timeout=600,
+    )
     (wheel,) = tmp_path.glob("kvtier-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     tops = {n.split("/")[0] for n in names}
@@ -57,6 +64,11 @@ def test_the_suite_runs_from_a_checkout_whatever_its_folder_is_called(tmp_path):
             subprocess.run(["cp", "-r", f"{path}/.", str(target)], check=True)
         else:
             target.write_bytes(path.read_bytes())
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "0",
-                           "tests/engine/test_flights.py"], cwd=clone, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-n", "0", "tests/engine/test_flights.py"],
+        cwd=clone,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stdout[-3000:]

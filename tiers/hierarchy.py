@@ -45,19 +45,19 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import MappingProxyType
-from typing import Mapping, Sequence
 
 import mlx.core as mx
 
 from .counters import add_into
+from .join import keep_buffers_for_restores
 from .l3.base import L3Store, StoreError
 from .l3.open import open_l3
-from .page import Namespace, PageGeometry, PageKey, Source, page_tokens, partial_key, shared_start
-from .join import keep_buffers_for_restores
 from .links import LinkLedger, Throttle
+from .page import Namespace, PageGeometry, PageKey, Source, page_tokens, partial_key, shared_start
 from .placement import Pins, Placement
 from .policy import DEFAULT_POLICY, L3Admission, make_policy
 from .restore import PendingRestore, RestoredPrefix, Restorer
@@ -130,17 +130,34 @@ class TieredStore:
         self.admission = L3Admission(config.l3_admit)
         self.disk = _open_disk(config)
         if self.disk is not None:
-            self.disk.describe_namespace(self.ns_digest, {
-                "model": config.label or namespace.model_fingerprint[:12], "page_size": geometry.page_size,
-                "dtype": geometry.dtype, "salted": bool(namespace.cache_salt)})
+            self.disk.describe_namespace(
+                self.ns_digest,
+                {
+                    "model": config.label or namespace.model_fingerprint[:12],
+                    "page_size": geometry.page_size,
+                    "dtype": geometry.dtype,
+                    "salted": bool(namespace.cache_salt),
+                },
+            )
         self.throttle = Throttle(config.throttle)
         self.ledger = LinkLedger()
         self.links = self.ledger.links  # link name -> LinkCounters of this process
         self.pins = Pins()
-        self.placement = Placement(self.l1, self.l2, self.disk, self.ns_digest, geometry.page_size, self.admission,
-                                   self.ledger, self.pins)
-        self.restorer = Restorer(geometry, self.ns_digest, self.l1, self.l2, self.disk, self.placement, self.pins,
-                                 self.admission, self.ledger, self.throttle)
+        self.placement = Placement(
+            self.l1, self.l2, self.disk, self.ns_digest, geometry.page_size, self.admission, self.ledger, self.pins
+        )
+        self.restorer = Restorer(
+            geometry,
+            self.ns_digest,
+            self.l1,
+            self.l2,
+            self.disk,
+            self.placement,
+            self.pins,
+            self.admission,
+            self.ledger,
+            self.throttle,
+        )
         self._lock = threading.RLock()
         self._closed = False
 
@@ -186,8 +203,9 @@ class TieredStore:
         """
         return self.finish(self.begin(keys, tokens, first))
 
-    def begin(self, keys: Sequence[PageKey], tokens: Sequence[int], first: int = 0,
-              ahead: bool = False) -> PendingRestore:
+    def begin(
+        self, keys: Sequence[PageKey], tokens: Sequence[int], first: int = 0, ahead: bool = False
+    ) -> PendingRestore:
         """The host side of a restore: find and pin the pages (L3 records in a snapshot
         held until ``finish``), decode compressed L3 pages, wait out an L3 throttle.
         With ``ahead`` the raw L3 pages are also checked now, so ``finish`` only
@@ -213,8 +231,12 @@ class TieredStore:
 
     def view(self) -> StoreView:
         with self._lock:
-            return StoreView(self.l1.view(), self.l2.view(), MappingProxyType(self.pins.held()),
-                             self.disk is not None and not self._closed)
+            return StoreView(
+                self.l1.view(),
+                self.l2.view(),
+                MappingProxyType(self.pins.held()),
+                self.disk is not None and not self._closed,
+            )
 
     # -- publish and spill ---------------------------------------------------
 
@@ -244,8 +266,9 @@ class TieredStore:
         with self._lock:
             return key in self.l1 or key in self.l2 or (self.disk is not None and self.disk.contains(key))
 
-    def publish(self, key: PageKey, tokens: Sequence[int], kv: mx.array, cost: float = 1.0,
-                parent: bytes | None = None) -> bool:
+    def publish(
+        self, key: PageKey, tokens: Sequence[int], kv: mx.array, cost: float = 1.0, parent: bytes | None = None
+    ) -> bool:
         """Add a computed full page to L1; False if L1 has it, or if L1 has no room and a
         tier below has it. A page computed over a copy in L2 or L3 (a plan that loads
         only some pages, or computes the first ones while later ones load) is kept in L1
@@ -346,7 +369,11 @@ class TieredStore:
             links = self.ledger.stats()
             if self.disk is None:
                 return {"tiers": tiers, "links": links}
-            return {"tiers": tiers, "links": links, "l3": {"backend": self.disk.backend, "location": self.disk.location}}
+            return {
+                "tiers": tiers,
+                "links": links,
+                "l3": {"backend": self.disk.backend, "location": self.disk.location},
+            }
 
 
 def _open_disk(config: StoreConfig) -> L3Store | None:
@@ -355,8 +382,14 @@ def _open_disk(config: StoreConfig) -> L3Store | None:
     if config.store_dir is None:
         return None
     try:
-        return open_l3(config.store_dir, config.l3_bytes, codec=config.codec, queue_pages=config.l3_queue_pages,
-                       record_bytes=config.page_bytes, policy=config.policy)
+        return open_l3(
+            config.store_dir,
+            config.l3_bytes,
+            codec=config.codec,
+            queue_pages=config.l3_queue_pages,
+            record_bytes=config.page_bytes,
+            policy=config.policy,
+        )
     except StoreError as err:
         log.warning("running without L3: %s", err)
         return None

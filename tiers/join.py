@@ -13,21 +13,21 @@ import io
 import os
 import threading
 import time
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import mlx.core as mx
 import numpy as np
 from xxhash import xxh3_64
 
-from .page import PageGeometry
 from .layout import SLOT_OFFSET
+from .page import PageGeometry
 
 # Threads for a restore's bulk copies: numpy copies and LMDB reads release the GIL, and
-# one thread alone does not saturate memory bandwidth (on the 2-core dev VM, when idle,
-# two threads copy ~1.6x faster). Each takes at least _MIN_SHARE bytes, so a small
-# restore stays on one thread (handing work over costs more than it saves).
+# one thread alone does not saturate memory bandwidth, so a few threads copy faster
+# (bench/restore_bandwidth.py measures by how much). Each takes at least _MIN_SHARE
+# bytes, so a small restore stays on one thread (handing work over costs more than it saves).
 _WORKERS = max(1, min(4, os.cpu_count() or 1))
 _MIN_SHARE = 4 << 20
 _MAX_BUFFER = 64 << 20  # bytes of one restored array (a group of layers)
@@ -48,7 +48,8 @@ def _let_mlx_finish_loads() -> None:
 def keep_buffers_for_restores(limit: int = 1 << 30) -> None:
     """Raise mlx's buffer-cache limit to at least ``limit``: a restore's arrays come from
     that cache, and below the limit freed buffers are kept for the next restore
-    instead of being returned to the OS and faulted in again (2-3x slower on CPU)."""
+    instead of being returned to the OS and faulted in again (each fresh page is faulted in
+    and zero-filled by the kernel before the copy can write it)."""
     previous = mx.set_cache_limit(1 << 62)  # read the limit by raising it: lowering would trim the cache
     mx.set_cache_limit(max(previous, limit))
 
@@ -67,8 +68,8 @@ def join_pages(hosts: list[np.ndarray], geometry: PageGeometry, digest: Sequence
     ``mx.load`` reads the joined prefix from a file-like ``_JoinedPages``, whose
     ``readinto`` is handed mlx's freshly allocated buffer and gathers the pages
     straight into it: no host staging, no zero-fill, so nothing beyond the
-    request's own KV (and ``_SLACK`` bytes an array, to place it). One load per group of layers of at most ``_MAX_BUFFER``
-    bytes (a few for a long prefix): mlx's buffer cache then keeps and reuses
+    request's own KV (and ``_SLACK`` bytes an array, to place it). One load per group of
+    layers of at most ``_MAX_BUFFER`` bytes (a few for a long prefix): mlx's buffer cache then keeps and reuses
     them like the model's own buffers, and a cache trim drops one group, not
     the whole prefix. The layers are views of the groups' arrays.
 
@@ -93,8 +94,9 @@ def join_pages(hosts: list[np.ndarray], geometry: PageGeometry, digest: Sequence
     return Joined(layers, [None if h is None else h.intdigest() for h in hashers])
 
 
-def _join_group(hosts: list[np.ndarray], geometry: PageGeometry, layers: range,
-                hashers: list[xxh3_64 | None]) -> mx.array:
+def _join_group(
+    hosts: list[np.ndarray], geometry: PageGeometry, layers: range, hashers: list[xxh3_64 | None]
+) -> mx.array:
     """The pages joined along tokens for ``layers``, as one new mlx array, read now
     (while the pages are pinned), each hasher fed its page's bytes of these layers."""
     if len(hosts) == 1 and len(layers) == geometry.num_layers:  # a page is its own join: one copy
@@ -147,9 +149,10 @@ class _JoinedPages:
     the one way mlx's Python API lets us fill a fresh mlx buffer in a single pass
     (``mx.array`` copies a finished host buffer, ``mx.zeros``/``mx.empty`` write the
     whole buffer first). That is mlx's private behaviour, not its API: pyproject pins
-    the mlx versions whose behaviour tests/tiers/test_hierarchy.py checks directly. mlx calls ``readinto`` on one of its own I/O threads, which
-    takes the GIL; CPython 3.11's tracemalloc is not safe with threads made outside
-    Python (it can crash), so do not trace allocations around restores.
+    the mlx versions whose behaviour tests/tiers/test_hierarchy.py checks directly. mlx
+    calls ``readinto`` on one of its own I/O threads, which takes the GIL; CPython 3.11's
+    tracemalloc is not safe with threads made outside Python (it can crash), so do not
+    trace allocations around restores.
 
     A read of the whole payload (what ``mx.load`` does) gathers with a few threads,
     one run of pages each, hashing each page's layers just before copying them;
@@ -159,8 +162,9 @@ class _JoinedPages:
 
     closed = False
 
-    def __init__(self, hosts: list[np.ndarray], geometry: PageGeometry, layers: range,
-                 hashers: Sequence[xxh3_64 | None] = ()) -> None:
+    def __init__(
+        self, hosts: list[np.ndarray], geometry: PageGeometry, layers: range, hashers: Sequence[xxh3_64 | None] = ()
+    ) -> None:
         g = geometry
         self.hosts = [host[layers.start : layers.stop] for host in hosts]
         self.hashers = list(hashers) or [None] * len(hosts)
@@ -173,7 +177,8 @@ class _JoinedPages:
         self.size = self.payload + _SLACK  # bytes of the file's payload
         header = io.BytesIO()
         np.lib.format.write_array_header_1_0(
-            header, {"descr": self.dtype.str, "fortran_order": False, "shape": (self.size // self.dtype.itemsize,)})
+            header, {"descr": self.dtype.str, "fortran_order": False, "shape": (self.size // self.dtype.itemsize,)}
+        )
         self.header = header.getvalue()
         self.pos = 0
 

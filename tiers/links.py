@@ -77,8 +77,9 @@ class LinkLedger:
     def record(self, link: Link, nbytes: int, seconds: float, pages: int = 1) -> None:
         self.links[link].record(nbytes, seconds, pages)
 
-    def record_restore(self, pages: list[tuple[Source, str, int]], page_nbytes: int, host_s: float,
-                       join_s: float, throttle: Throttle) -> None:
+    def record_restore(
+        self, pages: list[tuple[Source, str, int]], page_nbytes: int, host_s: float, join_s: float, throttle: Throttle
+    ) -> None:
         """Add one restore's pages, each ``(source, codec, stored bytes)``, to the links
         they crossed (``links_crossed``): each page takes an equal share of finding and
         joining (``join_s``, counted on the link that ends in L1), each L3 page an equal
@@ -90,12 +91,14 @@ class LinkLedger:
         for source, codec, stored in pages:
             for link in links_crossed(source, codec):
                 leaves_l3 = link in READ_LINKS["L3"]
-                seconds = (host_s / from_l3 if leaves_l3 else 0.0) + (join_s / len(pages) if link.endswith("L1") else 0.0)
+                seconds = (host_s / from_l3 if leaves_l3 else 0.0) + (
+                    join_s / len(pages) if link.endswith("L1") else 0.0
+                )
                 moved.setdefault(link, LinkCounters()).record(stored if leaves_l3 else page_nbytes, seconds)
         if (joined := moved.get(Link.L2_L1)) is not None and joined.seconds > 0:
             joined.seconds = throttle.wait("L2", joined.bytes, joined.seconds)
-        for name, link in moved.items():
-            self.record(name, link.bytes, link.seconds, link.pages)
+        for name, counters in moved.items():
+            self.record(name, counters.bytes, counters.seconds, counters.pages)
 
     def cumulative(self) -> dict[Link, dict[str, float]]:
         return {name: link.cumulative() for name, link in self.links.items()}

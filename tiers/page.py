@@ -18,12 +18,12 @@ own key (``partial_key``) and reused up to the tokens a later prompt shares with
 
 from __future__ import annotations
 
-import math
-
 import hashlib
+import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from enum import Enum
-from typing import NewType, Sequence
+from typing import NewType
 
 import msgpack
 import numpy as np
@@ -66,7 +66,7 @@ class Namespace:
         return _hash(msgpack.packb(asdict(self), use_bin_type=True))
 
 
-def page_keys(namespace: Namespace, tokens: Sequence[int]) -> list[PageKey]:
+def page_keys(namespace: Namespace, tokens: Sequence[int] | np.ndarray) -> list[PageKey]:
     """Chained keys of every full page of ``tokens`` (the partial tail has none)."""
     size = namespace.page_size
     prev = namespace.digest()

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from typing import Iterable, Mapping
+from collections.abc import Iterable, Mapping
 
 import mlx.core as mx
 import numpy as np
@@ -55,8 +55,17 @@ class Pins:
 class Placement:
     """Moves pages down the tiers to make room, and writes them to L3."""
 
-    def __init__(self, l1: DeviceTier, l2: HostTier, disk: L3Store | None, ns_digest: bytes, page_size: int,
-                 admission: L3Admission, ledger: LinkLedger, pins: Pins) -> None:
+    def __init__(
+        self,
+        l1: DeviceTier,
+        l2: HostTier,
+        disk: L3Store | None,
+        ns_digest: bytes,
+        page_size: int,
+        admission: L3Admission,
+        ledger: LinkLedger,
+        pins: Pins,
+    ) -> None:
         self.l1, self.l2, self.disk = l1, l2, disk
         self.ns_digest = ns_digest
         self.page_size = page_size
@@ -93,8 +102,9 @@ class Placement:
         elif not self.write_l3(key, page_tokens, data, Link.L1_L3):
             self.l2.counters.writes_dropped += 1
 
-    def write_l3(self, key: PageKey, page_tokens: tuple[int, ...], data: np.ndarray, link: str,
-                 wait: bool = False) -> bool:
+    def write_l3(
+        self, key: PageKey, page_tokens: tuple[int, ...], data: np.ndarray, link: str, wait: bool = False
+    ) -> bool:
         """Queue a page for L3 unless it is already there; True if L3 has or will have it."""
         if self.disk is None:
             return False

@@ -25,7 +25,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import OrderedDict
-from typing import Callable
+from collections.abc import Callable
 
 from .page import PageKey
 

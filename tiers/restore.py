@@ -18,9 +18,9 @@ Not thread-safe by itself: the store calls it under its lock.
 from __future__ import annotations
 
 import time
-from contextlib import ExitStack, nullcontext
+from collections.abc import Sequence
+from contextlib import AbstractContextManager, ExitStack, nullcontext
 from dataclasses import dataclass
-from typing import ContextManager, Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -96,9 +96,19 @@ class PendingRestore:
 class Restorer:
     """Runs restores against one store's tiers (``begin``, then ``finish``)."""
 
-    def __init__(self, geometry: PageGeometry, ns_digest: bytes, l1: DeviceTier, l2: HostTier,
-                 disk: L3Store | None, placement: Placement, pins: Pins, admission: L3Admission,
-                 ledger: LinkLedger, throttle: Throttle) -> None:
+    def __init__(
+        self,
+        geometry: PageGeometry,
+        ns_digest: bytes,
+        l1: DeviceTier,
+        l2: HostTier,
+        disk: L3Store | None,
+        placement: Placement,
+        pins: Pins,
+        admission: L3Admission,
+        ledger: LinkLedger,
+        throttle: Throttle,
+    ) -> None:
         self.geometry = geometry
         self.ns_digest = ns_digest
         self.l1, self.l2, self.disk = l1, l2, disk
@@ -108,8 +118,9 @@ class Restorer:
         self.ledger = ledger
         self.throttle = throttle
 
-    def begin(self, keys: Sequence[PageKey], tokens: Sequence[int], first: int = 0,
-              ahead: bool = False) -> PendingRestore:
+    def begin(
+        self, keys: Sequence[PageKey], tokens: Sequence[int], first: int = 0, ahead: bool = False
+    ) -> PendingRestore:
         """The host side of a restore: find and pin the pages (L3 records in a snapshot
         held until ``finish``), decode compressed L3 pages, wait out an L3 throttle.
         With ``ahead`` the raw L3 pages are also checked now, so ``finish`` only
@@ -147,12 +158,20 @@ class Restorer:
                 raise
             digests = [a if a is not None else b for a, b in zip(pending.digests, joined.digests)]
             good = self._cut(pages, self._first_bad(pages, digests))
-            self.ledger.record_restore([(p.source, p.codec, p.stored) for p in good], self.geometry.nbytes,
-                                       pending.host_s, pending.find_s + time.perf_counter() - t0, self.throttle)
+            self.ledger.record_restore(
+                [(p.source, p.codec, p.stored) for p in good],
+                self.geometry.nbytes,
+                pending.host_s,
+                pending.find_s + time.perf_counter() - t0,
+                self.throttle,
+            )
             self._keep_in_l1(good)
             kept = len(good) * self.geometry.page_size
-            layers = joined.layers if len(good) == len(pages) else \
-                [(k[:, :, :kept], v[:, :, :kept]) for k, v in joined.layers]
+            layers = (
+                joined.layers
+                if len(good) == len(pages)
+                else [(k[:, :, :kept], v[:, :, :kept]) for k, v in joined.layers]
+            )
             return RestoredPrefix([p.key for p in good], [p.source for p in good], layers)
 
     def _keep_in_l1(self, pages: list[_Page]) -> None:
@@ -175,11 +194,12 @@ class Restorer:
         hash_now = [p.raw_l3 and d is None for p, d in zip(pending.pages, pending.digests)]
         return join_pages([p.data for p in pending.pages], self.geometry, hash_now)
 
-    def _snapshot(self) -> ContextManager[Snapshot | None]:
+    def _snapshot(self) -> AbstractContextManager[Snapshot | None]:
         return self.disk.snapshot() if self.disk is not None else nullcontext()
 
-    def _plan(self, keys: Sequence[PageKey], tokens: Sequence[int], snap: Snapshot | None,
-              first: int = 0) -> list[_Page]:
+    def _plan(
+        self, keys: Sequence[PageKey], tokens: Sequence[int], snap: Snapshot | None, first: int = 0
+    ) -> list[_Page]:
         """The longest stored run from page ``first``, every page pinned: L1 pages with
         their device array (not read here), L2 pages with host views of their bytes,
         L3 pages with their record (header checked) and a view of the map (raw) or an
@@ -198,8 +218,9 @@ class Restorer:
             page = self._pin_resident(key, own)
             if page is None and snap is not None:
                 record = snap.find(key, self.ns_digest, own, self.geometry.nbytes)
-                page = record and _Page(key, own, Source.L3, record=record,
-                                        data=None if record.compressed else self._shaped(record.payload))
+                page = record and _Page(
+                    key, own, Source.L3, record=record, data=None if record.compressed else self._shaped(record.payload)
+                )
                 if page is not None:
                     self.pins.pin(key)
             if page is None:

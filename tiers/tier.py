@@ -11,8 +11,9 @@ Invariants kept here:
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
-from typing import Callable, Generic, Iterator, TypeVar
+from typing import Generic, TypeVar
 
 import mlx.core as mx
 import numpy as np
@@ -42,8 +43,7 @@ class Tier(Generic[Entry]):
     """Index of same-sized pages with a hard byte cap; ``page_nbytes`` is what one page
     counts against it (a trace replay counts full-size pages holding tiny payloads)."""
 
-    def __init__(self, name: str, capacity: int, page_nbytes: int,
-                 policy: EvictionPolicy | None = None) -> None:
+    def __init__(self, name: str, capacity: int, page_nbytes: int, policy: EvictionPolicy | None = None) -> None:
         self.name = name
         self.page_nbytes = page_nbytes
         self.max_pages = capacity // page_nbytes
@@ -134,8 +134,9 @@ class DeviceTier(Tier[DevicePage]):
     def view(self) -> TierView:
         """With the size of the follower index: it holds no emptied set, so it never
         outgrows the pages in L1."""
-        return replace(super().view(), follower_parents=len(self._after),
-                       follower_pages=sum(map(len, self._after.values())))
+        return replace(
+            super().view(), follower_parents=len(self._after), follower_pages=sum(map(len, self._after.values()))
+        )
 
 
 @dataclass(frozen=True)
@@ -149,14 +150,18 @@ class HostPage:
 class HostTier(Tier[HostPage]):
     """L2: one preallocated arena of page slots, so spilling never allocates."""
 
-    def __init__(self, capacity: int, geometry: PageGeometry, page_nbytes: int | None = None,
-                 policy: EvictionPolicy | None = None) -> None:
+    def __init__(
+        self,
+        capacity: int,
+        geometry: PageGeometry,
+        page_nbytes: int | None = None,
+        policy: EvictionPolicy | None = None,
+    ) -> None:
         super().__init__("L2", capacity, page_nbytes or geometry.nbytes, policy)
         self.arena = slot_arena(self.max_pages, geometry.nbytes)
         self.free_slots = list(range(self.max_pages - 1, -1, -1))
 
-    def write(self, key: PageKey, tokens: tuple[int, ...], data: np.ndarray | bytes,
-              cost: float = 1.0) -> None:
+    def write(self, key: PageKey, tokens: tuple[int, ...], data: np.ndarray | bytes, cost: float = 1.0) -> None:
         """Copy one page's bytes into a free slot."""
         slot = self.take_slot()
         self.arena[slot] = np.frombuffer(data, dtype=np.uint8)
@@ -197,4 +202,3 @@ def kv_to_host(kv: mx.array) -> np.ndarray:
     if kv.dtype == mx.bfloat16:
         kv = kv.view(mx.uint16)
     return np.asarray(kv).reshape(-1).view(np.uint8)
-

@@ -25,7 +25,7 @@ from mlx_lm.utils import _download
 
 from kvtier.tiers.page import Namespace, PageGeometry
 
-from kvtier.costmodel.plan import profile_key
+from kvtier.costmodel.profile import profile_key
 
 from . import defaults
 from .gguf import GGUFError

@@ -9,8 +9,9 @@ def test_rounds_interleave_every_row_and_each_keeps_its_own_timings():
     order = []
 
     def call(name: str) -> Call:
-        return Call(lambda: order.append(name), lambda: order.append(f"setup {name}"),
-                    lambda: order.append(f"teardown {name}"))
+        return Call(
+            lambda: order.append(name), lambda: order.append(f"setup {name}"), lambda: order.append(f"teardown {name}")
+        )
 
     calls = interleaved({"a": call("a"), "b": call("b"), "c": call("c")}, rounds=3)
     one_round = [f"{step}{name}" for name in "abc" for step in ("setup ", "", "teardown ")]

@@ -38,8 +38,9 @@ def test_every_forward_pass_of_calibration_is_evaluated(monkeypatch):
 
     monkeypatch.setattr(calibrate.mx, "eval", spy_eval)
     monkeypatch.setattr(calibrate, "REPEATS", 1)
-    samples = calibrate.prefill_samples(Recording(tiny_model().model), tick=lambda: None,
-                                        prefill_tokens=(4, 8), contexts=(0, 16))
+    samples = calibrate.prefill_samples(
+        Recording(tiny_model().model), tick=lambda: None, prefill_tokens=(4, 8), contexts=(0, 16)
+    )
     assert len(samples) == 4 and len(outputs) == 1 + 1 + 4  # warm-up, one context, the samples
     assert [id(o) in evaluated for o in outputs] == [True] * len(outputs)
 

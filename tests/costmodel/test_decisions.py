@@ -5,7 +5,7 @@ import subprocess
 import sys
 
 from kvtier.costmodel.models import ComputeModel, LinkModel
-from kvtier.costmodel.plan import Profile
+from kvtier.costmodel.profile import Profile
 from kvtier.engine.engine import Engine, EngineConfig
 from kvtier.engine.request import SamplingParams
 from kvtier.tiers.hierarchy import StoreConfig
@@ -18,8 +18,9 @@ GREEDY = SamplingParams(max_tokens=4)
 
 
 def engine_for(loaded, store_dir, throttle=None, l1_bytes=1 << 30):
-    store = StoreConfig(l1_bytes=l1_bytes, l2_bytes=1 << 30, l3_bytes=1 << 30, store_dir=store_dir,
-                        throttle=throttle or {})
+    store = StoreConfig(
+        l1_bytes=l1_bytes, l2_bytes=1 << 30, l3_bytes=1 << 30, store_dir=store_dir, throttle=throttle or {}
+    )
     return Engine(loaded, EngineConfig(page_size=PAGE, store=store))
 
 
@@ -45,8 +46,9 @@ def test_throttled_l3_is_recomputed_and_unthrottled_is_restored(loaded, tmp_path
 
 def test_short_prefix_is_recomputed_when_setup_dominates(loaded):
     engine = engine_for(loaded, None, l1_bytes=0)  # pages live in L2
-    engine.profile = Profile({"L2->L1": LinkModel.of(0.05, 1 << 30), "L3->L2": LinkModel.of(0.05, 1 << 30)},
-                             ComputeModel([0.0, 1e-4, 0.0]))
+    engine.profile = Profile(
+        {"L2->L1": LinkModel.of(0.05, 1 << 30), "L3->L2": LinkModel.of(0.05, 1 << 30)}, ComputeModel([0.0, 1e-4, 0.0])
+    )
     short, long = text_prompt(loaded, PAGE + 5, seed=1), text_prompt(loaded, 20 * PAGE + 5, seed=2)
     engine.generate([short, long], GREEDY)
     again_short, again_long = engine.generate([short, long], GREEDY)
@@ -66,8 +68,9 @@ def test_overlapped_plan_computes_the_front_while_the_back_loads(loaded, tmp_pat
     first.close()
     per_page = 0.05  # seconds to compute or to load a page, as the planner sees it
     engine = engine_for(loaded, tmp_path, throttle={"L3": 1.5 * loaded.geometry(PAGE).nbytes / per_page})
-    engine.profile = Profile({**Profile.defaults().links, "L3->L1": LinkModel.of(0.0, 1 << 40)},
-                             ComputeModel([0.0, per_page / PAGE, 0.0]))
+    engine.profile = Profile(
+        {**Profile.defaults().links, "L3->L1": LinkModel.of(0.0, 1 << 40)}, ComputeModel([0.0, per_page / PAGE, 0.0])
+    )
     (request,) = engine.generate([prompt], GREEDY)
     plan = request.plan
     (again,) = engine.generate([prompt], GREEDY)
@@ -96,8 +99,9 @@ def test_restores_refine_the_link_model_and_record_errors(loaded):
 
 def test_calibrate_saves_a_profile_that_runs_use(tmp_path):
     def kvtier(*args):
-        done = subprocess.run([sys.executable, "-m", "kvtier.engine.cli", *on_tiny_model(args)], capture_output=True,
-                              text=True)
+        done = subprocess.run(
+            [sys.executable, "-m", "kvtier.engine.cli", *on_tiny_model(args)], capture_output=True, text=True
+        )
         assert done.returncode == 0, done.stderr
         return done.stdout
 

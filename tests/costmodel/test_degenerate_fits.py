@@ -5,7 +5,7 @@ import math
 import pytest
 
 from kvtier.costmodel.models import MAX_BYTES_PER_S, ComputeModel, LinkModel
-from kvtier.costmodel.plan import GIB, Profile
+from kvtier.costmodel.profile import GIB, Profile
 
 MIB = 1 << 20
 

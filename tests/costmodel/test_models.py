@@ -1,8 +1,8 @@
-import numpy as np
 import pytest
 
 from kvtier.costmodel.models import ComputeModel, LinkModel
-from kvtier.costmodel.plan import Profile, plan_restore, restore_seconds
+from kvtier.costmodel.plan import plan_restore, restore_seconds
+from kvtier.costmodel.profile import Profile
 from kvtier.tiers.page import Source
 
 MIB = 1 << 20
@@ -65,7 +65,9 @@ def test_prediction_errors_are_recorded():
     assert link.error.summary()["median"] == pytest.approx(0.5)
 
 
-def profile(link_gib_s: float, setup_s: float = 1e-4, per_token: float = 1e-3, join_gib_s: float | None = None) -> Profile:
+def profile(
+    link_gib_s: float, setup_s: float = 1e-4, per_token: float = 1e-3, join_gib_s: float | None = None
+) -> Profile:
     links = {name: LinkModel.of(setup_s, link_gib_s * (1 << 30)) for name in ("L2->L1", "L3->L1", "L3->L2")}
     if join_gib_s is not None:
         links["L2->L1"] = LinkModel.of(0.0, join_gib_s * (1 << 30))
@@ -111,8 +113,9 @@ def test_setup_is_paid_once_per_link():
 
 def slow_reads(join_s: float = 0.001) -> Profile:
     """A page takes 0.1 s to compute, 0.1 s to read from L3, ``join_s`` to join."""
-    return profile(PAGE_BYTES / 0.1 / (1 << 30), setup_s=0.0, per_token=0.1 / PAGE,
-                   join_gib_s=PAGE_BYTES / join_s / (1 << 30))
+    return profile(
+        PAGE_BYTES / 0.1 / (1 << 30), setup_s=0.0, per_token=0.1 / PAGE, join_gib_s=PAGE_BYTES / join_s / (1 << 30)
+    )
 
 
 def test_overlap_balances_compute_of_the_front_against_reads_of_the_back():

@@ -9,14 +9,15 @@ import mlx.core as mx
 import pytest
 
 from kvtier.costmodel.environment import blas_id
-from kvtier.costmodel.plan import profile_key
+from kvtier.costmodel.profile import profile_key
 
-KEY = "from kvtier.costmodel.plan import profile_key; print(profile_key(bytes(8)))"
+KEY = "from kvtier.costmodel.profile import profile_key; print(profile_key(bytes(8)))"
 
 
 def key_in_a_process(**env: str) -> str:
-    done = subprocess.run([sys.executable, "-c", KEY], capture_output=True, text=True, check=True,
-                          env={**os.environ, **env})
+    done = subprocess.run(
+        [sys.executable, "-c", KEY], capture_output=True, text=True, check=True, env={**os.environ, **env}
+    )
     return done.stdout.strip()
 
 

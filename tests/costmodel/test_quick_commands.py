@@ -10,8 +10,9 @@ from ..engine.conftest import on_tiny_model
 
 
 def kvtier(*args: str) -> subprocess.CompletedProcess:
-    done = subprocess.run([sys.executable, "-m", "kvtier.engine.cli", *on_tiny_model(args)], capture_output=True,
-                          text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-m", "kvtier.engine.cli", *on_tiny_model(args)], capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, done.stderr
     return done
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from kvtier.costmodel import replay as rp
-from kvtier.costmodel.plan import Profile
+from kvtier.costmodel.profile import Profile
 
 KV_PER_TOKEN = 12288
 PAGE_BYTES = 512 * KV_PER_TOKEN  # 6 MiB
@@ -19,8 +19,12 @@ PAGE_BYTES = 512 * KV_PER_TOKEN  # 6 MiB
 def trace_file(tmp_path: Path, rows: list[tuple[int, int, list[int]]]) -> Path:
     """(input_length, output_length, hash_ids) rows, one second apart."""
     path = tmp_path / "trace.jsonl"
-    path.write_text("".join(json.dumps({"timestamp": 1000 * i, "input_length": n, "output_length": out,
-                                        "hash_ids": ids}) + "\n" for i, (n, out, ids) in enumerate(rows)))
+    path.write_text(
+        "".join(
+            json.dumps({"timestamp": 1000 * i, "input_length": n, "output_length": out, "hash_ids": ids}) + "\n"
+            for i, (n, out, ids) in enumerate(rows)
+        )
+    )
     return path
 
 
@@ -93,12 +97,15 @@ def test_decode_seconds_is_the_sum_of_one_token_steps():
     assert rp.decode_seconds(profile.compute, 100, 5) == pytest.approx(steps)
 
 
-@pytest.mark.parametrize("line, message", [
-    ('{"timestamp": 0, "input_length": 700, "output_length": 1, "hash_ids": [1]}', "1 hash_ids for 700 tokens"),
-    ('{"timestamp": 0, "input_length": 0, "output_length": 1, "hash_ids": []}', "input_length >= 1"),
-    ('{"timestamp": 0}', "not a trace request"),
-    ("not json", "not a trace request"),
-])
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        ('{"timestamp": 0, "input_length": 700, "output_length": 1, "hash_ids": [1]}', "1 hash_ids for 700 tokens"),
+        ('{"timestamp": 0, "input_length": 0, "output_length": 1, "hash_ids": []}', "input_length >= 1"),
+        ('{"timestamp": 0}', "not a trace request"),
+        ("not json", "not a trace request"),
+    ],
+)
 def test_a_bad_trace_line_is_one_clear_error(tmp_path, line, message):
     path = tmp_path / "bad.jsonl"
     path.write_text(line + "\n")
@@ -137,8 +144,15 @@ def test_bound_on_the_shared_trace_equals_an_independent_count():
 def test_policies_stay_under_the_bound_and_the_caps(policy, admit):
     trace = rp.read_trace(SHARED)[:150]
     bound = rp.infinite_cache(trace, 128)
-    result = run(trace, page_size=128, l1_bytes=64 * PAGE_BYTES // 4, l2_bytes=64 * PAGE_BYTES // 4,
-                 l3_bytes=32 * PAGE_BYTES // 4, policy=policy, l3_admit=admit)
+    result = run(
+        trace,
+        page_size=128,
+        l1_bytes=64 * PAGE_BYTES // 4,
+        l2_bytes=64 * PAGE_BYTES // 4,
+        l3_bytes=32 * PAGE_BYTES // 4,
+        policy=policy,
+        l3_admit=admit,
+    )
     assert all(r <= b for r, b in zip(result.reused, bound))
     assert sum(result.reused) > 0
     assert all(result.peak_bytes[t] <= result.capacity[t] for t in ("L1", "L2", "L3"))
@@ -146,13 +160,25 @@ def test_policies_stay_under_the_bound_and_the_caps(policy, admit):
 
 
 def kvtier(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kvtier.engine.cli", *args], capture_output=True, text=True,
-                          timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "kvtier.engine.cli", *args], capture_output=True, text=True, timeout=300
+    )
 
 
 def test_cli_replay_json_reports_bound_and_each_policy(tmp_path):
-    done = kvtier("replay", str(trace_file(tmp_path, HAND)), "--kv-bytes-per-token", str(KV_PER_TOKEN),
-                  "--l1-bytes", "1TiB", "--policy", "lru,cost", "--l3-admit", "always,second-use", "--json")
+    done = kvtier(
+        "replay",
+        str(trace_file(tmp_path, HAND)),
+        "--kv-bytes-per-token",
+        str(KV_PER_TOKEN),
+        "--l1-bytes",
+        "1TiB",
+        "--policy",
+        "lru,cost",
+        "--l3-admit",
+        "always,second-use",
+        "--json",
+    )
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout)
     assert report["infinite_cache"]["reused_tokens"] == sum(HAND_BOUND)
@@ -160,13 +186,16 @@ def test_cli_replay_json_reports_bound_and_each_policy(tmp_path):
     assert all(p["reused_tokens"] == sum(HAND_BOUND) for p in report["policies"])
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--page-size", "384"], "does not divide 512"),
-    (["--policy", "mru"], "bad choice 'mru'"),
-    (["--sweep", "l1-bytes=1GiB"], "bad sweep"),
-    (["--plot", "x.png"], "give --sweep"),
-    (["--profile", "missing.json"], "cannot read profile"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--page-size", "384"], "does not divide 512"),
+        (["--policy", "mru"], "bad choice 'mru'"),
+        (["--sweep", "l1-bytes=1GiB"], "bad sweep"),
+        (["--plot", "x.png"], "give --sweep"),
+        (["--profile", "missing.json"], "cannot read profile"),
+    ],
+)
 def test_cli_replay_bad_input_is_one_line_and_exit_2(tmp_path, args, message):
     done = kvtier("replay", str(trace_file(tmp_path, HAND)), "--kv-bytes-per-token", "8", *args)
     assert done.returncode == 2
@@ -176,8 +205,20 @@ def test_cli_replay_bad_input_is_one_line_and_exit_2(tmp_path, args, message):
 def test_cli_replay_plots_a_sweep(tmp_path):
     pytest.importorskip("matplotlib")
     plot = tmp_path / "sizing.png"
-    done = kvtier("replay", str(trace_file(tmp_path, HAND)), "--kv-bytes-per-token", str(KV_PER_TOKEN),
-                  "--policy", "lru,belady", "--sweep", "l2-bytes=6MiB,1GiB", "--l1-bytes", "0", "--plot", str(plot))
+    done = kvtier(
+        "replay",
+        str(trace_file(tmp_path, HAND)),
+        "--kv-bytes-per-token",
+        str(KV_PER_TOKEN),
+        "--policy",
+        "lru,belady",
+        "--sweep",
+        "l2-bytes=6MiB,1GiB",
+        "--l1-bytes",
+        "0",
+        "--plot",
+        str(plot),
+    )
     assert done.returncode == 0, done.stderr
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     rows = [line.split()[0] for line in done.stdout.splitlines()[4:]]  # after the header

@@ -22,11 +22,10 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
 from xxhash import xxh3_64_intdigest
 
-from kvtier.tiers.l3.lmdb_admin import compact_store
 from kvtier.tiers.l3.base import StoreError
+from kvtier.tiers.l3.lmdb_admin import compact_store
 from kvtier.tiers.l3.lmdb_store import DiskTier
 from kvtier.tiers.l3.record import FORMAT_VERSION, RAW_PAYLOAD_OFFSET, CorruptRecord, RecordHeader, decode_record
 
@@ -121,8 +120,9 @@ def test_raw_payloads_in_the_map_start_where_l2_slots_do_modulo_64(store: Path) 
     tier.close()
 
 
-@pytest.mark.parametrize("data", [payload(1)[:-1], np.random.default_rng(0).bytes(4096), b""],
-                         ids=["odd-length", "incompressible", "empty"])
+@pytest.mark.parametrize(
+    "data", [payload(1)[:-1], np.random.default_rng(0).bytes(4096), b""], ids=["odd-length", "incompressible", "empty"]
+)
 def test_codec_falls_back_losslessly(store: Path, data: bytes) -> None:
     tier = DiskTier(store, 1 << 20, codec="zstd-shuffle")
     tier.put(key(1), NS, TOKENS, data)
@@ -302,9 +302,16 @@ def test_a_raw_payload_of_the_wrong_length_is_refused_at_every_layer(store: Path
 
 
 _HEADER_KEYS = st.sampled_from(["v", "ns", "tok", "codec", "n", "xxh", "x"])
-_HEADER_VALUES = st.one_of(st.integers(-2, 2**64 - 1), st.binary(max_size=40), st.text(max_size=12),
-                           st.none(), st.booleans(), st.sampled_from(["raw", "zstd", "zstd-shuffle"]),
-                           st.just(NS), st.just(np.asarray(TOKENS, "<u4").tobytes()))
+_HEADER_VALUES = st.one_of(
+    st.integers(-2, 2**64 - 1),
+    st.binary(max_size=40),
+    st.text(max_size=12),
+    st.none(),
+    st.booleans(),
+    st.sampled_from(["raw", "zstd", "zstd-shuffle"]),
+    st.just(NS),
+    st.just(np.asarray(TOKENS, "<u4").tobytes()),
+)
 
 
 def _framed(header: dict, tail: bytes) -> bytes:
@@ -343,8 +350,9 @@ def test_other_format_version_is_refused_with_one_clear_line(store: Path) -> Non
     with pytest.raises(StoreError) as err:
         DiskTier(store, 1 << 20)
     message = str(err.value)
-    assert message == (f"store at {store} has format version {FORMAT_VERSION + 98}, "
-                       f"this kvtier reads version {FORMAT_VERSION}")
+    assert message == (
+        f"store at {store} has format version {FORMAT_VERSION + 98}, this kvtier reads version {FORMAT_VERSION}"
+    )
     # the refused store was closed again: this process can open it raw
     with _raw_env(store):
         pass
@@ -442,8 +450,9 @@ print(tier.counters.inserts)
 def test_two_processes_share_one_store(store: Path) -> None:
     n = 200
     tier = DiskTier(store, 1 << 24, codec="zstd")
-    child = subprocess.Popen([sys.executable, "-c", _WRITER_SCRIPT, str(REPO), str(store), str(n), "raw"],
-                             stdout=subprocess.PIPE, text=True)
+    child = subprocess.Popen(
+        [sys.executable, "-c", _WRITER_SCRIPT, str(REPO), str(store), str(n), "raw"], stdout=subprocess.PIPE, text=True
+    )
     while child.poll() is None:
         for i in range(n):
             got = tier.get(key(i), NS, TOKENS, 4096)
@@ -464,8 +473,9 @@ def test_two_processes_share_one_store(store: Path) -> None:
 
 def test_writer_killed_mid_write_leaves_no_partial_page(store: Path) -> None:
     tier = DiskTier(store, 1 << 26)
-    child = subprocess.Popen([sys.executable, "-c", _WRITER_SCRIPT, str(REPO), str(store), "100000", "zstd"],
-                             stdout=subprocess.DEVNULL)
+    child = subprocess.Popen(
+        [sys.executable, "-c", _WRITER_SCRIPT, str(REPO), str(store), "100000", "zstd"], stdout=subprocess.DEVNULL
+    )
     deadline = time.monotonic() + 30
     while tier.counters.pages < 50 and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -615,9 +625,16 @@ def test_compact_shrinks_the_file_and_keeps_every_page(store: Path) -> None:
 
 def test_compact_refuses_while_another_process_has_the_store_open(store: Path) -> None:
     DiskTier(store, 1 << 20).close()
-    holder = subprocess.Popen([sys.executable, "-c", "import time; from kvtier.tiers.l3.lmdb_store import DiskTier; "
-                               f"d = DiskTier({str(store)!r}); print('open', flush=True); time.sleep(60)"],
-                              stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import time; from kvtier.tiers.l3.lmdb_store import DiskTier; "
+            f"d = DiskTier({str(store)!r}); print('open', flush=True); time.sleep(60)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout.readline().strip() == "open"
         with pytest.raises(StoreError, match="open in another process"):

@@ -10,14 +10,14 @@ import lmdb
 import mlx.core as mx
 import numpy as np
 import pytest
-from xxhash import xxh3_64_intdigest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from xxhash import xxh3_64_intdigest
 
-import kvtier.tiers.restore as restore_module
 import kvtier.tiers.join as join
 import kvtier.tiers.layout as layout
+import kvtier.tiers.restore as restore_module
 from kvtier.tiers.hierarchy import StoreConfig, TieredStore
 from kvtier.tiers.page import Namespace, PageGeometry, Source, page_keys
 from kvtier.tiers.tier import kv_to_host
@@ -214,8 +214,14 @@ def test_join_hashes_the_flagged_pages_as_it_copies(monkeypatch, pages, groups, 
     monkeypatch.setattr(join, "_MAX_BUFFER", pages * PAGE // groups)
     if pieces:  # serve the payload in two reads: the run-by-run path, which hashes nothing
         whole = join._JoinedPages._gather
-        monkeypatch.setattr(join._JoinedPages, "_gather", lambda self, out, offset: (
-            whole(self, out[: len(out) // 2], offset), whole(self, out[len(out) // 2 :], offset + len(out) // 2)))
+        monkeypatch.setattr(
+            join._JoinedPages,
+            "_gather",
+            lambda self, out, offset: (
+                whole(self, out[: len(out) // 2], offset),
+                whole(self, out[len(out) // 2 :], offset + len(out) // 2),
+            ),
+        )
     flags = [i % 2 == 0 for i in range(pages)]
     result = join.join_pages(hosts, GEOMETRY, flags)
     assert result.digests == [xxh3_64_intdigest(h) if f else None for h, f in zip(hosts, flags)]

@@ -23,10 +23,17 @@ def test_keys_chain_the_whole_prefix():
     assert a[:2] == c[:2] and a[2] != c[2]
 
 
-@pytest.mark.parametrize("field,value", [
-    ("model_fingerprint", "other"), ("kv_dtype", "float32"), ("page_size", 4),
-    ("layout_version", 2), ("adapter_id", "lora-1"), ("cache_salt", "tenant-b"),
-])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("model_fingerprint", "other"),
+        ("kv_dtype", "float32"),
+        ("page_size", 4),
+        ("layout_version", 2),
+        ("adapter_id", "lora-1"),
+        ("cache_salt", "tenant-b"),
+    ],
+)
 def test_every_namespace_field_changes_keys(field, value):
     other = replace(NS, **{field: value})
     if other == NS:  # page_size 4 equals NS; use a different one
@@ -36,8 +43,10 @@ def test_every_namespace_field_changes_keys(field, value):
 
 
 def test_keys_are_stable_across_processes():
-    code = ("import kvtier; from kvtier.tiers.page import Namespace, page_keys;"
-            "print(page_keys(Namespace('fingerprint','bfloat16',4), list(range(8)))[1].hex())")
+    code = (
+        "import kvtier; from kvtier.tiers.page import Namespace, page_keys;"
+        "print(page_keys(Namespace('fingerprint','bfloat16',4), list(range(8)))[1].hex())"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == page_keys(NS, list(range(8)))[1].hex()
 

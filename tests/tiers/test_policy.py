@@ -4,8 +4,8 @@ the tiers: victims, aging, pins, accounted page sizes, L3 eviction order."""
 import mlx.core as mx
 import pytest
 
-from kvtier.tiers.l3.lmdb_store import DiskTier
 from kvtier.tiers.hierarchy import StoreConfig, TieredStore
+from kvtier.tiers.l3.lmdb_store import DiskTier
 from kvtier.tiers.page import Namespace, PageGeometry, page_keys
 from kvtier.tiers.policy import CostPolicy, EvictionPolicy, L3Admission, make_policy
 

@@ -14,15 +14,16 @@ import pytest
 from xxhash import xxh3_64_intdigest
 
 from kvtier.costmodel.calibrate import link_samples
-from kvtier.engine.request import SamplingParams
 from kvtier.costmodel.models import ComputeModel
-from kvtier.costmodel.plan import Profile, plan_restore
+from kvtier.costmodel.plan import plan_restore
+from kvtier.costmodel.profile import Profile
+from kvtier.engine.request import SamplingParams
 from kvtier.tiers.hierarchy import StoreConfig, TieredStore
 from kvtier.tiers.l3.base import Batch, PendingPut, StoreError
 from kvtier.tiers.l3.open import open_l3
-from kvtier.tiers.page import Source
 from kvtier.tiers.l3.record import FORMAT_VERSION, RecordHeader, token_bytes
 from kvtier.tiers.l3.redis_store import RedisTier
+from kvtier.tiers.page import Source
 from kvtier.tiers.tier import kv_to_host
 
 from ..redis_servers import SlowProxy, free_port, needs_redis, redis_cluster, redis_server, redis_tls_server  # noqa: F401
@@ -145,9 +146,10 @@ def test_redis_down_at_start_runs_without_l3(caplog):
     with caplog.at_level(logging.WARNING):
         store = make_store(url)
     assert store.disk is None
-    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == \
-        [f"running without L3: cannot use Redis store {url}: Error 111 connecting to 127.0.0.1:{url.rsplit(':', 1)[1]}. "
-         "Connection refused."]
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == [
+        f"running without L3: cannot use Redis store {url}: Error 111 connecting to 127.0.0.1:{url.rsplit(':', 1)[1]}. "
+        "Connection refused."
+    ]
     with pytest.raises(StoreError):
         open_l3(url)
 
@@ -199,8 +201,14 @@ def test_a_garbage_value_is_rejected_deleted_and_counted(redis_server):
 @pytest.mark.parametrize("what", ["version", "namespace"])
 def test_another_format_version_or_namespace_is_never_served(redis_server, what):
     raw = kv_to_host(KV[0]).tobytes()
-    header = RecordHeader(FORMAT_VERSION + (what == "version"), NS.digest() if what == "version" else b"x" * 16,
-                          token_bytes(TOKENS[:4]), "raw", len(raw), xxh3_64_intdigest(raw))
+    header = RecordHeader(
+        FORMAT_VERSION + (what == "version"),
+        NS.digest() if what == "version" else b"x" * 16,
+        token_bytes(TOKENS[:4]),
+        "raw",
+        len(raw),
+        xxh3_64_intdigest(raw),
+    )
     redis_server.client().set(b"kvtier:p:" + KEYS[0], header.pack() + raw)
     store = make_store(redis_server.url, l2_pages=1)
     assert store.restore(KEYS[:1], TOKENS).num_pages == 0
@@ -245,9 +253,28 @@ def kvtier(home, *args: str, store: str) -> tuple[list[dict], dict, str]:
     from kvtier.engine.models.load import resolve_model_path
 
     env = {**os.environ, "KVTIER_HOME": str(home)}
-    done = subprocess.run([sys.executable, "-m", "kvtier.engine.cli", "run", "--json", "--max-tokens", "8",
-                           "--page-size", str(ENGINE_PAGE), "--model", str(resolve_model_path(None)),
-                           "--store", store, *args], capture_output=True, text=True, timeout=300, env=env)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvtier.engine.cli",
+            "run",
+            "--json",
+            "--max-tokens",
+            "8",
+            "--page-size",
+            str(ENGINE_PAGE),
+            "--model",
+            str(resolve_model_path(None)),
+            "--store",
+            store,
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     assert done.returncode == 0, done.stderr
     lines = [json.loads(line) for line in done.stdout.splitlines()]
     return lines[:-1], lines[-1]["counters"], done.stderr
@@ -283,8 +310,9 @@ def test_two_hosts_share_one_redis_and_the_second_restores_what_the_first_comput
 def test_cli_with_redis_down_warns_once_and_exits_0(tmp_path):
     (result,), counters, stderr = kvtier(tmp_path, "--prompt", PROMPT, store=f"redis://127.0.0.1:{free_port()}")
     assert result["sources"]["recomputed"] == result["prompt_tokens"] and "l3" not in counters
-    assert [line for line in stderr.splitlines() if "L3" in line or "Redis" in line] == \
-        [line for line in stderr.splitlines() if "running without L3: cannot use Redis store" in line]
+    assert [line for line in stderr.splitlines() if "L3" in line or "Redis" in line] == [
+        line for line in stderr.splitlines() if "running without L3: cannot use Redis store" in line
+    ]
     assert len(stderr.strip().splitlines()) == 1
 
 

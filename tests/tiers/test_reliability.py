@@ -31,9 +31,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from xxhash import xxh3_64_intdigest
 
+from kvtier.tiers.hierarchy import StoreConfig, TieredStore
 from kvtier.tiers.l3.lmdb_store import DiskTier
 from kvtier.tiers.l3.record import CODECS, FORMAT_VERSION, CorruptRecord, RecordHeader, decode_record
-from kvtier.tiers.hierarchy import StoreConfig, TieredStore
 from kvtier.tiers.page import Namespace, PageGeometry, page_keys
 from kvtier.tiers.tier import kv_to_host
 
@@ -49,6 +49,7 @@ def store(tmp_path: Path) -> Path:
 
 # --- crash trials -------------------------------------------------------------------------
 
+
 def crash_keys(mode: str, start: int, count: int) -> list[tuple[bytes, bytes, list[int]]]:
     """(key, namespace digest, page token ids) of the pages a crash child writes, in order.
 
@@ -59,8 +60,10 @@ def crash_keys(mode: str, start: int, count: int) -> list[tuple[bytes, bytes, li
 
     if mode == "disk":
         ns = b"crash-namespace!"
-        return [(hashlib.blake2b(b"crash-%d" % i, digest_size=16).digest(), ns, [i, i + 1, i + 2, i + 3])
-                for i in range(start, start + count)]
+        return [
+            (hashlib.blake2b(b"crash-%d" % i, digest_size=16).digest(), ns, [i, i + 1, i + 2, i + 3])
+            for i in range(start, start + count)
+        ]
     from kvtier.tiers.page import Namespace, page_keys
 
     namespace = Namespace("crash-model", "float32", 4)
@@ -129,8 +132,12 @@ else:
 print("done", flush=True)
 """
 
-CRASH_CHILD = (textwrap.dedent(inspect.getsource(crash_keys)) + "\n"
-               + textwrap.dedent(inspect.getsource(crash_payload)) + _CHILD_MAIN)
+CRASH_CHILD = (
+    textwrap.dedent(inspect.getsource(crash_keys))
+    + "\n"
+    + textwrap.dedent(inspect.getsource(crash_payload))
+    + _CHILD_MAIN
+)
 
 
 @dataclass
@@ -161,26 +168,45 @@ def assert_consistent(store: Path, capacity: int) -> dict:
             sizes = {bytes(k): len(v) for k, v in txn.cursor(db=pages)}
             lru = {bytes(k) for k, _ in txn.cursor(db=env.open_db(b"lru", txn=txn))}
             order = [bytes(k)[8:] for k, _ in txn.cursor(db=env.open_db(b"order", txn=txn))]
-            used, npages = (msgpack.unpackb(txn.get(name, db=meta) or msgpack.packb(0))
-                            for name in (b"bytes_used", b"pages"))
+            used, npages = (
+                msgpack.unpackb(txn.get(name, db=meta) or msgpack.packb(0)) for name in (b"bytes_used", b"pages")
+            )
     assert used == sum(sizes.values()) <= capacity
     assert npages == len(sizes)
     assert lru == set(order) == set(sizes) and len(order) == len(sizes)
     return {"sizes": sizes, "bytes_used": used, "pages": npages}
 
 
-def crash_trial(store: Path, log: CrashLog, rng: random.Random, mode: str, *,
-                count: int = 2000, max_delay: float = 0.35, verify_with: DiskTier | None = None) -> None:
+def crash_trial(
+    store: Path,
+    log: CrashLog,
+    rng: random.Random,
+    mode: str,
+    *,
+    count: int = 2000,
+    max_delay: float = 0.35,
+    verify_with: DiskTier | None = None,
+) -> None:
     """One trial: start a writer, SIGKILL it at a random moment, then verify the store."""
     start = log.next_start
     log.next_start += count
     pages = crash_keys(mode, start, count)
     for j, (k, ns, toks) in enumerate(pages):
         log.written[k] = (mode, start + j, ns, toks)
-    args = [str(REPO), str(store), mode, str(start), str(count), str(log.capacity),
-            str(rng.choice([1, 8, 64])), str(rng.randrange(1 << 30)), rng.choice(CODECS)]
-    child = subprocess.Popen([sys.executable, "-c", CRASH_CHILD, *args], stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, cwd=REPO)
+    args = [
+        str(REPO),
+        str(store),
+        mode,
+        str(start),
+        str(count),
+        str(log.capacity),
+        str(rng.choice([1, 8, 64])),
+        str(rng.randrange(1 << 30)),
+        rng.choice(CODECS),
+    ]
+    child = subprocess.Popen(
+        [sys.executable, "-c", CRASH_CHILD, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO
+    )
     try:
         if rng.random() < 0.2:  # anywhere: during start-up, while opening the store, or writing
             time.sleep(rng.uniform(0.0, 0.4))
@@ -240,8 +266,10 @@ def _check_meta(tier: DiskTier, capacity: int) -> list[bytes]:
         sizes = {bytes(k): len(v) for k, v in txn.cursor(db=tier._pages)}
         lru = {bytes(k) for k, _ in txn.cursor(db=tier._lru)}
         order = [bytes(k)[8:] for k, _ in txn.cursor(db=tier._order)]
-        meta = {name: msgpack.unpackb(txn.get(name, db=tier._meta) or msgpack.packb(0))
-                for name in (b"bytes_used", b"pages")}
+        meta = {
+            name: msgpack.unpackb(txn.get(name, db=tier._meta) or msgpack.packb(0))
+            for name in (b"bytes_used", b"pages")
+        }
     assert meta[b"bytes_used"] == sum(sizes.values()) <= capacity
     assert meta[b"pages"] == len(sizes)
     assert lru == set(order) == set(sizes) and len(order) == len(sizes)
@@ -264,8 +292,10 @@ def test_writers_killed_at_random_moments_leave_a_sound_store(tmp_path: Path) ->
         log = run_crash_trials(tmp_path / "store", trials=24, seed=seed)
     except AssertionError as exc:
         raise AssertionError(f"crash trials with seed {seed}: {exc}") from None
-    print(f"{log.trials} trials, {log.killed} killed, {log.pages_verified} pages verified, "
-          f"{log.survived} pages of killed writers survived")
+    print(
+        f"{log.trials} trials, {log.killed} killed, {log.pages_verified} pages verified, "
+        f"{log.survived} pages of killed writers survived"
+    )
     assert not log.failures, (seed, log.failures)
     assert log.trials == 24 and log.killed >= 20, (seed, log)  # a child may finish before its kill
     assert log.survived > 0 and log.pages_verified > 0
@@ -316,6 +346,7 @@ def test_one_writer_killed_while_others_read_and_write(tmp_path: Path) -> None:
 
 
 # --- corruption ---------------------------------------------------------------------------
+
 
 def damage_record(value: bytes, rng: random.Random, in_header: bool) -> bytes:
     """1-3 random bytes flipped in the header or in the payload of a stored value, such that
@@ -399,8 +430,10 @@ def test_records_of_another_format_version_are_never_served(store: Path) -> None
             for i in (1, 3):
                 value = bytes(txn.get(key(i), db=pages))
                 header, offset = RecordHeader.unpack(memoryview(value))
-                other = RecordHeader(FORMAT_VERSION + 1, *[getattr(header, f) for f in
-                                                           ("namespace", "tokens", "codec", "raw_len", "checksum")])
+                other = RecordHeader(
+                    FORMAT_VERSION + 1,
+                    *[getattr(header, f) for f in ("namespace", "tokens", "codec", "raw_len", "checksum")],
+                )
                 padded = other.pack(offset - len(header.pack()))  # the record keeps its length
                 txn.put(key(i), padded + value[offset:], db=pages)
     tier = DiskTier(store, 1 << 20)
@@ -449,13 +482,19 @@ def test_truncated_store_file_is_refused_not_a_crash(tmp_path: Path) -> None:
         stores.append(tmp_path / f"cut-{cut}")
         shutil.copytree(source, stores[-1])
         os.truncate(stores[-1] / "data.mdb", cut)
-    done = subprocess.run([sys.executable, "-c", _OPEN_AND_READ, str(REPO), str(n), *map(str, stores)],
-                          capture_output=True, text=True, cwd=REPO, timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-c", _OPEN_AND_READ, str(REPO), str(n), *map(str, stores)],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=60,
+    )
     assert done.returncode == 0, (done.returncode, done.stdout.splitlines()[-1:], done.stderr[-500:])
     outcomes = [line.split(": ", 1)[1] for line in done.stdout.splitlines()]
     assert outcomes[0] == "opened 0"  # LMDB treats an empty file as a new environment
-    assert all(o.startswith("refused cannot open store") or o.startswith("refused store file")
-               for o in outcomes[1:]), outcomes
+    assert all(o.startswith("refused cannot open store") or o.startswith("refused store file") for o in outcomes[1:]), (
+        outcomes
+    )
     assert len(outcomes) == len(cuts)
 
 
@@ -555,8 +594,12 @@ def test_caps_hold_and_bytes_survive_a_long_mixed_workload(tmp_path: Path) -> No
         elif op < 0.7:
             restored = store.restore(ks[: rng.randint(1, len(ks))], tokens)
             for i, k in enumerate(restored.keys):
-                page = mx.stack([mx.concatenate([kk[:, :, 4 * i : 4 * i + 4], vv[:, :, 4 * i : 4 * i + 4]])
-                                 for kk, vv in restored.layers])
+                page = mx.stack(
+                    [
+                        mx.concatenate([kk[:, :, 4 * i : 4 * i + 4], vv[:, :, 4 * i : 4 * i + 4]])
+                        for kk, vv in restored.layers
+                    ]
+                )
                 assert np.array_equal(kv_to_host(page), kv_to_host(kvs[k]))
             sources.update(restored.sources)
             pinned.append(restored.keys)
@@ -598,10 +641,14 @@ print(tier.counters.inserts)
 
 def test_four_processes_write_one_store_at_once(store: Path) -> None:
     n = 150
-    children = [subprocess.Popen([sys.executable, "-c", _WRITER, str(REPO), str(store), codec, str(n), order],
-                                 stdout=subprocess.PIPE, text=True)
-                for codec, order in (("raw", "forward"), ("zstd", "reverse"), ("zstd-shuffle", "forward"),
-                                     ("raw", "reverse"))]
+    children = [
+        subprocess.Popen(
+            [sys.executable, "-c", _WRITER, str(REPO), str(store), codec, str(n), order],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for codec, order in (("raw", "forward"), ("zstd", "reverse"), ("zstd-shuffle", "forward"), ("raw", "reverse"))
+    ]
     inserts = [int(child.communicate(timeout=120)[0]) for child in children]
     assert [child.returncode for child in children] == [0] * 4
     assert sum(inserts) == n  # write-once across processes
@@ -622,8 +669,15 @@ def seed_records() -> list[tuple[bytes, bytes]]:
     """(raw page, stored record) written by a real DiskTier: every codec, odd and empty sizes."""
     import tempfile
 
-    raws = [b"", b"\x01", payload(1, 64), payload(2, 256)[:-1], np.random.default_rng(3).bytes(200),
-            bytes(300), payload(4, 512)]
+    raws = [
+        b"",
+        b"\x01",
+        payload(1, 64),
+        payload(2, 256)[:-1],
+        np.random.default_rng(3).bytes(200),
+        bytes(300),
+        payload(4, 512),
+    ]
     out = []
     with tempfile.TemporaryDirectory() as tmp:
         for codec in CODECS:
@@ -674,14 +728,16 @@ def decode(value: bytes, raw_nbytes: int, out: bool) -> bytes | None:
     return got.tobytes() if out else bytes(got)
 
 
-_HEADER_FOR_US = st.fixed_dictionaries({
-    "v": st.sampled_from([FORMAT_VERSION, FORMAT_VERSION + 1, 0, -1, 2**64 - 1]),
-    "ns": st.sampled_from([NS, NS[:-1], b""]),
-    "tok": st.sampled_from([FUZZ_TOKENS, FUZZ_TOKENS[:-1], b""]),
-    "codec": st.sampled_from([*CODECS, "lz4", ""]),
-    "n": st.sampled_from([0, 1, 63, 64, 65, 2**32, 2**64 - 1]),
-    "xxh": st.integers(0, 2**64 - 1),
-})
+_HEADER_FOR_US = st.fixed_dictionaries(
+    {
+        "v": st.sampled_from([FORMAT_VERSION, FORMAT_VERSION + 1, 0, -1, 2**64 - 1]),
+        "ns": st.sampled_from([NS, NS[:-1], b""]),
+        "tok": st.sampled_from([FUZZ_TOKENS, FUZZ_TOKENS[:-1], b""]),
+        "codec": st.sampled_from([*CODECS, "lz4", ""]),
+        "n": st.sampled_from([0, 1, 63, 64, 65, 2**32, 2**64 - 1]),
+        "xxh": st.integers(0, 2**64 - 1),
+    }
+)
 
 
 def _framed_ours(header: dict, data: bytes, kind: str, fix_checksum: bool) -> bytes:
@@ -698,8 +754,13 @@ def _framed_ours(header: dict, data: bytes, kind: str, fix_checksum: bool) -> by
 
 ARBITRARY = st.one_of(
     RECORD_VALUES,  # raw bytes, and random header dictionaries framed (from test_disk)
-    st.builds(_framed_ours, _HEADER_FOR_US, st.binary(max_size=130),
-              st.sampled_from(["raw", "zstd", "zstd-no-size"]), st.booleans()),
+    st.builds(
+        _framed_ours,
+        _HEADER_FOR_US,
+        st.binary(max_size=130),
+        st.sampled_from(["raw", "zstd", "zstd-no-size"]),
+        st.booleans(),
+    ),
 )
 _FAST = dict(deadline=None, database=None, suppress_health_check=list(HealthCheck))
 

@@ -24,8 +24,9 @@ from __future__ import annotations
 import logging
 import threading
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import ContextManager, Sequence
 
 import numpy as np
 
@@ -69,7 +70,7 @@ class Snapshot(ABC):
         self.store = store
         self.read_s = 0.0  # seconds spent reading records from the backend (a network's round trips)
 
-    def expect(self, keys: Sequence[bytes], raw_nbytes: int) -> None:
+    def expect(self, keys: Sequence[bytes], raw_nbytes: int) -> None:  # noqa: B027 (a no-op unless a backend batches)
         """A hint: ``find`` will be asked for these keys, in this order (a remote backend
         reads them in a few batched round trips)."""
 
@@ -77,8 +78,7 @@ class Snapshot(ABC):
     def _value(self, key: bytes) -> memoryview | bytes | None:
         """The stored value of ``key``, None when absent or unreadable (logged)."""
 
-    def find(self, key: bytes, namespace_digest: bytes, tokens: Sequence[int],
-             raw_nbytes: int) -> StoredRecord | None:
+    def find(self, key: bytes, namespace_digest: bytes, tokens: Sequence[int], raw_nbytes: int) -> StoredRecord | None:
         """The record of ``key`` if its header matches this page, else None (a record
         with a bad header is rejected). Counts the lookup."""
         store = self.store
@@ -106,8 +106,7 @@ class L3Store(ABC):
     backend = ""  # "lmdb" or "redis": what stats call this L3
     tracks_use = True  # the writer records each use (a backend that sees its reads does not)
 
-    def __init__(self, capacity: int, *, codec: str, zstd_level: int, queue_pages: int,
-                 readonly: bool) -> None:
+    def __init__(self, capacity: int, *, codec: str, zstd_level: int, queue_pages: int, readonly: bool) -> None:
         if codec not in CODECS:
             raise ValueError(f"unknown L3 codec {codec!r}; expected one of {', '.join(CODECS)}")
         self.readonly = readonly
@@ -145,7 +144,7 @@ class L3Store(ABC):
         """A record of ``key`` is stored (False when the backend cannot tell, logged)."""
 
     @abstractmethod
-    def snapshot(self) -> ContextManager[Snapshot]:
+    def snapshot(self) -> AbstractContextManager[Snapshot]:
         """One consistent view for a batch of page lookups."""
 
     @abstractmethod
@@ -210,8 +209,9 @@ class L3Store(ABC):
         """How many leading ``keys`` have a record (a remote backend asks in one round trip)."""
         return next((i for i, key in enumerate(keys) if not self.contains(key)), len(keys))
 
-    def get(self, key: bytes, namespace_digest: bytes, tokens: Sequence[int],
-            raw_nbytes: int, out: np.ndarray | None = None) -> tuple[bytes | np.ndarray, int] | None:
+    def get(
+        self, key: bytes, namespace_digest: bytes, tokens: Sequence[int], raw_nbytes: int, out: np.ndarray | None = None
+    ) -> tuple[bytes | np.ndarray, int] | None:
         """Verified raw payload and the stored record size D (bytes read), or None.
 
         With ``out`` (uint8, ``raw_nbytes`` long) the payload is written there and
@@ -282,8 +282,15 @@ class L3Store(ABC):
                 self._deletes[bytes(key)] = fingerprint
                 self._wake.notify_all()
 
-    def put(self, key: bytes, namespace_digest: bytes, tokens: Sequence[int],
-            payload: bytes | memoryview, *, wait: bool = False) -> bool:
+    def put(
+        self,
+        key: bytes,
+        namespace_digest: bytes,
+        tokens: Sequence[int],
+        payload: bytes | memoryview,
+        *,
+        wait: bool = False,
+    ) -> bool:
         """Queue a write-once page write; False (and counted) when the queue is full.
 
         ``wait=True`` waits for room instead of dropping (for flushes, off the request path).

@@ -48,7 +48,9 @@ def compact_store(path: Path) -> tuple[int, int]:
             try:  # closing the env drops this process's locks on lock.mdb (POSIX locks are
                 # per process and file): the new file goes in place before that
                 with env.begin() as txn:
-                    check_format_version(path, txn.get(b"format_version", db=env.open_db(b"meta", txn=txn, create=False)))
+                    check_format_version(
+                        path, txn.get(b"format_version", db=env.open_db(b"meta", txn=txn, create=False))
+                    )
                 env.copy(tmp, compact=True)
                 os.replace(Path(tmp) / "data.mdb", data)
             except lmdb.Error as exc:

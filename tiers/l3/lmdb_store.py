@@ -20,10 +20,10 @@ import os
 import shutil
 import struct
 import time
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
 
 import lmdb
 import msgpack
@@ -105,8 +105,7 @@ def _uses(stamp: memoryview | bytes) -> int:
 def check_format_version(path: Path, stored: bytes | None) -> None:
     version = FORMAT_VERSION if stored is None else msgpack.unpackb(stored)
     if version != FORMAT_VERSION:
-        raise StoreError(f"store at {path} has format version {version}, "
-                         f"this kvtier reads version {FORMAT_VERSION}")
+        raise StoreError(f"store at {path} has format version {version}, this kvtier reads version {FORMAT_VERSION}")
 
 
 def _ns_row() -> dict:
@@ -145,11 +144,26 @@ class DiskTier(L3Store):
     gauges, reloaded from meta after each commit and by refresh().
     """
 
-    def __init__(self, path: Path, capacity_bytes: int | None = None, *, codec: str = "raw",
-                 zstd_level: int = 3, queue_pages: int = 64, map_size: int | None = None,
-                 readonly: bool = False, record_bytes: int | None = None, policy: str = "lru") -> None:
-        super().__init__(DEFAULT_CAPACITY if capacity_bytes is None else capacity_bytes,  # until meta says
-                         codec=codec, zstd_level=zstd_level, queue_pages=queue_pages, readonly=readonly)
+    def __init__(
+        self,
+        path: Path,
+        capacity_bytes: int | None = None,
+        *,
+        codec: str = "raw",
+        zstd_level: int = 3,
+        queue_pages: int = 64,
+        map_size: int | None = None,
+        readonly: bool = False,
+        record_bytes: int | None = None,
+        policy: str = "lru",
+    ) -> None:
+        super().__init__(
+            DEFAULT_CAPACITY if capacity_bytes is None else capacity_bytes,  # until meta says
+            codec=codec,
+            zstd_level=zstd_level,
+            queue_pages=queue_pages,
+            readonly=readonly,
+        )
         if policy not in POLICIES:
             raise ValueError(f"unknown eviction policy {policy!r}; expected one of {', '.join(POLICIES)}")
         self.path = Path(path)
@@ -215,7 +229,8 @@ class DiskTier(L3Store):
             with env.begin(db=self._meta) as txn:
                 check_format_version(self.path, txn.get(b"format_version"))
             self._pages, self._lru, self._order, self._counters_db = (
-                env.open_db(name, create=False) for name in _DBS[:4])
+                env.open_db(name, create=False) for name in _DBS[:4]
+            )
             try:
                 self._namespaces = env.open_db(b"namespaces", create=False)
             except lmdb.NotFoundError:  # a store no writer has opened since the table came
@@ -251,7 +266,8 @@ class DiskTier(L3Store):
                 txn.put(b"format_version", msgpack.packb(FORMAT_VERSION), db=self._meta)
                 fresh = b"namespaces" not in {bytes(k) for k, _ in txn.cursor()}
                 self._pages, self._lru, self._order, self._counters_db, self._namespaces = (
-                    env.open_db(name, txn=txn) for name in _DBS)
+                    env.open_db(name, txn=txn) for name in _DBS
+                )
                 if fresh:
                     self._count_namespaces(txn)
                 self._settle_capacity(txn, capacity)
@@ -266,9 +282,13 @@ class DiskTier(L3Store):
             return
         self._capacity = msgpack.unpackb(stored)
         if asked is not None and asked != self._capacity:
-            log.warning("store %s keeps its L3 cap of %s; the %s asked for is ignored "
-                        "(`kvtier store resize --l3-bytes` changes it)",
-                        self.path, format_bytes(self._capacity), format_bytes(asked))
+            log.warning(
+                "store %s keeps its L3 cap of %s; the %s asked for is ignored "
+                "(`kvtier store resize --l3-bytes` changes it)",
+                self.path,
+                format_bytes(self._capacity),
+                format_bytes(asked),
+            )
 
     def _count_namespaces(self, txn: lmdb.Transaction) -> None:
         """Fill the namespaces table from the records (a store from before it existed)."""
@@ -362,17 +382,23 @@ class DiskTier(L3Store):
     def describe_namespace(self, digest: bytes, about: dict) -> None:
         """Record what a namespace is (model, page size, ...) for ``kvtier store ls``; warn
         in one line when the store holds pages, none of them of this namespace."""
+
         def merge(row: object) -> dict:
             row = row if isinstance(row, dict) else _ns_row()
             return {**row, "about": about}
+
         self._update(self._namespaces, digest, merge)
         others = {d: row for d, row in self.namespaces().items() if d != digest and row["pages"]}
         if others and not self.namespaces().get(digest, {}).get("pages"):
             seen = sorted({_describe(row) for row in others.values()})
-            log.warning("store %s holds no pages for this model and page size (%s), only %d of "
-                        "other namespaces (%s): nothing here will be reused",
-                        self.path, _describe({"about": about}), sum(r["pages"] for r in others.values()),
-                        "; ".join(seen))
+            log.warning(
+                "store %s holds no pages for this model and page size (%s), only %d of "
+                "other namespaces (%s): nothing here will be reused",
+                self.path,
+                _describe({"about": about}),
+                sum(r["pages"] for r in others.values()),
+                "; ".join(seen),
+            )
 
     def clear(self, namespaces: set[bytes] | None = None) -> tuple[int, int]:
         """Delete every page (or those of ``namespaces``); (pages, bytes) removed."""
@@ -411,8 +437,10 @@ class DiskTier(L3Store):
 
     def add_persistent_counters(self, delta: dict) -> None:
         """Add a nested dict of numbers into the stored cumulative counters."""
+
         def add(stored: object) -> object:
             return add_into(stored if isinstance(stored, dict) else {}, delta)
+
         self._update(self._counters_db, b"cumulative", add)
 
     def persistent_counters(self) -> dict:
@@ -446,8 +474,10 @@ class DiskTier(L3Store):
     # --- writer thread -----------------------------------------------------------------
 
     def _commit(self, batch: Batch) -> None:
-        records = [(p.key, encode_record(p.namespace, p.tokens, p.payload, self._codec, self._level, _VALUE_AT))
-                   for p in batch.puts]  # encode outside the txn
+        records = [
+            (p.key, encode_record(p.namespace, p.tokens, p.payload, self._codec, self._level, _VALUE_AT))
+            for p in batch.puts
+        ]  # encode outside the txn
         try:
             outcome = self._write(batch, records)
         except lmdb.MapFullError:
@@ -490,8 +520,7 @@ class DiskTier(L3Store):
             self._save_state(txn, state)
         return outcome
 
-    def _insert(self, txn: lmdb.Transaction, state: _StoreState, key: bytes, value: bytes,
-                outcome: _Outcome) -> None:
+    def _insert(self, txn: lmdb.Transaction, state: _StoreState, key: bytes, value: bytes, outcome: _Outcome) -> None:
         if txn.get(key, db=self._pages) is not None:
             return  # write-once (another process may have written it since put)
         if self._size(value) > state.capacity:  # larger than the whole tier: evict nothing for it
@@ -512,7 +541,7 @@ class DiskTier(L3Store):
             with txn.cursor(db=self._order) as cursor:
                 if not cursor.first():
                     break
-                key = bytes(cursor.key())[_SEQ.size:]
+                key = bytes(cursor.key())[_SEQ.size :]
                 if self._policy == "cost":
                     state.clock = _SEQ.unpack_from(cursor.key())[0] >> 32
                 cursor.delete()  # always progress, even past an entry lru no longer names
@@ -543,8 +572,9 @@ class DiskTier(L3Store):
         ranks leave oldest first. Every L3 page costs the same to recompute, so this
         is frequency with aging. ``lru`` holds the rank and the use count."""
         state.access_seq += 1
-        rank = state.access_seq if self._policy == "lru" else \
-            (state.clock + uses) << 32 | (state.access_seq & 0xFFFFFFFF)
+        rank = (
+            state.access_seq if self._policy == "lru" else (state.clock + uses) << 32 | (state.access_seq & 0xFFFFFFFF)
+        )
         seq = _SEQ.pack(rank)
         txn.put(key, seq + _LEN.pack(uses), db=self._lru)
         txn.put(seq + key, b"", db=self._order)

@@ -8,9 +8,9 @@ when a URL asks for it: LMDB users never load the redis client.
 from __future__ import annotations
 
 import tempfile
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
 
 from .base import L3Store, StoreError
 

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import struct
 import threading
+from collections.abc import Sequence
 from dataclasses import astuple, dataclass
-from typing import Sequence
 
 import msgpack
 import numpy as np
@@ -68,7 +68,7 @@ class RecordHeader:
         if end > len(value):
             raise CorruptRecord("header runs past the record")
         try:
-            f = msgpack.unpackb(value[_LEN.size:end])
+            f = msgpack.unpackb(value[_LEN.size : end])
             values = (f["v"], f["ns"], f["tok"], f["codec"], f["n"], f["xxh"])
         except Exception as exc:  # msgpack raises many types on garbage
             raise CorruptRecord(f"header does not parse ({type(exc).__name__})") from None
@@ -111,17 +111,20 @@ def header_or_none(value: memoryview | bytes) -> RecordHeader | None:
 
 def check_header(header: RecordHeader, namespace: bytes, tokens: bytes, raw_nbytes: int) -> None:
     """CorruptRecord unless the header describes this page of this namespace."""
-    for ok, reason in ((header.version == FORMAT_VERSION, "format version differs"),
-                       (header.namespace == namespace, "namespace digest differs"),
-                       (header.tokens == tokens, "token ids differ"),
-                       (header.raw_len == raw_nbytes, "raw length differs"),
-                       (header.codec in CODECS, "unknown codec")):
+    for ok, reason in (
+        (header.version == FORMAT_VERSION, "format version differs"),
+        (header.namespace == namespace, "namespace digest differs"),
+        (header.tokens == tokens, "token ids differ"),
+        (header.raw_len == raw_nbytes, "raw length differs"),
+        (header.codec in CODECS, "unknown codec"),
+    ):
         if not ok:
             raise CorruptRecord(reason)
 
 
-def checked_record(key: bytes, value: memoryview | bytes, namespace: bytes, tokens: Sequence[int],
-                   raw_nbytes: int) -> StoredRecord:
+def checked_record(
+    key: bytes, value: memoryview | bytes, namespace: bytes, tokens: Sequence[int], raw_nbytes: int
+) -> StoredRecord:
     """The record of a stored value whose header matches this page; CorruptRecord otherwise."""
     value = memoryview(value)
     header, offset = RecordHeader.unpack(value)
@@ -131,8 +134,7 @@ def checked_record(key: bytes, value: memoryview | bytes, namespace: bytes, toke
     return StoredRecord(bytes(key), header, value, value[offset:])
 
 
-def encode_record(namespace: bytes, tokens: bytes, raw: bytes, codec: str, level: int,
-                  at: int | None = None) -> bytes:
+def encode_record(namespace: bytes, tokens: bytes, raw: bytes, codec: str, level: int, at: int | None = None) -> bytes:
     """The stored value of a page (``tokens`` as <u4 bytes). ``at``: where the backend
     places the value within a 4 KiB page, if it knows; a raw payload then starts at
     ``RAW_PAYLOAD_OFFSET`` modulo 64 (see ``tiers.layout.slot_arena``: copies from it into
@@ -143,7 +145,9 @@ def encode_record(namespace: bytes, tokens: bytes, raw: bytes, codec: str, level
     return b"".join((packed, body))
 
 
-def verify_payload(header: RecordHeader, payload: memoryview, out: np.ndarray | None = None) -> memoryview | np.ndarray | bytes:
+def verify_payload(
+    header: RecordHeader, payload: memoryview, out: np.ndarray | None = None
+) -> memoryview | np.ndarray | bytes:
     """The raw bytes of a payload under a checked header (see ``decode_payload`` for
     ``out``); CorruptRecord unless they have the header's length and checksum."""
     raw = decode_payload(header.codec, payload, header.raw_len, out)
@@ -152,8 +156,9 @@ def verify_payload(header: RecordHeader, payload: memoryview, out: np.ndarray | 
     return raw
 
 
-def decode_record(value: memoryview, namespace: bytes, tokens: bytes, raw_nbytes: int,
-                  out: np.ndarray | None = None) -> memoryview | np.ndarray | bytes:
+def decode_record(
+    value: memoryview, namespace: bytes, tokens: bytes, raw_nbytes: int, out: np.ndarray | None = None
+) -> memoryview | np.ndarray | bytes:
     """The raw page of a stored value, checked against the page it should hold
     (namespace, token ids as <u4 bytes, raw length); CorruptRecord otherwise."""
     header, offset = RecordHeader.unpack(value)
@@ -186,8 +191,9 @@ def encode_payload(codec: str, raw: bytes, level: int) -> tuple[str, bytes]:
     return (codec, packed) if len(packed) < len(raw) else ("raw", raw)
 
 
-def decode_payload(codec: str, payload: memoryview, raw_len: int,
-                   out: np.ndarray | None = None) -> memoryview | bytes | np.ndarray:
+def decode_payload(
+    codec: str, payload: memoryview, raw_len: int, out: np.ndarray | None = None
+) -> memoryview | bytes | np.ndarray:
     """Raw bytes of a payload, written into ``out`` when given; without ``out`` a raw
     payload is returned as it is (a view, no copy); CorruptRecord if it cannot be decoded."""
     if out is not None:

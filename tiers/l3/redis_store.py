@@ -30,8 +30,10 @@ import hashlib
 import logging
 import secrets
 import time
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Callable, Iterator, Sequence, TypeVar
+from functools import partial
+from typing import TypeVar
 from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
 
 import msgpack
@@ -53,8 +55,9 @@ _BATCH_BYTES = 32 << 20  # a restore's MGET carries at most about this many byte
 _MAX_BACKOFF_S = 5.0
 _warned: set[str] = set()  # servers already warned about their eviction settings (once a process)
 # Delete a key only while it still holds the bad value a read saw (by its SHA-1).
-_DELETE_IF_SAME = "if redis.sha1hex(redis.call('GET', KEYS[1]) or '') == ARGV[1] then " \
-                  "return redis.call('DEL', KEYS[1]) end return 0"
+_DELETE_IF_SAME = (
+    "if redis.sha1hex(redis.call('GET', KEYS[1]) or '') == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
+)
 
 
 def _connect(url: str) -> tuple[redis.Redis | RedisCluster, bytes]:
@@ -62,9 +65,11 @@ def _connect(url: str) -> tuple[redis.Redis | RedisCluster, bytes]:
     parts = urlsplit(url)
     query = dict(parse_qsl(parts.query))
     prefix = query.pop("prefix", "kvtier:").encode()
-    options = {"socket_timeout": float(query.pop("socket_timeout", _TIMEOUT_S)),
-               "socket_connect_timeout": float(query.pop("socket_connect_timeout", _TIMEOUT_S)),
-               "retry": Retry(NoBackoff(), 0)}
+    options = {
+        "socket_timeout": float(query.pop("socket_timeout", _TIMEOUT_S)),
+        "socket_connect_timeout": float(query.pop("socket_connect_timeout", _TIMEOUT_S)),
+        "retry": Retry(NoBackoff(), 0),
+    }
     if parts.scheme != "redis+cluster":
         plain = urlunsplit((parts.scheme, parts.netloc, parts.path, urlencode(query), ""))
         return redis.Redis.from_url(plain, retry_on_error=[], **options), prefix
@@ -74,8 +79,9 @@ def _connect(url: str) -> tuple[redis.Redis | RedisCluster, bytes]:
     for host in hosts.split(","):
         name, _, port = host.rpartition(":")
         nodes.append(ClusterNode(name or "localhost", int(port)))
-    return RedisCluster(startup_nodes=nodes, username=unquote(user) or None, password=unquote(password) or None,
-                        **options), prefix
+    return RedisCluster(
+        startup_nodes=nodes, username=unquote(user) or None, password=unquote(password) or None, **options
+    ), prefix
 
 
 def _shown(url: str) -> str:
@@ -146,9 +152,18 @@ class RedisTier(L3Store):
     backend = "redis"
     tracks_use = False  # the server's LRU/LFU sees every GET itself
 
-    def __init__(self, url: str, capacity_bytes: int | None = None, *, codec: str = "raw",
-                 zstd_level: int = 3, queue_pages: int = 64, readonly: bool = False,
-                 record_bytes: int | None = None, policy: str = "lru") -> None:
+    def __init__(
+        self,
+        url: str,
+        capacity_bytes: int | None = None,
+        *,
+        codec: str = "raw",
+        zstd_level: int = 3,
+        queue_pages: int = 64,
+        readonly: bool = False,
+        record_bytes: int | None = None,
+        policy: str = "lru",
+    ) -> None:
         # policy and record_bytes are LMDB's: the server evicts by its own policy, by real size
         super().__init__(0, codec=codec, zstd_level=zstd_level, queue_pages=queue_pages, readonly=readonly)
         self.url = url
@@ -180,8 +195,9 @@ class RedisTier(L3Store):
             self._client.hsetnx(self._meta, "format_version", FORMAT_VERSION)
         stored = self._client.hget(self._meta, "format_version")
         if stored is not None and int(stored) != FORMAT_VERSION:
-            raise StoreError(f"store {self.location} has format version {int(stored)}, "
-                             f"this kvtier reads version {FORMAT_VERSION}")
+            raise StoreError(
+                f"store {self.location} has format version {int(stored)}, this kvtier reads version {FORMAT_VERSION}"
+            )
         self._evicted_at_open = _total(self._client.info("stats", **self._all), "evicted_keys")
         try:
             config = self._client.config_get("maxmemory*")
@@ -189,13 +205,20 @@ class RedisTier(L3Store):
             return
         cap, policy = int(config.get("maxmemory", 0)), config.get("maxmemory-policy", "?")
         if asked is not None:
-            log.info("store %s: the Redis server's maxmemory (%s) is its cap; the %s asked for is ignored",
-                     self.location, format_bytes(cap) if cap else "none", format_bytes(asked))
+            log.info(
+                "store %s: the Redis server's maxmemory (%s) is its cap; the %s asked for is ignored",
+                self.location,
+                format_bytes(cap) if cap else "none",
+                format_bytes(asked),
+            )
         if (not cap or policy == "noeviction") and urlsplit(self.url).netloc not in _warned:
             _warned.add(urlsplit(self.url).netloc)
-            log.warning("store %s: Redis has %s; set maxmemory and maxmemory-policy allkeys-lru so it "
-                        "evicts old pages instead of filling up (writes are then dropped)", self.location,
-                        "no maxmemory" if not cap else "maxmemory-policy noeviction")
+            log.warning(
+                "store %s: Redis has %s; set maxmemory and maxmemory-policy allkeys-lru so it "
+                "evicts old pages instead of filling up (writes are then dropped)",
+                self.location,
+                "no maxmemory" if not cap else "maxmemory-policy noeviction",
+            )
 
     # --- calls that must never fail or stall a request -----------------------------------
 
@@ -237,6 +260,7 @@ class RedisTier(L3Store):
             for key in keys:
                 pipe.exists(self._page(key))
             return pipe.execute()
+
         found = self._call("lookup", run, []) if keys else []
         doomed = [self.doomed(k) for k in keys]
         return next((i for i, (n, d) in enumerate(zip(found, doomed)) if not n or d), len(found))
@@ -262,17 +286,19 @@ class RedisTier(L3Store):
 
     def _commit(self, batch: Batch) -> None:
         for key, fingerprint in batch.deletes.items():
-            self._call("delete", lambda: self._delete_if_same(keys=[self._page(key)], args=[fingerprint]), 0)
+            self._call("delete", partial(self._delete_if_same, keys=[self._page(key)], args=[fingerprint]), 0)
         if not batch.puts:
             return
-        records = [(p.key, encode_record(p.namespace, p.tokens, p.payload, self._codec, self._level))
-                   for p in batch.puts]
+        records = [
+            (p.key, encode_record(p.namespace, p.tokens, p.payload, self._codec, self._level)) for p in batch.puts
+        ]
 
         def write() -> list:
             pipe = self._client.pipeline(transaction=False)
             for key, value in records:
                 pipe.set(self._page(key), value, nx=True)
             return pipe.execute(raise_on_error=False)
+
         results = self._call("write", write, None)
         if results is None:
             self.count(writes_dropped=len(records))
@@ -289,8 +315,13 @@ class RedisTier(L3Store):
     def refresh(self) -> None:
         def gauges() -> tuple[int, int, int, int]:
             memory, stats = self._client.info("memory", **self._all), self._client.info("stats", **self._all)
-            return (_total(memory, "maxmemory"), _total(memory, "used_memory"), int(self._client.dbsize(**self._all)),
-                    _total(stats, "evicted_keys"))
+            return (
+                _total(memory, "maxmemory"),
+                _total(memory, "used_memory"),
+                int(self._client.dbsize(**self._all)),
+                _total(stats, "evicted_keys"),
+            )
+
         numbers = self._call("meta read", gauges, None)
         if numbers is not None:
             with self._lock:
@@ -317,6 +348,7 @@ class RedisTier(L3Store):
                 else:
                     pipe.hincrby(self._counters_key, field, n)
             return pipe.execute()
+
         self._call("counters write", add, [])
 
     def persistent_counters(self) -> dict:
@@ -349,8 +381,10 @@ class RedisTier(L3Store):
         carry their namespace only inside the value, so clearing one namespace would
         read the whole store: refused."""
         if namespaces is not None:
-            raise StoreError(f"store {self.location} is a Redis store: clearing one namespace is not "
-                             "supported (clear it all, or let maxmemory evict)")
+            raise StoreError(
+                f"store {self.location} is a Redis store: clearing one namespace is not "
+                "supported (clear it all, or let maxmemory evict)"
+            )
         self.flush()
         pages = nbytes = 0
         try:
@@ -367,8 +401,10 @@ class RedisTier(L3Store):
         return pages, nbytes
 
     def resize(self, capacity: int) -> int:
-        raise StoreError(f"store {self.location} is a Redis store: its cap is the server's maxmemory "
-                         "(redis-cli CONFIG SET maxmemory ...)")
+        raise StoreError(
+            f"store {self.location} is a Redis store: its cap is the server's maxmemory "
+            "(redis-cli CONFIG SET maxmemory ...)"
+        )
 
     def _scan(self, pattern: bytes) -> Iterator[list[bytes]]:
         batch = []
