@@ -7,6 +7,10 @@ import sys
 import zipfile
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow  # starts processes or loads the real model
+
 REPO = Path(__file__).resolve().parents[1]
 PRODUCT = ("tiers", "engine", "costmodel")
 

@@ -4,6 +4,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from kvtier.costmodel.models import ComputeModel, LinkModel
 from kvtier.costmodel.profile import Profile
 from kvtier.engine.engine import Engine, EngineConfig
@@ -97,6 +99,7 @@ def test_restores_refine_the_link_model_and_record_errors(loaded):
     assert engine.stats()["costmodel"]["compute"]["error"]["count"] >= 1
 
 
+@pytest.mark.slow  # a calibrate subprocess, then a run
 def test_calibrate_saves_a_profile_that_runs_use(tmp_path):
     def kvtier(*args):
         done = subprocess.run(

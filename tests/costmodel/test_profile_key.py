@@ -11,6 +11,8 @@ import pytest
 from kvtier.costmodel.environment import blas_id
 from kvtier.costmodel.profile import profile_key
 
+pytestmark = pytest.mark.slow  # starts processes or loads the real model
+
 KEY = "from kvtier.costmodel.profile import profile_key; print(profile_key(bytes(8)))"
 
 

@@ -4,9 +4,13 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from kvtier.costmodel import bandwidth
 
 from ..engine.conftest import on_tiny_model
+
+pytestmark = pytest.mark.slow  # starts processes or loads the real model
 
 
 def kvtier(*args: str) -> subprocess.CompletedProcess:

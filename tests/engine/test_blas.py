@@ -10,6 +10,8 @@ import pytest
 
 from kvtier.engine.blas import blas_in_use
 
+pytestmark = pytest.mark.slow  # starts processes or loads the real model
+
 ASK = "import numpy, kvtier, mlx.core; from kvtier.engine.blas import blas_in_use; print(blas_in_use())"
 
 

@@ -10,6 +10,8 @@ import pytest
 from ..redis_servers import needs_redis, redis_server  # noqa: F401
 from .conftest import on_tiny_model
 
+pytestmark = pytest.mark.slow  # starts processes or loads the real model
+
 PROMPT = " ".join(["the system prompt of an agent with tools and a long history"] * 8)  # ~500 tokens
 PAGE = 128
 

@@ -16,6 +16,8 @@ from mlx_lm.models.cache import make_prompt_cache
 
 import kvtier.engine.models.defaults as dm
 
+pytestmark = pytest.mark.slow  # starts processes or loads the real model
+
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:

@@ -34,6 +34,8 @@ from ..tiers.test_disk import _raw_env
 from ..tiers.test_reliability import assert_consistent, damage_record
 from .conftest import on_tiny_model, text_prompt
 
+pytestmark = pytest.mark.slow  # starts processes or loads the real model
+
 REPO = Path(__file__).resolve().parents[2]
 PAGE = 8
 MAX_TOKENS = 6

@@ -22,6 +22,8 @@ from kvtier.engine.models.defaults import ensure_real_model, packaged_gguf
 from kvtier.engine.models.gguf import IMPORTS_INDEX, MARKER, GGUFError, default_import_dir, import_gguf
 from kvtier.engine.models.paths import kvtier_home
 
+pytestmark = pytest.mark.slow  # starts processes or loads the real model
+
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]

@@ -22,6 +22,8 @@ import pytest
 
 from .conftest import on_tiny_model
 
+pytestmark = pytest.mark.slow  # starts processes or loads the real model
+
 LONG_PROMPT = "the prefill of a long prompt takes a while " * 250  # ~10,000 tokens (bytes): seconds of prefill
 SHORT_PROMPT = "a short prompt " * 20
 PAGE = "16"

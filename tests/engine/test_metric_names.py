@@ -9,12 +9,16 @@ import sys
 
 from prometheus_client.parser import text_string_to_metric_families
 
+import pytest
+
 from kvtier.engine.engine import Engine, EngineConfig
 from kvtier.engine.request import SamplingParams
 from kvtier.engine.serve.app import KVTierServer, ServerConfig
 from kvtier.tiers.hierarchy import StoreConfig
 
 from .conftest import text_prompt
+
+pytestmark = pytest.mark.slow  # starts processes or loads the real model
 
 PAGE = 16
 

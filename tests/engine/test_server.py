@@ -20,6 +20,8 @@ import pytest
 
 from .conftest import on_tiny_model
 
+pytestmark = pytest.mark.slow  # starts processes or loads the real model
+
 PAGE = 16  # small pages: short prompts span several
 
 

@@ -18,6 +18,8 @@ from kvtier.costmodel.plan import Profile
 from kvtier.tiers.l3.lmdb_store import DiskTier
 from .conftest import on_tiny_model
 
+pytestmark = pytest.mark.slow  # starts processes or loads the real model
+
 PROMPT = "the system prompt of an agent with tools " * 3  # ~120 tokens: 7 pages of 16
 
 

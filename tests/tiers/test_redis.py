@@ -29,7 +29,7 @@ from kvtier.tiers.tier import kv_to_host
 from ..redis_servers import SlowProxy, free_port, needs_redis, redis_cluster, redis_server, redis_tls_server  # noqa: F401
 from .test_hierarchy import GEOMETRY, KEYS, KV, NS, PAGE, TOKENS
 
-pytestmark = needs_redis
+pytestmark = [pytest.mark.slow, needs_redis]
 
 
 def make_store(url: str, l2_pages: int = 0) -> TieredStore:

@@ -39,6 +39,8 @@ from kvtier.tiers.tier import kv_to_host
 
 from .test_disk import NS, RECORD_VALUES, TOKENS, _raw_env, key, payload
 
+pytestmark = pytest.mark.slow  # starts processes or loads the real model
+
 REPO = Path(__file__).resolve().parents[2]
 
 
