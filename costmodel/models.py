@@ -113,11 +113,19 @@ class TimeModel:
             return  # too few distinct inputs to separate the terms reliably
         features = np.array([self.features(*row[:-1]) for row in data])
         # Relative errors: a 3 MiB restore counts as much as a 300 MiB one (predictions are judged relatively).
-        coef = [float(c) for c in robust_fit(features, np.maximum(data[:, -1], 1e-9))]
+        times = np.maximum(data[:, -1], 1e-9)
+        coef = [float(c) for c in robust_fit(features, times)]
+        if not self.plausible(coef):
+            coef = self.repaired(coef, features, times)
         if self.plausible(coef):
             self.coef = coef
         else:
             log.info("%s: fit %s rejected (not a plausible figure), keeping %s", type(self).__name__, coef, self.coef)
+
+    def repaired(self, coef: list[float], features: np.ndarray, times: np.ndarray) -> list[float]:
+        """A plausible fit from an implausible one where part of it still holds; by
+        default none (the fit is rejected whole)."""
+        return coef
 
     @classmethod
     def plausible(cls, coef: list[float]) -> bool:
@@ -151,6 +159,17 @@ class LinkModel(TimeModel):
         (a zero per-byte term, an infinitely fast link, is what a fit of samples that
         do not grow with their bytes gives)."""
         return super().plausible(coef) and coef[0] <= MAX_SETUP_S and coef[1] * MAX_BYTES_PER_S >= 1.0
+
+    def repaired(self, coef: list[float], features: np.ndarray, times: np.ndarray) -> list[float]:
+        """Samples whose times do not grow with their bytes (a link whose setup dwarfs
+        the transfer of the sizes measured, such as a Redis far away) fit an infinitely
+        fast link: that bandwidth is rejected and the previous one kept, and the setup is
+        measured again under it (the median of what each sample leaves after its bytes).
+        Samples faster than the kept bandwidth allows leave no setup: the whole previous
+        fit stays."""
+        per_byte = self.coef[1]
+        setup = float(np.median(times - features[:, 1] * per_byte))
+        return [setup, per_byte] if setup > 0 else list(self.coef)
 
     @property
     def setup_s(self) -> float:

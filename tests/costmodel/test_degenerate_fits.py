@@ -33,7 +33,7 @@ def test_online_refinement_keeps_the_previous_fit_over_a_degenerate_one():
     assert link.bytes_per_s == pytest.approx(3 << 30, rel=1e-3)
     for size in (16, 32, 64, 128, 256, 512, 1024, 2048):  # a window of flat times takes over
         link.observe(size * MIB, seconds=0.001)
-    assert link.coef == good
+    assert link.coef == pytest.approx(good, rel=1e-9)
     assert math.isfinite(link.bytes_per_s) and link.bytes_per_s <= MAX_BYTES_PER_S
 
 
@@ -68,3 +68,13 @@ def test_a_stored_degenerate_profile_loads_with_the_defaults_and_stats_show_no_a
         assert summary["links"][name]["gib_s"] == pytest.approx(defaults["links"][name]["gib_s"])
         assert summary["links"][name]["setup_s"] == pytest.approx(defaults["links"][name]["setup_s"])
     assert summary["compute"]["c0"] == defaults["compute"]["c0"]
+
+
+def test_a_link_whose_setup_dwarfs_its_transfers_keeps_that_setup():
+    """Times flat in the bytes but well above what the kept bandwidth needs (a Redis far
+    away): the bandwidth stays, the setup is what the samples measure."""
+    link = LinkModel.of(2e-3, 0.5 * GIB)
+    for pages in (1, 2, 3, 4):
+        link.samples.append((pages * 64 * 1024, 0.05))
+    link.refit()
+    assert link.bytes_per_s == pytest.approx(0.5 * GIB) and link.setup_s == pytest.approx(0.05, rel=0.01)
