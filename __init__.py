@@ -21,5 +21,13 @@ def __getattr__(name: str):
         from kvtier.engine.request import SamplingParams
         from kvtier.tiers.hierarchy import StoreConfig, TieredStore
 
-        return locals()[name]
+        exports = {
+            "Engine": Engine,
+            "EngineConfig": EngineConfig,
+            "SamplingParams": SamplingParams,
+            "load_model": load_model,
+            "StoreConfig": StoreConfig,
+            "TieredStore": TieredStore,
+        }
+        return exports[name]
     raise AttributeError(f"module 'kvtier' has no attribute {name!r}")

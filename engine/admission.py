@@ -37,8 +37,15 @@ def hold_deadline(now: float, wait_s: float, first: float | None) -> float:
 class Admission:
     """Plans each admitted request (``request.plan``), or holds it for pages in flight."""
 
-    def __init__(self, store: TieredStore, scheduler: Scheduler, config: EngineConfig, geometry: PageGeometry,
-                 running: Mapping[int, Request], prefix_flight: bool) -> None:
+    def __init__(
+        self,
+        store: TieredStore,
+        scheduler: Scheduler,
+        config: EngineConfig,
+        geometry: PageGeometry,
+        running: Mapping[int, Request],
+        prefix_flight: bool,
+    ) -> None:
         self.store, self.scheduler, self.config, self.geometry = store, scheduler, config, geometry
         self.running = running  # the engine's running requests, read to find a leader's progress
         self.prefix_flight = prefix_flight
@@ -50,8 +57,9 @@ class Admission:
         profile = profile.capped(self.config.store.throttle)
         if self.prefix_flight and self.hold_for_prefix(request, matched, profile):
             return None
-        request.plan = plan_restore(matched, len(request.prompt), self.config.page_size,
-                                    self.geometry.nbytes, profile, self.config.store.codec)
+        request.plan = plan_restore(
+            matched, len(request.prompt), self.config.page_size, self.geometry.nbytes, profile, self.config.store.codec
+        )
         request.l1_tokens_at_admission = l1_tokens(matched, self.config.page_size)
         return matched
 
@@ -65,8 +73,16 @@ class Admission:
             return False
         lead = next(r for r in self.running.values() if r.rid == leader)
         size = self.config.page_size
-        plan = plan_wait(matched, count, lead.prefix_tokens + lead.prefilled, len(request.prompt), size,
-                         self.geometry.nbytes, profile, self.config.store.codec)
+        plan = plan_wait(
+            matched,
+            count,
+            lead.prefix_tokens + lead.prefilled,
+            len(request.prompt),
+            size,
+            self.geometry.nbytes,
+            profile,
+            self.config.store.codec,
+        )
         if not plan.wait:
             return False
         request.wait_deadline = hold_deadline(now, plan.deadline_s, request.wait_deadline)

@@ -24,9 +24,9 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Callable, Sequence
 
 from kvtier.costmodel.models import ComputeModel, LinkModel
 from kvtier.costmodel.plan import Profile
@@ -43,8 +43,28 @@ RECOMPUTE = "recompute"
 REDIS = "Redis"
 DEFAULT_LENGTHS = (512, 1024, 2048, 4096, 8192)
 FIRST_TOKEN = SamplingParams(max_tokens=1)
-_WORDS = ("cache", "page", "tier", "restore", "token", "prefix", "model", "host", "disk", "store",
-          "layer", "head", "value", "key", "prompt", "batch", "step", "offload", "memory", "bytes")
+_WORDS = (
+    "cache",
+    "page",
+    "tier",
+    "restore",
+    "token",
+    "prefix",
+    "model",
+    "host",
+    "disk",
+    "store",
+    "layer",
+    "head",
+    "value",
+    "key",
+    "prompt",
+    "batch",
+    "step",
+    "offload",
+    "memory",
+    "bytes",
+)
 
 
 class BenchError(RuntimeError):
@@ -76,8 +96,15 @@ def prompt(loaded: LoadedModel, n: int, seed: str) -> list[int]:
     return tokens[:n]
 
 
-def run(loaded: LoadedModel, lengths: Sequence[int], page_size: int, store_dir: Path,
-        redis_url: str | None = None, rounds: int = 1, tick: Callable[[], None] = lambda: None) -> dict:
+def run(
+    loaded: LoadedModel,
+    lengths: Sequence[int],
+    page_size: int,
+    store_dir: Path,
+    redis_url: str | None = None,
+    rounds: int = 1,
+    tick: Callable[[], None] = lambda: None,
+) -> dict:
     """The report behind ``kvtier bench ttft --json``: one row per length, each with
     every source's best TTFT, its ratio to recomputing, and the runs' source labels."""
     lengths = sorted(lengths)
@@ -98,12 +125,24 @@ def run(loaded: LoadedModel, lengths: Sequence[int], page_size: int, store_dir: 
                 if seconds < best[n].get(source, math.inf):
                     best[n][source] = seconds
                 labels[n][source] = sources
-    rows = [{"prompt_tokens": n, "restored_tokens": reusable_pages(n, page_size) * page_size,
-             "ttft_s": {s: round(best[n][s], 6) for s in [RECOMPUTE, *tiers]},
-             "ratio_to_recompute": {s: round(best[n][s] / best[n][RECOMPUTE], 4) for s in tiers},
-             "sources": labels[n]} for n in lengths]
-    return {"model": loaded.label, "page_size": page_size, "rounds": rounds, "sources": [RECOMPUTE, *tiers],
-            "rows": rows, "break_even_tokens": break_even_tokens(rows, tiers)}
+    rows = [
+        {
+            "prompt_tokens": n,
+            "restored_tokens": reusable_pages(n, page_size) * page_size,
+            "ttft_s": {s: round(best[n][s], 6) for s in [RECOMPUTE, *tiers]},
+            "ratio_to_recompute": {s: round(best[n][s] / best[n][RECOMPUTE], 4) for s in tiers},
+            "sources": labels[n],
+        }
+        for n in lengths
+    ]
+    return {
+        "model": loaded.label,
+        "page_size": page_size,
+        "rounds": rounds,
+        "sources": [RECOMPUTE, *tiers],
+        "rows": rows,
+        "break_even_tokens": break_even_tokens(rows, tiers),
+    }
 
 
 def break_even_tokens(rows: list[dict], tiers: Sequence[str]) -> dict[str, int | None]:
@@ -127,15 +166,17 @@ def _warm_up(loaded: LoadedModel, page_size: int) -> None:
 
 def _free_links() -> Profile:
     """A profile whose links cost nothing: the plan restores every stored page."""
-    return Profile({name: LinkModel.of(0.0, math.inf) for name in Profile.defaults().links},
-                   ComputeModel([1e-3, 1e-3, 0.0]))
+    return Profile(
+        {name: LinkModel.of(0.0, math.inf) for name in Profile.defaults().links}, ComputeModel([1e-3, 1e-3, 0.0])
+    )
 
 
 class _Round:
     """One round of every cell, on this round's prompts (one per length)."""
 
-    def __init__(self, loaded: LoadedModel, page_size: int, prompts: dict[int, list[int]],
-                 tick: Callable[[], None]) -> None:
+    def __init__(
+        self, loaded: LoadedModel, page_size: int, prompts: dict[int, list[int]], tick: Callable[[], None]
+    ) -> None:
         self.loaded, self.page_size, self.prompts, self.tick = loaded, page_size, prompts, tick
         nbytes = loaded.geometry(page_size).nbytes
         self.room = {n: (reusable_pages(n, page_size) + 1) * nbytes for n in prompts}  # one prompt's pages
@@ -152,7 +193,7 @@ class _Round:
     def fill(self, store: Path | str) -> None:
         """Each prompt computed once and its pages flushed to ``store``."""
         with self._engine(StoreConfig(sum(self.room.values()), 0, None, store)) as engine:
-            for n, tokens in self.prompts.items():
+            for tokens in self.prompts.values():
                 self._ttft(engine, tokens, Source.RECOMPUTED.value)
 
     def l2(self) -> dict:
@@ -191,6 +232,8 @@ class _Round:
         else:
             measured = sources[label] // self.page_size == restored == reusable_pages(len(tokens), self.page_size)
         if result["error"] or not measured:
-            raise BenchError(f"a run of {len(tokens)} tokens meant to use {label} used {sources}"
-                             + (f" ({result['error']})" if result["error"] else ""))
+            raise BenchError(
+                f"a run of {len(tokens)} tokens meant to use {label} used {sources}"
+                + (f" ({result['error']})" if result["error"] else "")
+            )
         return result["ttft_s"], sources

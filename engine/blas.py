@@ -19,9 +19,9 @@ import ctypes
 import logging
 import os
 import sys
+from collections.abc import Iterator
 from importlib import metadata
 from pathlib import Path
-from typing import Iterator
 
 log = logging.getLogger(__name__)
 
@@ -78,8 +78,10 @@ def openblas_hint() -> str | None:
     if wheel_library() is None:
         return f"{slow}: `pip install {WHEEL}` (or `apt-get install libopenblas0-pthread`) gives it one"
     if any("libgfortran" in failure for failure in _failures):
-        return (f"{slow}: the {WHEEL} wheel's OpenBLAS needs the GNU Fortran runtime libgfortran.so.5 "
-                "(`apt-get install libgfortran5`, or `apt-get install libopenblas0-pthread` instead)")
+        return (
+            f"{slow}: the {WHEEL} wheel's OpenBLAS needs the GNU Fortran runtime libgfortran.so.5 "
+            "(`apt-get install libgfortran5`, or `apt-get install libopenblas0-pthread` instead)"
+        )
     return f"{slow}: {WHEEL}'s library did not load ({'; '.join(_failures)})"
 
 

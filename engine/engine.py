@@ -79,7 +79,8 @@ class Engine:
         self.root = self.namespace.digest()  # the key "before" a sequence's first page
         self.store = (
             TieredStore(self.geometry, self.namespace, replace(self.config.store, policy=self.config.policy))
-            if self.config.offload else None
+            if self.config.offload
+            else None
         )
         self.generator = BatchGenerator(
             loaded.model,
@@ -102,10 +103,12 @@ class Engine:
         # the parts that work on the store (none without one)
         self.admission = self.publisher = self.prefix_caches = None
         if self.store is not None:
-            self.admission = Admission(self.store, self.scheduler, self.config, self.geometry, self._running,
-                                       self._prefix_flight)
-            self.publisher = Publisher(self.store, self.scheduler, self.generator, self.config, self.namespace,
-                                       self.totals)
+            self.admission = Admission(
+                self.store, self.scheduler, self.config, self.geometry, self._running, self._prefix_flight
+            )
+            self.publisher = Publisher(
+                self.store, self.scheduler, self.generator, self.config, self.namespace, self.totals
+            )
             self.prefix_caches = PrefixCaches(self.store, loaded.model, self.config, self.root, self.publisher)
 
     def _load_profile(self) -> Profile:
@@ -128,8 +131,7 @@ class Engine:
         request = Request(next(self._rids), tokens, params, self.config.page_size, keys)
         if self.store:
             request.l1_tokens_at_enqueue = l1_tokens(self.store.locate(keys, tokens), self.config.page_size)
-        flight_key = hashlib.blake2b(np.asarray(tokens, "<u4").tobytes(), digest_size=16,
-                                     key=self.root).digest()
+        flight_key = hashlib.blake2b(np.asarray(tokens, "<u4").tobytes(), digest_size=16, key=self.root).digest()
         with self.scheduler.arrived:  # the lock under which the serving loop decides to exit
             if self._stop.is_set():
                 raise RuntimeError("the engine is stopped: submit before stop() or close()")
@@ -225,8 +227,7 @@ class Engine:
         try:
             work(request, *args)
         except Exception as exc:
-            log.warning("request %d failed: %s", request.rid, _one_line(exc),
-                        exc_info=log.isEnabledFor(logging.DEBUG))
+            log.warning("request %d failed: %s", request.rid, _one_line(exc), exc_info=log.isEnabledFor(logging.DEBUG))
             self._end(request, ERROR, exc)
 
     def _admit(self, request: Request) -> None:
@@ -259,7 +260,7 @@ class Engine:
         )
         self._running[request.uid] = request
         if self._prefix_flight:
-            self.scheduler.computing(request.rid, request.keys[request.published:])
+            self.scheduler.computing(request.rid, request.keys[request.published :])
 
     def _on_token(self, request: Request, response) -> None:
         now = time.perf_counter()
@@ -304,9 +305,13 @@ class Engine:
 
     def view(self) -> EngineView:
         with self.scheduler.arrived:  # the scheduler's lock: queue and flights seen at one moment
-            return EngineView(MappingProxyType(dict(self._running)), self.scheduler.pending(),
-                              self._serving is not None and self._serving.is_alive(),
-                              self.scheduler.flights.view(), self.scheduler.prefix.view())
+            return EngineView(
+                MappingProxyType(dict(self._running)),
+                self.scheduler.pending(),
+                self._serving is not None and self._serving.is_alive(),
+                self.scheduler.flights.view(),
+                self.scheduler.prefix.view(),
+            )
 
     def stats(self) -> dict:
         """Engine totals and this process's store counters."""
@@ -327,8 +332,9 @@ class Engine:
         if self.store is not None:
             stats = self.stats()  # keep what online refinement learned, and the last window
             self.store.put_meta(self.loaded.profile_key(self.geometry), self.profile.to_dict())
-            self.store.put_meta("last_run", {"model": self.loaded.name, "windowed": stats["windowed"],
-                                             "costmodel": stats["costmodel"]})
+            self.store.put_meta(
+                "last_run", {"model": self.loaded.name, "windowed": stats["windowed"], "costmodel": stats["costmodel"]}
+            )
             self.store.close(extra_counters={"engine": self.totals.to_dict()})
             self.prefix_caches.close()
         self.generator.close()

@@ -21,9 +21,9 @@ lock around each).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Mapping
 
 POLICIES = ("off", "after-prefill", "at-completion")
 
@@ -116,8 +116,9 @@ class FlightCoordinator:
 
     def view(self) -> FlightsView:
         flights = {key: (f.leader, tuple(f.followers)) for key, f in self._flights.items()}
-        return FlightsView(MappingProxyType(flights), MappingProxyType(dict(self._key_of_leader)),
-                           frozenset(self._released))
+        return FlightsView(
+            MappingProxyType(flights), MappingProxyType(dict(self._key_of_leader)), frozenset(self._released)
+        )
 
     def waiting(self) -> int:
         """Followers still held back."""

@@ -42,8 +42,10 @@ def check_prompt(loaded: LoadedModel, tokens: Sequence[int], params: SamplingPar
     if not tokens:
         raise InputError("empty prompt")
     if context and len(tokens) + params.max_tokens > context:
-        raise InputError(f"prompt of {len(tokens)} tokens plus max_tokens {params.max_tokens} exceeds "
-                         f"the model's context of {context} tokens")
+        raise InputError(
+            f"prompt of {len(tokens)} tokens plus max_tokens {params.max_tokens} exceeds "
+            f"the model's context of {context} tokens"
+        )
     bad = [t for t in tokens if t < 0 or (vocab and t >= vocab)]
     if bad:
         raise InputError(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")

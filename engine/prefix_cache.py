@@ -52,8 +52,9 @@ class PrefixCaches:
             return self.cache_from(request.restored.layers, request.prefix_tokens)
         head = self.store.restore(keys[: plan.l1_pages], request.prompt)
         request.pinned = list(head.keys)
-        loading = self._loader.submit(self.store.begin, keys[: plan.restore_pages], request.prompt,
-                                      plan.first_loaded, ahead=True)
+        loading = self._loader.submit(
+            self.store.begin, keys[: plan.restore_pages], request.prompt, plan.first_loaded, ahead=True
+        )
         try:
             cache = self.cache_from(head.layers, head.num_pages * size) or make_prompt_cache(self.model)
             self.prefill(cache, request.prompt[head.num_pages * size : plan.first_loaded * size])
@@ -65,8 +66,11 @@ class PrefixCaches:
         request.prefix_tokens = (plan.first_loaded + tail.num_pages) * size
         for c, (k, v) in zip(cache, tail.layers):  # the computed tokens (its buffers run past them), then the loaded
             done = c.offset
-            c.state = (mx.concatenate([c.keys[:, :, :done], k], axis=2),
-                       mx.concatenate([c.values[:, :, :done], v], axis=2), request.prefix_tokens)
+            c.state = (
+                mx.concatenate([c.keys[:, :, :done], k], axis=2),
+                mx.concatenate([c.values[:, :, :done], v], axis=2),
+                request.prefix_tokens,
+            )
         return cache
 
     def reuse_partial(self, request: Request, cache: list | None) -> list | None:

@@ -19,9 +19,9 @@ Not thread-safe: ``engine.scheduler`` holds its lock around each call.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Mapping, Sequence
 
 from kvtier.tiers.page import PageKey
 
@@ -121,8 +121,9 @@ class PrefixFlights:
 
     def view(self) -> PrefixFlightsView:
         leaders = {rid: (frozenset(lead.keys), tuple(lead.waiters)) for rid, lead in self._leaders.items()}
-        return PrefixFlightsView(MappingProxyType(dict(self._leader_of)), MappingProxyType(leaders),
-                                 MappingProxyType(dict(self._waiting)))
+        return PrefixFlightsView(
+            MappingProxyType(dict(self._leader_of)), MappingProxyType(leaders), MappingProxyType(dict(self._waiting))
+        )
 
     def _release(self, leader: Leader, waiters: list[Waiter]) -> list[int]:
         for waiter in waiters:

@@ -26,8 +26,15 @@ from .totals import EngineTotals
 class Publisher:
     """Copies pages out of mlx-lm caches into the store; its time counts as store time."""
 
-    def __init__(self, store: TieredStore, scheduler: Scheduler, generator: BatchGenerator, config: EngineConfig,
-                 namespace: Namespace, totals: EngineTotals) -> None:
+    def __init__(
+        self,
+        store: TieredStore,
+        scheduler: Scheduler,
+        generator: BatchGenerator,
+        config: EngineConfig,
+        namespace: Namespace,
+        totals: EngineTotals,
+    ) -> None:
         self.store, self.scheduler, self.generator, self.config = store, scheduler, generator, config
         self.namespace, self.root, self.totals = namespace, namespace.digest(), totals
 
@@ -44,8 +51,14 @@ class Publisher:
         if response.end_of_prompt:
             self.scheduler.prefilled(request.rid)
 
-    def publish(self, request: Request, caches: list, ready: int,
-                keys: Sequence[PageKey] | None = None, tokens: Sequence[int] | None = None) -> None:
+    def publish(
+        self,
+        request: Request,
+        caches: list,
+        ready: int,
+        keys: Sequence[PageKey] | None = None,
+        tokens: Sequence[int] | None = None,
+    ) -> None:
         """Store pages ``published .. ready`` of a request from its mlx-lm cache: pages of
         its prompt, or of ``tokens`` (with their ``keys``), the sequence the cache holds."""
         t0 = time.perf_counter()

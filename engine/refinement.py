@@ -21,17 +21,22 @@ def observe_links(profile: Profile, throttle: Mapping[str, float], before: dict,
     throttled = {link for tier in throttle for link in READ_LINKS[tier]}
     for name, now in after.items():
         if name in profile.links and name not in throttled and now["bytes"] > before[name]["bytes"]:
-            profile.links[name].observe(now["bytes"] - before[name]["bytes"],
-                                        seconds=now["seconds"] - before[name]["seconds"])
+            profile.links[name].observe(
+                now["bytes"] - before[name]["bytes"], seconds=now["seconds"] - before[name]["seconds"]
+            )
 
 
-def observe_prefill(profile: Profile, running: Mapping[int, Request], prompt_responses: list,
-                    generation_responses: list, seconds: float) -> None:
+def observe_prefill(
+    profile: Profile, running: Mapping[int, Request], prompt_responses: list, generation_responses: list, seconds: float
+) -> None:
     """Advance each prefilling request's ``prefilled`` count by this step's chunk, and feed
     the compute model with the step if it only prefilled one request's chunk."""
-    clean = (len(prompt_responses) == 1 and not generation_responses
-             and not prompt_responses[0].end_of_prompt
-             and all(r.t_first_token is None for r in running.values()))
+    clean = (
+        len(prompt_responses) == 1
+        and not generation_responses
+        and not prompt_responses[0].end_of_prompt
+        and all(r.t_first_token is None for r in running.values())
+    )
     for response in prompt_responses:
         request = running[response.uid]
         chunk, cached = response.progress[0] - request.prefilled, request.prefix_tokens + request.prefilled

@@ -5,8 +5,8 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Iterator
 
 from kvtier.costmodel.plan import RestorePlan
 from kvtier.tiers.hierarchy import RestoredPrefix

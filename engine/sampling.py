@@ -30,8 +30,9 @@ def sampler(params: SamplingParams) -> Callable[[mx.array], mx.array]:
 
 def logits_processors(params: SamplingParams) -> list:
     """mlx-lm's processors for ``logit_bias`` and the presence and frequency penalties."""
-    return make_logits_processors(params.logit_bias, presence_penalty=params.presence_penalty,
-                                  frequency_penalty=params.frequency_penalty)
+    return make_logits_processors(
+        params.logit_bias, presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty
+    )
 
 
 def token_logprob(logprobs: mx.array, token: int, top: int) -> TokenLogprob:

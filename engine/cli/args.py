@@ -6,16 +6,31 @@ from __future__ import annotations
 import argparse
 import math
 import re
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
-_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": 10**6, "mb": 10**6,
-          "mib": 1 << 20, "g": 10**9, "gb": 10**9, "gib": 1 << 30, "t": 10**12, "tb": 10**12, "tib": 1 << 40}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "kib": 1 << 10,
+    "m": 10**6,
+    "mb": 10**6,
+    "mib": 1 << 20,
+    "g": 10**9,
+    "gb": 10**9,
+    "gib": 1 << 30,
+    "t": 10**12,
+    "tb": 10**12,
+    "tib": 1 << 40,
+}
 
 
 def parse_size(text: str) -> int:
     """Bytes from ``512MiB``, ``4GiB``, ``1.5GB`` or a plain number. Kept over a library:
-    bitmath refuses plain bytes and ``4gib`` (lenient, it reads ``4k`` as 4096); humanfriendly has no release since 2021."""
+    bitmath refuses plain bytes and ``4gib`` (lenient, it reads ``4k`` as 4096);
+    humanfriendly has no release since 2021."""
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
     if not match or match.group(2).lower() not in _UNITS:
         raise argparse.ArgumentTypeError(f"bad size {text!r} (use e.g. 512MiB, 4GiB or bytes)")
@@ -104,13 +119,16 @@ def parse_throttle(text: str) -> tuple[str, float]:
 
 def name_list(allowed: Sequence[str]):
     """An argparse type: a comma-separated list of names from ``allowed``."""
+
     def parse(text: str) -> list[str]:
         names = [n.strip() for n in text.split(",") if n.strip()]
         bad = [n for n in names if n not in allowed]
         if bad or not names:
-            raise argparse.ArgumentTypeError(f"bad choice {bad[0] if bad else text!r} "
-                                             f"(choose from {', '.join(allowed)})")
+            raise argparse.ArgumentTypeError(
+                f"bad choice {bad[0] if bad else text!r} (choose from {', '.join(allowed)})"
+            )
         return names
+
     return parse
 
 

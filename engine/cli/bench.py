@@ -6,11 +6,11 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
-from .bench_report import format_restore, format_ttft, plot_restore, plot_ttft
 from ..blas import blas_in_use
+from .bench_report import format_restore, format_ttft, plot_restore, plot_ttft
 from .common import UsageError, load_model, page_geometry, usable_store
 
 
@@ -52,9 +52,11 @@ def cmd_bench_ttft(args: argparse.Namespace) -> int:
     lengths = sorted(set(args.lengths or bench_ttft.default_lengths(loaded)))
     most = bench_ttft.context_tokens(loaded) - bench_ttft.FIRST_TOKEN.max_tokens
     if lengths[0] <= args.page_size or lengths[-1] > most:
-        raise UsageError(f"--lengths must be from {args.page_size + 1} (a prompt holds a full page of "
-                         f"--page-size {args.page_size} before its last token) to {most} (the model's context "
-                         f"less the first token), got {','.join(map(str, lengths))}")
+        raise UsageError(
+            f"--lengths must be from {args.page_size + 1} (a prompt holds a full page of "
+            f"--page-size {args.page_size} before its last token) to {most} (the model's context "
+            f"less the first token), got {','.join(map(str, lengths))}"
+        )
     total = bench_ttft.runs_per_round(lengths, args.redis is not None) * args.rounds
     try:
         with tqdm(total=total, desc="measuring", unit="prompt", file=sys.stderr) as bar:

@@ -38,16 +38,24 @@ def calibrate_on_first_use(loaded, geometry, store_dir: Path) -> None:
                     return
         except StoreError:
             return  # the engine warns and runs without L3
-    print(f"kvtier: no cost profile for this model in {store_dir}: a quick calibration first "
-          "(--no-auto-calibrate skips it; `kvtier calibrate` measures more)", file=sys.stderr)
+    print(
+        f"kvtier: no cost profile for this model in {store_dir}: a quick calibration first "
+        "(--no-auto-calibrate skips it; `kvtier calibrate` measures more)",
+        file=sys.stderr,
+    )
     calibrate_into(loaded, geometry, store_dir, quick=True, desc="calibrating (quick, first use)")
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
     store_dir = usable_store(args.store)
     loaded = load_model(args.model)
-    profile = calibrate_into(loaded, page_geometry(loaded, args.page_size), store_dir, args.quick,
-                             "calibrating (quick)" if args.quick else "calibrating")
+    profile = calibrate_into(
+        loaded,
+        page_geometry(loaded, args.page_size),
+        store_dir,
+        args.quick,
+        "calibrating (quick)" if args.quick else "calibrating",
+    )
     summary = profile.summary()
     for name, link in summary["links"].items():
         print(f"{name}: setup {link['setup_s'] * 1e3:.3f} ms, {link['gib_s']:.2f} GiB/s")

@@ -78,8 +78,11 @@ def check_sizes(args: argparse.Namespace, store_dir: Path | None) -> None:
     if isinstance(store_dir, Path) and args.l3_bytes is not None:
         free = shutil.disk_usage(store_dir).free
         if args.l3_bytes > free:
-            print(f"kvtier: warning: --l3-bytes {format_bytes(args.l3_bytes)} is more than the free space "
-                  f"under {store_dir} ({format_bytes(free)}): the disk fills before the cap", file=sys.stderr)
+            print(
+                f"kvtier: warning: --l3-bytes {format_bytes(args.l3_bytes)} is more than the free space "
+                f"under {store_dir} ({format_bytes(free)}): the disk fills before the cap",
+                file=sys.stderr,
+            )
 
 
 def load_model(name: str | None):
@@ -94,8 +97,10 @@ def load_model(name: str | None):
         else:
             logging.getLogger("kvtier").info(hint)
     if name is None and default_model_name() == TINY_MODEL:
-        print(f"kvtier: using the generated test model {TINY_MODEL} (its text is gibberish); {REAL_MODEL_HINT}",
-              file=sys.stderr)
+        print(
+            f"kvtier: using the generated test model {TINY_MODEL} (its text is gibberish); {REAL_MODEL_HINT}",
+            file=sys.stderr,
+        )
     with ProgressBar("importing model") as bar:
         try:
             return load(name, progress=bar.update)
@@ -116,7 +121,7 @@ class ProgressBar:
             self.bar = tqdm(total=total, desc=self.desc, unit="B", unit_scale=True, file=sys.stderr)
         self.bar.update(done - self.bar.n)
 
-    def __enter__(self) -> "ProgressBar":
+    def __enter__(self) -> ProgressBar:
         return self
 
     def __exit__(self, *exc) -> None:

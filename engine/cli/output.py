@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import queue
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 from ..text import OutputText
 from .report import format_tier_table
@@ -44,10 +44,16 @@ class Printer:
             tail = text.finish()
             r = self.result(request)
             print(tail)
-            ttft = (f"{r['finish_reason']} before the first token" if r["ttft_s"] is None
-                    else f"ttft {r['ttft_s'] * 1000:.0f} ms")
-            print(f"   {ttft}, {len(r['output_token_ids'])} tokens out; sources: "
-                  + "  ".join(f"{k}={v}" for k, v in r["sources"].items()), flush=True)
+            ttft = (
+                f"{r['finish_reason']} before the first token"
+                if r["ttft_s"] is None
+                else f"ttft {r['ttft_s'] * 1000:.0f} ms"
+            )
+            print(
+                f"   {ttft}, {len(r['output_token_ids'])} tokens out; sources: "
+                + "  ".join(f"{k}={v}" for k, v in r["sources"].items()),
+                flush=True,
+            )
 
 
 def print_summary(stats: dict) -> None:

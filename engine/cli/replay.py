@@ -28,8 +28,9 @@ def cmd_replay(args: argparse.Namespace) -> int:
     if bytes_per_token is None:
         bytes_per_token, saved = _model_geometry(args)
         profile = profile or saved
-    base = rp.ReplayConfig(bytes_per_token, args.page_size, args.l1_bytes, args.l2_bytes, args.l3_bytes,
-                           speed=args.speed)
+    base = rp.ReplayConfig(
+        bytes_per_token, args.page_size, args.l1_bytes, args.l2_bytes, args.l3_bytes, speed=args.speed
+    )
     configs = rp.configs_for(base, args.policy, args.l3_admit, args.sweep or ())
     replays = sum(c.policy != rp.BELADY for c in configs)
     with tqdm(total=len(trace) * replays, desc="replaying", unit="req", file=sys.stderr) as bar:

@@ -12,8 +12,18 @@ import time
 
 from kvtier.tiers.text import format_bytes
 
-_TIER_COLUMNS = ("capacity", "bytes_used", "pages", "lookups", "hit_pages", "hit_tokens",
-                 "inserts", "evictions", "checksum_failures", "writes_dropped")
+_TIER_COLUMNS = (
+    "capacity",
+    "bytes_used",
+    "pages",
+    "lookups",
+    "hit_pages",
+    "hit_tokens",
+    "inserts",
+    "evictions",
+    "checksum_failures",
+    "writes_dropped",
+)
 
 
 def format_tier_table(stats: dict) -> str:
@@ -23,9 +33,17 @@ def format_tier_table(stats: dict) -> str:
     for name, tier in tiers.items():
         rows.append([name, *(str(tier[c]) if c in tier else "-" for c in _TIER_COLUMNS)])
     lines = _aligned(rows)
-    links = [[name, str(link["bytes"]), str(link["pages"]), f"{link['seconds']:.4f}",
-              f"{link['bytes'] / link['seconds'] / (1 << 30):.2f}" if link["seconds"] else "-"]
-             for name, link in stats.get("links", {}).items() if link.get("pages")]
+    links = [
+        [
+            name,
+            str(link["bytes"]),
+            str(link["pages"]),
+            f"{link['seconds']:.4f}",
+            f"{link['bytes'] / link['seconds'] / (1 << 30):.2f}" if link["seconds"] else "-",
+        ]
+        for name, link in stats.get("links", {}).items()
+        if link.get("pages")
+    ]
     if links:
         lines += ["", *_aligned([["link", "bytes", "pages", "seconds", "GiB/s"], *links])]
     return "\n".join(lines)
@@ -34,34 +52,45 @@ def format_tier_table(stats: dict) -> str:
 def _aligned(rows: list[list[str]]) -> list[str]:
     """First column left-aligned, the others right-aligned, each as wide as its widest cell."""
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    return [" ".join([row[0].ljust(widths[0]), *(cell.rjust(w) for cell, w in zip(row[1:], widths[1:]))])
-            for row in rows]
+    return [
+        " ".join([row[0].ljust(widths[0]), *(cell.rjust(w) for cell, w in zip(row[1:], widths[1:]))]) for row in rows
+    ]
 
 
 def format_engine_totals(engine: dict) -> str:
-    return "\n".join([
-        "requests {requests}  prompt tokens {prompt_tokens}  generated {generated_tokens}".format(
-            **{k: engine.get(k, 0) for k in ("requests", "prompt_tokens", "generated_tokens")}),
-        "sources: " + "  ".join(f"{k}={v}" for k, v in engine.get("sources", {}).items()),
-        f"L1 hit loss between enqueue and admission: {engine.get('l1_hit_loss_tokens', 0)} tokens",
-    ])
+    return "\n".join(
+        [
+            "requests {requests}  prompt tokens {prompt_tokens}  generated {generated_tokens}".format(
+                **{k: engine.get(k, 0) for k in ("requests", "prompt_tokens", "generated_tokens")}
+            ),
+            "sources: " + "  ".join(f"{k}={v}" for k, v in engine.get("sources", {}).items()),
+            f"L1 hit loss between enqueue and admission: {engine.get('l1_hit_loss_tokens', 0)} tokens",
+        ]
+    )
 
 
 def format_last_run(last: dict) -> str:
     """The last run's window and cost-model fit, with prediction errors."""
     window = last.get("windowed", {})
-    lines = [f"last run ({last.get('model')}): cached tokens/s over {window.get('window_s', 0):.0f} s: "
-             f"{window.get('cached_tokens_per_s', 0):.1f}"]
+    lines = [
+        f"last run ({last.get('model')}): cached tokens/s over {window.get('window_s', 0):.0f} s: "
+        f"{window.get('cached_tokens_per_s', 0):.1f}"
+    ]
     cost = last.get("costmodel", {})
     lines.append(f"cost model: {'calibrated' if cost.get('calibrated') else 'defaults'}")
-    rows = [(name, f"setup {m['setup_s'] * 1e3:.3f} ms, {m['gib_s']:.2f} GiB/s", m["error"])
-            for name, m in cost.get("links", {}).items()]
+    rows = [
+        (name, f"setup {m['setup_s'] * 1e3:.3f} ms, {m['gib_s']:.2f} GiB/s", m["error"])
+        for name, m in cost.get("links", {}).items()
+    ]
     if "compute" in cost:
         c = cost["compute"]
         rows.append(("prefill", f"{c['c0']:.3g} + {c['c1']:.3g}*n + {c['c2']:.3g}*n*(p+n/2) s", c["error"]))
     for name, fit, error in rows:
-        err = (f"error median {error['median']:.0%}, p90 {error['p90']:.0%} over {error['count']}"
-               if error.get("count") else "no predictions checked yet")
+        err = (
+            f"error median {error['median']:.0%}, p90 {error['p90']:.0%} over {error['count']}"
+            if error.get("count")
+            else "no predictions checked yet"
+        )
         lines.append(f"  {name:<8} {fit:<42} {err}")
     return "\n".join(lines)
 
@@ -71,8 +100,21 @@ def format_namespaces(listing: dict) -> str:
     rows = [["tier", "namespace", "model", "page_size", "dtype", "pages", "tokens", "bytes", "last_use"]]
     for ns in listing["namespaces"]:
         used = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ns["last_use"])) if ns["last_use"] else "-"
-        rows.append(["L3", ns["namespace"][:12], str(ns["model"]), str(ns["page_size"]), str(ns["dtype"]),
-                     str(ns["pages"]), str(ns["tokens"]), format_bytes(ns["bytes"]), used])
-    total = (f"{listing['pages']} pages, {format_bytes(listing['bytes_used'])} of a "
-             f"{format_bytes(listing['capacity'])} cap; data.mdb {format_bytes(listing['file_bytes'])} on disk")
+        rows.append(
+            [
+                "L3",
+                ns["namespace"][:12],
+                str(ns["model"]),
+                str(ns["page_size"]),
+                str(ns["dtype"]),
+                str(ns["pages"]),
+                str(ns["tokens"]),
+                format_bytes(ns["bytes"]),
+                used,
+            ]
+        )
+    total = (
+        f"{listing['pages']} pages, {format_bytes(listing['bytes_used'])} of a "
+        f"{format_bytes(listing['capacity'])} cap; data.mdb {format_bytes(listing['file_bytes'])} on disk"
+    )
     return "\n".join([*_aligned(rows), "", f"{listing['path']}: {total}"])

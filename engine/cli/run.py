@@ -50,7 +50,7 @@ def read_jsonl(path: Path) -> list:
             record = json.loads(line)
             item = record["tokens"] if "tokens" in record else record["prompt"]
         except (ValueError, KeyError, TypeError):
-            raise UsageError(f"{path}:{number}: expected {{\"prompt\": text}} or {{\"tokens\": [ids]}}") from None
+            raise UsageError(f'{path}:{number}: expected {{"prompt": text}} or {{"tokens": [ids]}}') from None
         if not isinstance(item, (str, list)) or (isinstance(item, list) and not all(isinstance(t, int) for t in item)):
             raise UsageError(f"{path}:{number}: prompt must be text, tokens a list of ids")
         items.append(item)
@@ -93,7 +93,7 @@ def _generate(args: argparse.Namespace, engine, tokenizer, prompts: list[list[in
     printer = None if args.json else Printer(tokenizer, engine.result)
     requests, ended = [], False
     try:
-        for batch in ([[p] for p in prompts] if args.sequential else [prompts]):
+        for batch in [[p] for p in prompts] if args.sequential else [prompts]:
             submitted = [engine.submit(p, params) for p in batch]
             for request in submitted if printer else []:
                 printer.add(request)

@@ -26,12 +26,29 @@ def open_engine(args: argparse.Namespace, loaded, store_dir: Path | None, **conf
     geometry = page_geometry(loaded, args.page_size)
     if store_dir is not None and not (args.no_auto_calibrate or os.environ.get("KVTIER_NO_AUTO_CALIBRATE")):
         calibrate_on_first_use(loaded, geometry, store_dir)
-    store = StoreConfig(args.l1_bytes, args.l2_bytes, args.l3_bytes, store_dir, args.codec,
-                        throttle=dict(args.throttle), label=loaded.label)
+    store = StoreConfig(
+        args.l1_bytes,
+        args.l2_bytes,
+        args.l3_bytes,
+        store_dir,
+        args.codec,
+        throttle=dict(args.throttle),
+        label=loaded.label,
+    )
     try:
-        return Engine(loaded, EngineConfig(page_size=args.page_size, offload=store_dir is not None, store=store,
-                                           cache_salt=args.cache_salt, single_flight=args.single_flight,
-                                           refresh_window=args.refresh_window, policy=args.policy, **config))
+        return Engine(
+            loaded,
+            EngineConfig(
+                page_size=args.page_size,
+                offload=store_dir is not None,
+                store=store,
+                cache_salt=args.cache_salt,
+                single_flight=args.single_flight,
+                refresh_window=args.refresh_window,
+                policy=args.policy,
+                **config,
+            ),
+        )
     except (ModelError, ValueError) as err:
         raise UsageError(str(err)) from None
 

@@ -15,18 +15,28 @@ from .report import format_namespaces
 def cmd_store(args: argparse.Namespace) -> int:
     commands = {"ls": _store_ls, "clear": _store_clear, "compact": _store_compact, "resize": _store_resize}
     if isinstance(args.store, str) and args.store_command != "clear":
-        raise UsageError(f"kvtier store {args.store_command}: not for a Redis store, which evicts by its own "
-                         "maxmemory and policy (`kvtier stats` shows it; `kvtier store clear` empties it)")
+        raise UsageError(
+            f"kvtier store {args.store_command}: not for a Redis store, which evicts by its own "
+            "maxmemory and policy (`kvtier stats` shows it; `kvtier store clear` empties it)"
+        )
     return commands[args.store_command](args)
 
 
 def _store_ls(args: argparse.Namespace) -> int:
     with open_store(args.store, readonly=True) as disk:
-        rows = [{"namespace": digest.hex(), **row.pop("about"), **row}
-                for digest, row in disk.namespaces().items() if row["pages"]]
-        listing = {"path": str(disk.path), "pages": disk.counters.pages, "bytes_used": disk.counters.bytes_used,
-                   "capacity": disk.counters.capacity, "file_bytes": disk.file_bytes,
-                   "namespaces": sorted(rows, key=lambda r: -r["last_use"])}
+        rows = [
+            {"namespace": digest.hex(), **row.pop("about"), **row}
+            for digest, row in disk.namespaces().items()
+            if row["pages"]
+        ]
+        listing = {
+            "path": str(disk.path),
+            "pages": disk.counters.pages,
+            "bytes_used": disk.counters.bytes_used,
+            "capacity": disk.counters.capacity,
+            "file_bytes": disk.file_bytes,
+            "namespaces": sorted(rows, key=lambda r: -r["last_use"]),
+        }
     for row in listing["namespaces"]:
         row.setdefault("model", "?"), row.setdefault("page_size", "?"), row.setdefault("dtype", "?")
     print(json.dumps(listing) if args.json else format_namespaces(listing))
@@ -50,8 +60,9 @@ def _store_clear(args: argparse.Namespace) -> int:
 def _namespace(disk, prefix: str) -> bytes:
     matches = [d for d in disk.namespaces() if d.hex().startswith(prefix.lower())]
     if len(matches) != 1:
-        raise UsageError(f"--namespace {prefix} matches {len(matches)} namespaces of {disk.location} "
-                         "(see `kvtier store ls`)")
+        raise UsageError(
+            f"--namespace {prefix} matches {len(matches)} namespaces of {disk.location} (see `kvtier store ls`)"
+        )
     return matches[0]
 
 
@@ -72,6 +83,8 @@ def _store_resize(args: argparse.Namespace) -> int:
     with open_store(args.store) as disk:
         old = disk.counters.capacity
         evicted = disk.resize(args.l3_bytes)
-        print(f"L3 cap of {disk.path}: {format_bytes(old)} -> {format_bytes(args.l3_bytes)}; "
-              f"{evicted} pages evicted" + ("; `kvtier store compact` shrinks data.mdb" if evicted else ""))
+        print(
+            f"L3 cap of {disk.path}: {format_bytes(old)} -> {format_bytes(args.l3_bytes)}; "
+            f"{evicted} pages evicted" + ("; `kvtier store compact` shrinks data.mdb" if evicted else "")
+        )
     return 0

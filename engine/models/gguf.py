@@ -6,8 +6,9 @@ rebuilt from the GGUF's own vocabulary, merges, special tokens and chat template
 
 ``mx.load`` reads the GGUF: F32/F16/BF16 tensors as they are, Q4_0/Q4_1/Q8_0 as mlx
 affine groups of 32 (``weight``/``scales``/``biases``), the K-quants dequantized to
-float16; a type it cannot read (the IQ quantizations) is refused. ``dtype`` either dequantizes everything to one float type or keeps the
-quantized matrices (``keep``), with the config naming the bits of each layer.
+float16; a type it cannot read (the IQ quantizations) is refused. ``dtype`` either
+dequantizes everything to one float type or keeps the quantized matrices (``keep``),
+with the config naming the bits of each layer.
 
 Rotary layout: llama.cpp's converter permutes the q/k rows of ``llama`` models so
 that each rotated pair is adjacent (GGML's "normal" rope), which is mlx's
@@ -35,10 +36,11 @@ import os
 import re
 import shutil
 import uuid
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 from .paths import kvtier_home
 
@@ -86,8 +88,10 @@ _PARAMS = ("weight", "bias", "scales", "biases")
 
 # Pre-tokenizer regexes, as llama.cpp names them (``tokenizer.ggml.pre``); None: GPT-2's
 # own, built into the ByteLevel pre-tokenizer.
-_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 _PRE_TOKENIZERS: dict[str, tuple[str | None, bool]] = {  # name -> (split regex, digits one by one)
     "default": (None, False),
     "gpt2": (None, False),
@@ -98,8 +102,9 @@ _PRE_TOKENIZERS: dict[str, tuple[str | None, bool]] = {  # name -> (split regex,
 }
 
 
-def import_gguf(source: Path, out: Path | None = None, dtype: str = "float32",
-                progress: Callable[[int, int], None] | None = None) -> Path:
+def import_gguf(
+    source: Path, out: Path | None = None, dtype: str = "float32", progress: Callable[[int, int], None] | None = None
+) -> Path:
     """Write (once) the mlx-lm model directory of ``source`` and return it.
 
     ``out`` defaults to an earlier import of the same content and dtype (whatever the
@@ -304,8 +309,9 @@ def _hf_name(gguf_name: str) -> str:
     raise GGUFError(f"unsupported tensor {gguf_name!r}")
 
 
-def _weights(tensors: dict[str, Any], dtype: str, config: dict[str, Any],
-             progress: Callable[[int, int], None] | None) -> dict[str, Any]:
+def _weights(
+    tensors: dict[str, Any], dtype: str, config: dict[str, Any], progress: Callable[[int, int], None] | None
+) -> dict[str, Any]:
     """Renamed tensors, dequantized to ``dtype`` or kept (then ``config`` gets the bits)."""
     import mlx.core as mx
 
@@ -338,8 +344,13 @@ def _weights(tensors: dict[str, Any], dtype: str, config: dict[str, Any],
     if bits_of:
         common = max(sorted(set(bits_of.values())), key=list(bits_of.values()).count)
         quantization: dict[str, Any] = {"group_size": _GROUP_SIZE, "bits": common, "mode": "affine"}
-        quantization.update({path: {"group_size": _GROUP_SIZE, "bits": b, "mode": "affine"}
-                             for path, b in sorted(bits_of.items()) if b != common})
+        quantization.update(
+            {
+                path: {"group_size": _GROUP_SIZE, "bits": b, "mode": "affine"}
+                for path, b in sorted(bits_of.items())
+                if b != common
+            }
+        )
         config["quantization"] = quantization
     return weights
 
@@ -357,15 +368,19 @@ def _float_type(dtype: str, tensors: dict[str, Any]):
 def _save_model(directory: Path, config: dict[str, Any], weights: dict[str, Any]) -> None:
     """Load the weights into mlx-lm's model class (strict: every tensor must fit) and
     save it with mlx-lm's own writer."""
-    from mlx_lm.utils import _get_classes, save_config, save_model
     import mlx.nn as nn
+    from mlx_lm.utils import _get_classes, save_config, save_model
 
     model_class, args_class = _get_classes(config)
     model = model_class(args_class.from_dict(config))
     if "quantization" in config:
         q = config["quantization"]
-        nn.quantize(model, group_size=q["group_size"], bits=q["bits"],
-                    class_predicate=lambda p, m: q.get(p, True) if f"{p}.scales" in weights else False)
+        nn.quantize(
+            model,
+            group_size=q["group_size"],
+            bits=q["bits"],
+            class_predicate=lambda p, m: q.get(p, True) if f"{p}.scales" in weights else False,
+        )
     try:
         model.load_weights(sorted(weights.items()), strict=True)
     except ValueError as err:
@@ -388,8 +403,9 @@ def _tokenizer(meta: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
     tokens: list[str] = meta["tokenizer.ggml.tokens"]
     merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
     split, single_digits = _PRE_TOKENIZERS[pre]
-    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges,
-                               ignore_merges=split == _LLAMA3_SPLIT))
+    tok = Tokenizer(
+        models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, ignore_merges=split == _LLAMA3_SPLIT)
+    )
     steps = [pre_tokenizers.Digits(individual_digits=True)] if single_digits else []
     if split is not None:
         steps.append(pre_tokenizers.Split(Regex(split), behavior="isolated"))
@@ -399,10 +415,10 @@ def _tokenizer(meta: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
         tok.normalizer = normalizers.NFC()
     tok.decoder = decoders.ByteLevel()
     types = meta["tokenizer.ggml.token_type"].tolist()  # 3: control, 4: user-defined
-    tok.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False)
-                            for i, t in enumerate(types) if t == 3])
-    tok.add_tokens([AddedToken(tokens[i], special=False, normalized=False)
-                    for i, t in enumerate(types) if t == 4])
+    tok.add_special_tokens(
+        [AddedToken(tokens[i], special=True, normalized=False) for i, t in enumerate(types) if t == 3]
+    )
+    tok.add_tokens([AddedToken(tokens[i], special=False, normalized=False) for i, t in enumerate(types) if t == 4])
 
     def token(key: str) -> str | None:
         value = meta.get(f"tokenizer.ggml.{key}_token_id")
@@ -412,7 +428,8 @@ def _tokenizer(meta: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
     if add_bos and token("bos") is not None:
         bos = token("bos")
         tok.post_processor = processors.TemplateProcessing(
-            single=f"{bos}:0 $A:0", pair=f"{bos}:0 $A:0 {bos}:1 $B:1", special_tokens=[(bos, tokens.index(bos))])
+            single=f"{bos}:0 $A:0", pair=f"{bos}:0 $A:0 {bos}:1 $B:1", special_tokens=[(bos, tokens.index(bos))]
+        )
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": token("bos"),

@@ -13,9 +13,10 @@ import json
 import logging
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -23,9 +24,8 @@ from mlx_lm import load as mlx_load
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 from mlx_lm.utils import _download
 
-from kvtier.tiers.page import Namespace, PageGeometry
-
 from kvtier.costmodel.profile import profile_key
+from kvtier.tiers.page import Namespace, PageGeometry
 
 from . import defaults
 from .gguf import GGUFError
@@ -66,7 +66,6 @@ class LoadedModel:
             page_size=page_size,
             dtype=str(keys.dtype).removeprefix("mlx.core."),
         )
-
 
     def namespace(self, geometry: PageGeometry, cache_salt: str = "") -> Namespace:
         """The namespace of this model's pages (DESIGN §3)."""

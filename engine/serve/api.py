@@ -8,7 +8,7 @@ into tokens and sampling settings and runs them.
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 from pydantic_core import PydanticCustomError
@@ -19,8 +19,15 @@ from pydantic_core import PydanticCustomError
 class APIError(Exception):
     """An answer other than 200: one status and one error object, never a traceback."""
 
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
         self.headers = headers  # e.g. a 429's Retry-After
@@ -59,13 +66,18 @@ class _Body(BaseModel):
 def _text_only(*kinds: str):
     """Content parts other than ``kinds`` (images, audio, files, documents) get one clear
     line instead of pydantic's list of union failures."""
+
     def check(parts: Any) -> Any:
         for part in parts if isinstance(parts, list) else []:
             kind = part.get("type") if isinstance(part, dict) else None
             if isinstance(kind, str) and kind not in kinds:
-                raise PydanticCustomError("unsupported", "content of type '{kind}' is not supported by kvtier "
-                                          "serve (it takes {kinds})", {"kind": kind, "kinds": ", ".join(kinds)})
+                raise PydanticCustomError(
+                    "unsupported",
+                    "content of type '{kind}' is not supported by kvtier serve (it takes {kinds})",
+                    {"kind": kind, "kinds": ", ".join(kinds)},
+                )
         return parts
+
     return BeforeValidator(check)
 
 
@@ -78,7 +90,7 @@ class _OpenAISampling(_Body):
     max_tokens: int | None = Field(None, gt=0)
     temperature: float = Field(1.0, ge=0.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    stop: Union[str, list[str], None] = None
+    stop: str | list[str] | None = None
     seed: int | None = None
     n: int = 1
     stream: bool = False
@@ -100,7 +112,7 @@ class _OpenAISampling(_Body):
             raise invalid("stop strings must not be empty", "stop")
         return stops
 
-    def checked(self) -> "_OpenAISampling":
+    def checked(self) -> _OpenAISampling:
         refuse_unless(self.n == 1, "n", "more than one choice (n = 1 only)")
         self.stop_strings()
         self.token_bias()
@@ -111,7 +123,7 @@ class _OpenAISampling(_Body):
         if self.logit_bias is None:
             return None
         if not all(key.isdigit() for key in self.logit_bias):
-            raise invalid("logit_bias: keys must be token ids (e.g. \"1234\")", "logit_bias")
+            raise invalid('logit_bias: keys must be token ids (e.g. "1234")', "logit_bias")
         if not all(-100 <= bias <= 100 for bias in self.logit_bias.values()):
             raise invalid("logit_bias: biases must be in [-100, 100]", "logit_bias")
         return {int(key): bias for key, bias in self.logit_bias.items()}
@@ -119,8 +131,12 @@ class _OpenAISampling(_Body):
     def sampling(self) -> dict:
         """The settings beyond max_tokens, temperature, top_p and seed, as SamplingParams takes them
         (each request kind counts its ``top_logprobs_count`` as OpenAI defines it for that kind)."""
-        return {"logit_bias": self.token_bias(), "presence_penalty": self.presence_penalty,
-                "frequency_penalty": self.frequency_penalty, "logprobs": self.top_logprobs_count()}
+        return {
+            "logit_bias": self.token_bias(),
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
+            "logprobs": self.top_logprobs_count(),
+        }
 
     @property
     def include_usage(self) -> bool:
@@ -128,13 +144,13 @@ class _OpenAISampling(_Body):
 
 
 class CompletionRequest(_OpenAISampling):
-    prompt: Union[str, list[int]]
+    prompt: str | list[int]
     logprobs: int | None = Field(None, ge=0, le=5)  # this many alternatives with each token's log-probability
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
 
-    def checked(self) -> "CompletionRequest":
+    def checked(self) -> CompletionRequest:
         if not self.prompt:
             raise invalid("prompt must not be empty", "prompt")
         refuse_unless(not self.echo, "echo", "repeating the prompt in the answer (echo)")
@@ -155,7 +171,7 @@ class TextPart(_Body):
 class ChatMessage(_Body):
     model_config = ConfigDict(strict=True, extra="allow")  # tool_calls, name, ... reach the template
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Annotated[Union[str, list[TextPart], None], _text_only("text")] = None
+    content: Annotated[str | list[TextPart] | None, _text_only("text")] = None
 
     def for_template(self) -> dict:
         message = self.model_dump(exclude_none=True)
@@ -167,23 +183,29 @@ class ChatCompletionRequest(_OpenAISampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, gt=0)
     tools: list[dict] | None = None
-    tool_choice: Union[str, dict, None] = None
+    tool_choice: str | dict | None = None
     parallel_tool_calls: bool | None = None  # accepted and ignored, as the template renders the tools as they are
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     response_format: dict | None = None
     modalities: list[str] | None = None
 
-    def checked(self) -> "ChatCompletionRequest":
+    def checked(self) -> ChatCompletionRequest:
         super().checked()
         if self.max_completion_tokens is not None:
             self.max_tokens = self.max_completion_tokens
         if self.top_logprobs is not None and not self.logprobs:
             raise invalid("top_logprobs: needs logprobs: true", "top_logprobs")
-        refuse_unless(self.response_format in (None, {"type": "text"}), "response_format",
-                      'a response format other than {"type": "text"} (JSON mode, JSON schema)')
-        refuse_unless(self.tool_choice in (None, "auto"), "tool_choice",
-                      'a tool_choice other than "auto" (the model decides; nothing forces or forbids a call)')
+        refuse_unless(
+            self.response_format in (None, {"type": "text"}),
+            "response_format",
+            'a response format other than {"type": "text"} (JSON mode, JSON schema)',
+        )
+        refuse_unless(
+            self.tool_choice in (None, "auto"),
+            "tool_choice",
+            'a tool_choice other than "auto" (the model decides; nothing forces or forbids a call)',
+        )
         refuse_unless(self.modalities in (None, ["text"]), "modalities", "output other than text")
         return self
 
@@ -205,17 +227,17 @@ class ToolUse(_Body):
 class ToolResult(_Body):
     type: Literal["tool_result"]
     tool_use_id: str
-    content: Annotated[Union[str, list[TextPart]], _text_only("text")] = ""
+    content: Annotated[str | list[TextPart], _text_only("text")] = ""
     is_error: bool = False
     cache_control: dict | None = None
 
 
-AnthropicBlock = Annotated[Union[TextPart, ToolUse, ToolResult], Field(discriminator="type")]
+AnthropicBlock = Annotated[TextPart | ToolUse | ToolResult, Field(discriminator="type")]
 
 
 class AnthropicMessage(_Body):
     role: Literal["user", "assistant"]
-    content: Annotated[Union[str, list[AnthropicBlock]], _text_only("text", "tool_use", "tool_result")]
+    content: Annotated[str | list[AnthropicBlock], _text_only("text", "tool_use", "tool_result")]
 
     def for_template(self) -> dict:
         """One chat-template message: text as it is, tool calls and results as JSON text."""
@@ -228,8 +250,15 @@ class AnthropicMessage(_Body):
             elif isinstance(block, ToolUse):
                 parts.append(json.dumps({"tool_use": block.name, "id": block.id, "input": block.input}))
             else:
-                parts.append(json.dumps({"tool_result": block.tool_use_id, "content": _joined(block.content),
-                                         "is_error": block.is_error}))
+                parts.append(
+                    json.dumps(
+                        {
+                            "tool_result": block.tool_use_id,
+                            "content": _joined(block.content),
+                            "is_error": block.is_error,
+                        }
+                    )
+                )
         return {"role": self.role, "content": "\n".join(parts)}
 
 
@@ -239,7 +268,7 @@ class MessagesRequest(_Body):
     model: str | None = None
     max_tokens: int = Field(gt=0)
     messages: list[AnthropicMessage] = Field(min_length=1)
-    system: Union[str, list[TextPart], None] = None
+    system: str | list[TextPart] | None = None
     temperature: float = Field(1.0, ge=0.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     stop_sequences: list[str] = Field(default_factory=list)
@@ -251,11 +280,12 @@ class MessagesRequest(_Body):
     metadata: dict | None = None  # accepted and ignored, as OpenAI's user and metadata
     service_tier: str | None = None
 
-    def checked(self) -> "MessagesRequest":
+    def checked(self) -> MessagesRequest:
         if any(not s for s in self.stop_sequences):
             raise invalid("stop_sequences must not hold empty strings", "stop_sequences")
-        refuse_unless(self.tool_choice in (None, {"type": "auto"}), "tool_choice",
-                      'a tool_choice other than {"type": "auto"}')
+        refuse_unless(
+            self.tool_choice in (None, {"type": "auto"}), "tool_choice", 'a tool_choice other than {"type": "auto"}'
+        )
         refuse_unless(self.top_k is None, "top_k", "top_k sampling (use top_p)")
         refuse_unless(self.thinking in (None, {"type": "disabled"}), "thinking", "extended thinking")
         return self
@@ -271,8 +301,21 @@ def _joined(content: str | list[TextPart] | None) -> str:
     return "".join(part.text for part in content)
 
 
-_FIELDS = {name for body in (CompletionRequest, ChatCompletionRequest, MessagesRequest, StreamOptions, ChatMessage,
-                              TextPart, ToolUse, ToolResult, AnthropicMessage) for name in body.model_fields}
+_FIELDS = {
+    name
+    for body in (
+        CompletionRequest,
+        ChatCompletionRequest,
+        MessagesRequest,
+        StreamOptions,
+        ChatMessage,
+        TextPart,
+        ToolUse,
+        ToolResult,
+        AnthropicMessage,
+    )
+    for name in body.model_fields
+}
 
 
 def _field_path(loc: tuple) -> str:
@@ -293,10 +336,10 @@ def parse_body(raw: bytes, model: type[_Body]) -> Any:
     except ValidationError as err:
         errors = err.errors(include_url=False)
         # A field of its own that is unknown or not supported says more than a union's failures.
-        first = next((e for kind in ("unsupported", "extra_forbidden") for e in errors if e["type"] == kind),
-                     errors[0])
+        first = next((e for kind in ("unsupported", "extra_forbidden") for e in errors if e["type"] == kind), errors[0])
         if first["type"] == "extra_forbidden":
-            raise unsupported(".".join(filter(None, (_field_path(first["loc"][:-1]), first["loc"][-1]))),
-                              "this field") from None
+            raise unsupported(
+                ".".join(filter(None, (_field_path(first["loc"][:-1]), first["loc"][-1]))), "this field"
+            ) from None
         param = _field_path(first["loc"]) or None
         raise invalid(f"{param}: {first['msg']}" if param else first["msg"], param) from None

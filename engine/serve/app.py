@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import AsyncIterator
 
 import anyio
 from starlette.applications import Starlette
@@ -80,8 +80,11 @@ class KVTierServer:
                 Route("/metrics", self.prometheus, methods=["GET"]),
                 Route("/v1/kvtier/stats", self.stats, methods=["GET"]),
             ],
-            exception_handlers={APIError: self._api_error, HTTPException: self._http_error,
-                                Exception: self._internal_error},
+            exception_handlers={
+                APIError: self._api_error,
+                HTTPException: self._http_error,
+                Exception: self._internal_error,
+            },
             lifespan=self._lifespan,
         )
 
@@ -159,8 +162,9 @@ class KVTierServer:
         body = api.parse_body(await self._read(http), api.MessagesRequest)
         shape = responses.AnthropicShape(self._model(body.model))
         tokens = await anyio.to_thread.run_sync(self._render, body.template_messages(), body.tools)
-        gen = await self._submit(tokens, SamplingParams(body.max_tokens, body.temperature, body.top_p),
-                                 body.stop_sequences, "messages")
+        gen = await self._submit(
+            tokens, SamplingParams(body.max_tokens, body.temperature, body.top_p), body.stop_sequences, "messages"
+        )
         if not body.stream:
             return JSONResponse(shape.response(await self._collect(gen, http)))
 
@@ -222,8 +226,12 @@ class KVTierServer:
 
     def _model(self, name: str | None) -> str:
         if name is not None and name != self.config.model_name:
-            raise APIError(404, f"model {name!r} is not served here (this server has {self.config.model_name!r})",
-                           param="model", code="model_not_found")
+            raise APIError(
+                404,
+                f"model {name!r} is not served here (this server has {self.config.model_name!r})",
+                param="model",
+                code="model_not_found",
+            )
         return self.config.model_name
 
     def _render(self, messages: list[dict], tools: list[dict] | None) -> list[int]:
@@ -236,23 +244,31 @@ class KVTierServer:
     async def _submit(self, tokens: list[int], params: SamplingParams, stops: list[str], param: str) -> Generation:
         """Check and submit; ``params.max_tokens`` 0 takes the server's default (capped by the context)."""
         if len(tokens) >= self.context:
-            raise api.invalid(f"the prompt is {len(tokens)} tokens; this model's context is {self.context}",
-                              param)
+            raise api.invalid(f"the prompt is {len(tokens)} tokens; this model's context is {self.context}", param)
         room = self.context - len(tokens)
         if params.max_tokens > room:
-            raise api.invalid(f"max_tokens is {params.max_tokens}, but the {len(tokens)}-token prompt leaves room "
-                              f"for {room} in this model's context of {self.context}", "max_tokens")
+            raise api.invalid(
+                f"max_tokens is {params.max_tokens}, but the {len(tokens)}-token prompt leaves room "
+                f"for {room} in this model's context of {self.context}",
+                "max_tokens",
+            )
         if self.engine.scheduler.pending() >= self.config.max_waiting:
-            raise APIError(429, f"{self.config.max_waiting} requests are already waiting; try again shortly",
-                           "rate_limit_error", code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)})
+            raise APIError(
+                429,
+                f"{self.config.max_waiting} requests are already waiting; try again shortly",
+                "rate_limit_error",
+                code="queue_full",
+                headers={"Retry-After": str(RETRY_AFTER_S)},
+            )
         params.max_tokens = params.max_tokens or min(self.config.default_max_tokens, room)
         try:
             request = await anyio.to_thread.run_sync(self.engine.submit, tokens, params)
         except InputError as err:
             raise api.invalid(str(err), err.param or param) from None
         self._live[request.rid] = request
-        return Generation(request, OutputText(self.tokenizer.detokenizer, stops), self.engine.config.page_size,
-                          self.tokenizer)
+        return Generation(
+            request, OutputText(self.tokenizer.detokenizer, stops), self.engine.config.page_size, self.tokenizer
+        )
 
     async def _collect(self, gen: Generation, http: HTTPRequest) -> Finished:
         """Run a request to its end; cancel it if the client goes away first."""
@@ -268,8 +284,12 @@ class KVTierServer:
 
     def _sse(self, events: AsyncIterator[str], request: Request) -> StreamingResponse:
         """A server-sent event stream; however it ends (done, client gone, never started), ``_end`` runs."""
-        return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"},
-                                 background=BackgroundTask(self._end, request))
+        return StreamingResponse(
+            events,
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache"},
+            background=BackgroundTask(self._end, request),
+        )
 
     def _end(self, request: Request) -> None:
         """The server is done with a request: cancel it (nothing happens to a finished one),
@@ -284,16 +304,16 @@ class KVTierServer:
     # -- errors ---------------------------------------------------------------------
 
     async def _api_error(self, http: HTTPRequest, err: APIError) -> Response:
-        return JSONResponse(err.body(anthropic=http.url.path in ANTHROPIC_PATHS), status_code=err.status,
-                            headers=err.headers)
+        return JSONResponse(
+            err.body(anthropic=http.url.path in ANTHROPIC_PATHS), status_code=err.status, headers=err.headers
+        )
 
     async def _http_error(self, http: HTTPRequest, err: HTTPException) -> Response:
         kind = "not_found_error" if err.status_code == 404 else "invalid_request_error"
-        return await self._api_error(http, APIError(err.status_code, f"{http.method} {http.url.path}: {err.detail}",
-                                                    kind))
+        return await self._api_error(
+            http, APIError(err.status_code, f"{http.method} {http.url.path}: {err.detail}", kind)
+        )
 
     async def _internal_error(self, http: HTTPRequest, err: Exception) -> Response:
         log.exception("request to %s failed", http.url.path)
         return await self._api_error(http, APIError(500, f"internal error: {type(err).__name__}", "server_error"))
-
-

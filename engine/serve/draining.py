@@ -27,8 +27,11 @@ class DrainingServer(uvicorn.Server):
     """
 
     def __init__(self, server: KVTierServer, drain_timeout: float, log_level: str) -> None:
-        super().__init__(uvicorn.Config(server.app, lifespan="on", log_level=log_level,
-                                        timeout_graceful_shutdown=drain_timeout + _DRAIN_GRACE_S))
+        super().__init__(
+            uvicorn.Config(
+                server.app, lifespan="on", log_level=log_level, timeout_graceful_shutdown=drain_timeout + _DRAIN_GRACE_S
+            )
+        )
         self._cancel_later = threading.Timer(drain_timeout, server.cancel_live)
         self._cancel_later.daemon = True
 

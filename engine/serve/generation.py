@@ -8,7 +8,7 @@ next step.
 
 from __future__ import annotations
 
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 import anyio
 from mlx_lm.tokenizer_utils import TokenizerWrapper
@@ -40,8 +40,10 @@ class Generation:
             return None
         start, self._described = self._described, self.tokens
         decode, request = self.tokenizer.decode, self.request
-        return [responses.TokenChoice(decode([token]), entry.logprob, [(decode([t]), lp) for t, lp in entry.top])
-                for token, entry in zip(request.output[start:self.tokens], request.logprobs[start:self.tokens])]
+        return [
+            responses.TokenChoice(decode([token]), entry.logprob, [(decode([t]), lp) for t, lp in entry.top])
+            for token, entry in zip(request.output[start : self.tokens], request.logprobs[start : self.tokens])
+        ]
 
     async def deltas(self) -> AsyncIterator[str]:
         """Pieces of text as tokens arrive (may be empty); ends with the request or a stop string."""
@@ -70,8 +72,9 @@ class Generation:
             raise APIError(500, f"generation failed: {self.request.error}", "server_error")
         else:
             raise APIError(503, "the request was cancelled (server shutting down)", "server_error")
-        return Finished(self.text.text, self.tokens, reason, self.text.stop_string, self.prompt_usage(),
-                        self.new_logprobs())
+        return Finished(
+            self.text.text, self.tokens, reason, self.text.stop_string, self.prompt_usage(), self.new_logprobs()
+        )
 
 
 async def cancel_on_disconnect(http: HTTPRequest, request: Request) -> None:

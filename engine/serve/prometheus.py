@@ -13,7 +13,7 @@ store's file.
 
 from __future__ import annotations
 
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -39,8 +39,9 @@ class StatsCollector(Collector):
         yield from _table("tier", stats.get("tiers", {}), gauges=TIER_GAUGES)
         yield from _table("link", stats.get("links", {}), gauges=())
         if engine := stats.get("engine"):
-            sources = CounterMetricFamily("kvtier_prompt_tokens", "prompt tokens by where they came from",
-                                          labels=["source"])
+            sources = CounterMetricFamily(
+                "kvtier_prompt_tokens", "prompt tokens by where they came from", labels=["source"]
+            )
             for source, tokens in engine.get("sources", {}).items():
                 sources.add_metric([source], tokens)
             yield sources
@@ -48,9 +49,11 @@ class StatsCollector(Collector):
                 if name in engine:
                     yield CounterMetricFamily(f"kvtier_{name}", f"kvtier engine {name}", value=engine[name])
         if window := stats.get("windowed"):
-            yield GaugeMetricFamily("kvtier_cached_tokens_per_second",
-                                    f"restored prompt tokens per second over the last {window['window_s']:.0f} s",
-                                    value=window["cached_tokens_per_s"])
+            yield GaugeMetricFamily(
+                "kvtier_cached_tokens_per_second",
+                f"restored prompt tokens per second over the last {window['window_s']:.0f} s",
+                value=window["cached_tokens_per_s"],
+            )
         if "costmodel" in stats:
             yield from _costmodel_errors(stats["costmodel"])
 
@@ -78,10 +81,10 @@ def _costmodel_errors(summary: dict) -> Iterator[Metric]:
     """Relative error of the cost model's predictions against measured times, per link and for prefill."""
     parts = {**summary["links"], "prefill": summary["compute"]}
     median = GaugeMetricFamily("kvtier_costmodel_error_median", "median relative prediction error", labels=["part"])
-    p90 = GaugeMetricFamily("kvtier_costmodel_error_p90", "90th percentile relative prediction error",
-                            labels=["part"])
-    checked = CounterMetricFamily("kvtier_costmodel_predictions_checked", "predictions checked against a measurement",
-                                  labels=["part"])
+    p90 = GaugeMetricFamily("kvtier_costmodel_error_p90", "90th percentile relative prediction error", labels=["part"])
+    checked = CounterMetricFamily(
+        "kvtier_costmodel_predictions_checked", "predictions checked against a measurement", labels=["part"]
+    )
     for part, fit in parts.items():
         error = fit["error"]
         if error.get("count"):
@@ -98,10 +101,18 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         self.registry.register(StatsCollector(stats))
         self.registry.register(_Gauges(server_gauges))
-        self.ttft = Histogram("kvtier_ttft_seconds", "time from submission to the first token",
-                              buckets=_LATENCY_BUCKETS, registry=self.registry)
-        self.queue = Histogram("kvtier_queue_seconds", "time from submission to admission into the batch",
-                               buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.ttft = Histogram(
+            "kvtier_ttft_seconds",
+            "time from submission to the first token",
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.queue = Histogram(
+            "kvtier_queue_seconds",
+            "time from submission to admission into the batch",
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -99,8 +99,7 @@ class OpenAIShape:
         self._offset = 0  # characters of the completion's tokens so far: its text_offset
 
     def _envelope(self, obj: str, choices: list, **extra: Any) -> dict:
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
-                "choices": choices, **extra}
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices, **extra}
 
     def logprobs(self, tokens: list[TokenChoice] | None) -> dict | None:
         """OpenAI's ``logprobs`` of a choice or chunk: chat's ``content`` list, or the
@@ -108,27 +107,49 @@ class OpenAIShape:
         if tokens is None:
             return None
         if self.chat:
-            return {"content": [{"token": t.token, "logprob": t.logprob, "bytes": _utf8(t.token),
-                                 "top_logprobs": [{"token": a, "logprob": lp, "bytes": _utf8(a)} for a, lp in t.top]}
-                                for t in tokens], "refusal": None}
+            return {
+                "content": [
+                    {
+                        "token": t.token,
+                        "logprob": t.logprob,
+                        "bytes": _utf8(t.token),
+                        "top_logprobs": [{"token": a, "logprob": lp, "bytes": _utf8(a)} for a, lp in t.top],
+                    }
+                    for t in tokens
+                ],
+                "refusal": None,
+            }
         offsets = []
         for t in tokens:
             offsets.append(self._offset)
             self._offset += len(t.token)
-        return {"tokens": [t.token for t in tokens], "token_logprobs": [t.logprob for t in tokens],
-                "top_logprobs": [dict(t.top) for t in tokens], "text_offset": offsets}
+        return {
+            "tokens": [t.token for t in tokens],
+            "token_logprobs": [t.logprob for t in tokens],
+            "top_logprobs": [dict(t.top) for t in tokens],
+            "text_offset": offsets,
+        }
 
     def response(self, done: Finished) -> dict:
         logprobs = self.logprobs(done.logprobs)
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": done.text},
-                      "finish_reason": done.finish_reason, "logprobs": logprobs}
+            choice = {
+                "index": 0,
+                "message": {"role": "assistant", "content": done.text},
+                "finish_reason": done.finish_reason,
+                "logprobs": logprobs,
+            }
             return self._envelope("chat.completion", [choice], usage=usage(done))
         choice = {"index": 0, "text": done.text, "finish_reason": done.finish_reason, "logprobs": logprobs}
         return self._envelope("text_completion", [choice], usage=usage(done))
 
-    def chunk(self, text: str, finish_reason: str | None = None, first: bool = False,
-              logprobs: list[TokenChoice] | None = None) -> str:
+    def chunk(
+        self,
+        text: str,
+        finish_reason: str | None = None,
+        first: bool = False,
+        logprobs: list[TokenChoice] | None = None,
+    ) -> str:
         """One chunk; ``logprobs`` are those of the tokens whose text it brings."""
         if self.chat:
             delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
@@ -141,7 +162,7 @@ class OpenAIShape:
         """The chunk with the finish reason (and the logprobs of tokens no chunk brought yet),
         the usage (its own chunk when the client asked for ``include_usage``, as OpenAI
         sends it; else on the last chunk), then ``[DONE]``."""
-        last = json.loads(self.chunk("", done.finish_reason, logprobs=logprobs)[len("data: "):])
+        last = json.loads(self.chunk("", done.finish_reason, logprobs=logprobs)[len("data: ") :])
         if include_usage:
             tail = [sse(last), sse(self._envelope(last["object"], [], usage=usage(done)))]
         else:
@@ -174,31 +195,57 @@ class AnthropicShape:
         self.id = f"msg_{uuid.uuid4().hex}"
 
     def _message(self, content: list, stop_reason: str | None, stop_sequence: str | None, usage: dict) -> dict:
-        return {"id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": content,
-                "stop_reason": stop_reason, "stop_sequence": stop_sequence, "usage": usage}
+        return {
+            "id": self.id,
+            "type": "message",
+            "role": "assistant",
+            "model": self.model,
+            "content": content,
+            "stop_reason": stop_reason,
+            "stop_sequence": stop_sequence,
+            "usage": usage,
+        }
 
     def response(self, done: Finished) -> dict:
-        return self._message([{"type": "text", "text": done.text}], _stop_reason(done), done.stop_string,
-                             anthropic_usage(done.prompt, done.completion_tokens))
+        return self._message(
+            [{"type": "text", "text": done.text}],
+            _stop_reason(done),
+            done.stop_string,
+            anthropic_usage(done.prompt, done.completion_tokens),
+        )
 
     def start_events(self, prompt: PromptUsage) -> list[str]:
         """``message_start`` (with the prompt's cache split) and the text block's start."""
         message = self._message([], None, None, anthropic_usage(prompt, 0))
-        return [sse({"type": "message_start", "message": message}, "message_start"),
-                sse({"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}},
-                    "content_block_start")]
+        return [
+            sse({"type": "message_start", "message": message}, "message_start"),
+            sse(
+                {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}},
+                "content_block_start",
+            ),
+        ]
 
     @staticmethod
     def delta_event(text: str) -> str:
-        return sse({"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": text}},
-                   "content_block_delta")
+        return sse(
+            {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": text}},
+            "content_block_delta",
+        )
 
     def final_events(self, done: Finished) -> list[str]:
         delta = {"stop_reason": _stop_reason(done), "stop_sequence": done.stop_string}
-        return [sse({"type": "content_block_stop", "index": 0}, "content_block_stop"),
-                sse({"type": "message_delta", "delta": delta, "usage": anthropic_usage(done.prompt, done.completion_tokens)},
-                    "message_delta"),
-                sse({"type": "message_stop"}, "message_stop")]
+        return [
+            sse({"type": "content_block_stop", "index": 0}, "content_block_stop"),
+            sse(
+                {
+                    "type": "message_delta",
+                    "delta": delta,
+                    "usage": anthropic_usage(done.prompt, done.completion_tokens),
+                },
+                "message_delta",
+            ),
+            sse({"type": "message_stop"}, "message_stop"),
+        ]
 
     @staticmethod
     def error_events(err: APIError) -> list[str]:

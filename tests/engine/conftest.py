@@ -1,4 +1,4 @@
-from typing import Sequence
+from collections.abc import Sequence
 
 import pytest
 from mlx_lm.generate import stream_generate

@@ -53,6 +53,7 @@ def inject_faults(engine: Engine) -> None:
             if request.prompt[0] == marker:
                 raise RuntimeError(f"injected fault {marker}")
             return real(request, *args)
+
         return work
 
     engine.admission.plan = failing(admit, MARKERS["fail_admit"])
@@ -61,8 +62,13 @@ def inject_faults(engine: Engine) -> None:
 
 def structure_sizes(engine: Engine) -> dict[str, int]:
     """Length of every container the engine and its parts hold (per-request state included)."""
-    owners = {"engine": engine, "scheduler": engine.scheduler, "flights": engine.scheduler.flights,
-              "window": engine.cached_tokens, "generator": engine.generator}
+    owners = {
+        "engine": engine,
+        "scheduler": engine.scheduler,
+        "flights": engine.scheduler.flights,
+        "window": engine.cached_tokens,
+        "generator": engine.generator,
+    }
     if engine.store is not None:
         owners.update(store=engine.store, l1=engine.store.l1, l2=engine.store.l2)
     sizes = {}
@@ -91,8 +97,9 @@ def rss_mib() -> float:
     return next((int(line.split()[1]) / 1024 for line in lines if line.startswith("VmRSS:")), 0.0)
 
 
-def soak(engine: Engine, rounds: int = 2, per_round: int = 200, threads: int = 8,
-         max_tokens: int = 4, seed: int = 0) -> SoakReport:
+def soak(
+    engine: Engine, rounds: int = 2, per_round: int = 200, threads: int = 8, max_tokens: int = 4, seed: int = 0
+) -> SoakReport:
     """Serve ``rounds * per_round`` requests from ``threads`` submitters (the engine is
     started here and stopped at the end); checks as in the module docstring."""
     rng = random.Random(seed)
@@ -106,8 +113,11 @@ def soak(engine: Engine, rounds: int = 2, per_round: int = 200, threads: int = 8
         work = []
         for _ in range(per_round):
             action = rng.choice(ACTIONS)
-            prompt = list(rng.choice(shared)) if rng.random() < 0.5 else \
-                [32 + rng.randrange(200) for _ in range(rng.randrange(page // 2, 4 * page))]
+            prompt = (
+                list(rng.choice(shared))
+                if rng.random() < 0.5
+                else [32 + rng.randrange(200) for _ in range(rng.randrange(page // 2, 4 * page))]
+            )
             if action in MARKERS:
                 prompt[0] = MARKERS[action]
             work.append((action, prompt))

@@ -48,8 +48,9 @@ def test_a_seed_samples_the_same_tokens_whatever_shares_the_batch(loaded):
     seeded = SamplingParams(max_tokens=12, temperature=1.0, seed=7)
     with make_engine(loaded) as engine:
         alone = engine.generate([prompt], seeded)[0].output
-        batch = engine.generate([prompt, text_prompt(loaded, 30, seed=5), prompt],
-                                SamplingParams(max_tokens=12, temperature=1.0))
+        batch = engine.generate(
+            [prompt, text_prompt(loaded, 30, seed=5), prompt], SamplingParams(max_tokens=12, temperature=1.0)
+        )
         together = engine.generate([text_prompt(loaded, 25, seed=6), prompt], seeded)[1].output
         other = engine.generate([prompt], SamplingParams(max_tokens=12, temperature=1.0, seed=8))[0].output
     assert together == alone != other

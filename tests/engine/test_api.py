@@ -22,7 +22,7 @@ class _Detokenizer:
 
     @property
     def last_segment(self) -> str:
-        segment, self._offset = self.text[self._offset:], len(self.text)
+        segment, self._offset = self.text[self._offset :], len(self.text)
         return segment
 
 
@@ -61,19 +61,22 @@ def test_without_stops_every_token_is_released_at_once():
     assert pieces == ["a", "b", "c", ""]
 
 
-@pytest.mark.parametrize("raw, param, words", [
-    (b"{not json", None, "not valid JSON"),
-    (b"[1, 2]", None, "JSON object"),
-    (b'{"prompt": 5}', "prompt", "string"),
-    (b'{}', "prompt", "required"),
-    (b'{"prompt": "x", "temperature": -1}', "temperature", "greater than or equal"),
-    (b'{"prompt": "x", "max_tokens": 0}', "max_tokens", "greater than"),
-    (b'{"prompt": "x", "max_tokens": "5"}', "max_tokens", "integer"),
-    (b'{"prompt": "x", "n": 2}', "n", "n = 1"),
-    (b'{"prompt": "x", "stop": ["a", ""]}', "stop", "empty"),
-    (b'{"prompt": ""}', "prompt", "empty"),
-    (b'{"prompt": [1, "a"]}', "prompt", None),
-])
+@pytest.mark.parametrize(
+    "raw, param, words",
+    [
+        (b"{not json", None, "not valid JSON"),
+        (b"[1, 2]", None, "JSON object"),
+        (b'{"prompt": 5}', "prompt", "string"),
+        (b"{}", "prompt", "required"),
+        (b'{"prompt": "x", "temperature": -1}', "temperature", "greater than or equal"),
+        (b'{"prompt": "x", "max_tokens": 0}', "max_tokens", "greater than"),
+        (b'{"prompt": "x", "max_tokens": "5"}', "max_tokens", "integer"),
+        (b'{"prompt": "x", "n": 2}', "n", "n = 1"),
+        (b'{"prompt": "x", "stop": ["a", ""]}', "stop", "empty"),
+        (b'{"prompt": ""}', "prompt", "empty"),
+        (b'{"prompt": [1, "a"]}', "prompt", None),
+    ],
+)
 def test_bad_completion_bodies_name_the_field(raw, param, words):
     with pytest.raises(api.APIError) as caught:
         api.parse_body(raw, api.CompletionRequest)
@@ -86,24 +89,41 @@ def test_bad_completion_bodies_name_the_field(raw, param, words):
 
 
 def test_chat_and_messages_bodies_become_template_messages():
-    chat = api.parse_body(json.dumps({
-        "messages": [{"role": "system", "content": "be brief"},
-                     {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
-        "max_completion_tokens": 7}).encode(), api.ChatCompletionRequest)
+    chat = api.parse_body(
+        json.dumps(
+            {
+                "messages": [
+                    {"role": "system", "content": "be brief"},
+                    {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+                ],
+                "max_completion_tokens": 7,
+            }
+        ).encode(),
+        api.ChatCompletionRequest,
+    )
     assert chat.template_messages() == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "ab"}]
     assert chat.max_tokens == 7
-    messages = api.parse_body(json.dumps({
-        "max_tokens": 3, "system": "sys",
-        "messages": [{"role": "user", "content": "q"},
-                     {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "ls", "input": {}}]},
-                     {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "x"}]}],
-    }).encode(), api.MessagesRequest)
+    messages = api.parse_body(
+        json.dumps(
+            {
+                "max_tokens": 3,
+                "system": "sys",
+                "messages": [
+                    {"role": "user", "content": "q"},
+                    {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "ls", "input": {}}]},
+                    {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "x"}]},
+                ],
+            }
+        ).encode(),
+        api.MessagesRequest,
+    )
     rendered = messages.template_messages()
     assert [m["role"] for m in rendered] == ["system", "user", "assistant", "user"]
     assert json.loads(rendered[3]["content"])["content"] == "x"
     with pytest.raises(api.APIError):
-        api.parse_body(b'{"max_tokens": 3, "messages": [{"role": "user", "content": [{"type": "image"}]}]}',
-                       api.MessagesRequest)
+        api.parse_body(
+            b'{"max_tokens": 3, "messages": [{"role": "user", "content": [{"type": "image"}]}]}', api.MessagesRequest
+        )
 
 
 def _done(sources: dict, completion: int = 5) -> responses.Finished:
@@ -128,11 +148,11 @@ def test_streamed_openai_tail_carries_usage_and_ends_with_done():
     done = _done({"L1": 0, "L2": 0, "L3": 0, "recomputed": 4})
     with_usage = shape.final_chunks(done, include_usage=True)
     assert with_usage[-1] == "data: [DONE]\n\n"
-    last = json.loads(with_usage[1][len("data: "):])
+    last = json.loads(with_usage[1][len("data: ") :])
     assert last["choices"] == [] and last["usage"]["prompt_tokens"] == 4
     without = shape.final_chunks(done, include_usage=False)
-    assert json.loads(without[0][len("data: "):])["choices"][0]["finish_reason"] == "length"
-    assert json.loads(without[0][len("data: "):])["usage"]["completion_tokens"] == 5
+    assert json.loads(without[0][len("data: ") :])["choices"][0]["finish_reason"] == "length"
+    assert json.loads(without[0][len("data: ") :])["usage"]["completion_tokens"] == 5
 
 
 def test_anthropic_events_in_order():
@@ -140,8 +160,14 @@ def test_anthropic_events_in_order():
     done = _done({"L1": 16, "L2": 0, "L3": 0, "recomputed": 1})
     events = shape.start_events(done.prompt) + [shape.delta_event("hi")] + shape.final_events(done)
     names = [e.split("\n")[0].removeprefix("event: ") for e in events]
-    assert names == ["message_start", "content_block_start", "content_block_delta", "content_block_stop",
-                     "message_delta", "message_stop"]
+    assert names == [
+        "message_start",
+        "content_block_start",
+        "content_block_delta",
+        "content_block_stop",
+        "message_delta",
+        "message_stop",
+    ]
     delta = json.loads(events[4].split("\n")[1].removeprefix("data: "))
     assert delta["delta"]["stop_reason"] == "max_tokens" and delta["usage"]["cache_read_input_tokens"] == 16
 
@@ -151,13 +177,16 @@ def test_anthropic_events_in_order():
 H, E_ACUTE, EURO = [0x68], [0xC3, 0xA9], [0xE2, 0x82, 0xAC]  # "h", "é", "€" as the byte tokenizer's ids
 
 
-@pytest.mark.parametrize("tokens, stops, text", [
-    (H + E_ACUTE + EURO[:2], [], "hé"),  # max_tokens cut the euro sign after two of its three bytes
-    (H + E_ACUTE[:1], [], "h"),
-    (E_ACUTE[:1], [], ""),
-    (H + E_ACUTE + EURO, [], "hé€"),
-    (H + EURO + E_ACUTE[:1], ["é"], "h€"),  # held back for a stop string that never came
-])
+@pytest.mark.parametrize(
+    "tokens, stops, text",
+    [
+        (H + E_ACUTE + EURO[:2], [], "hé"),  # max_tokens cut the euro sign after two of its three bytes
+        (H + E_ACUTE[:1], [], "h"),
+        (E_ACUTE[:1], [], ""),
+        (H + E_ACUTE + EURO, [], "hé€"),
+        (H + EURO + E_ACUTE[:1], ["é"], "h€"),  # held back for a stop string that never came
+    ],
+)
 def test_text_never_ends_in_half_a_character(loaded, tokens, stops, text):
     """With the real byte-level tokenizer of the tiny model: the streamed pieces and the
     final text are whole characters; none holds U+FFFD."""
@@ -174,36 +203,66 @@ MESSAGES = {"max_tokens": 3, "messages": [{"role": "user", "content": "x"}]}
 IMAGE = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
 
 
-@pytest.mark.parametrize("body, kind, param", [
-    ({"prompt": "x", "echo": True}, api.CompletionRequest, "echo"),
-    ({"prompt": "x", "best_of": 3}, api.CompletionRequest, "best_of"),
-    ({"prompt": "x", "suffix": "end"}, api.CompletionRequest, "suffix"),
-    ({"prompt": "x", "n": 2}, api.CompletionRequest, "n"),
-    ({**CHAT, "n": 2}, api.ChatCompletionRequest, "n"),
-    ({**CHAT, "response_format": {"type": "json_object"}}, api.ChatCompletionRequest, "response_format"),
-    ({**CHAT, "response_format": {"type": "json_schema", "json_schema": {}}}, api.ChatCompletionRequest,
-     "response_format"),
-    ({**CHAT, "tool_choice": "required"}, api.ChatCompletionRequest, "tool_choice"),
-    ({**CHAT, "modalities": ["text", "audio"]}, api.ChatCompletionRequest, "modalities"),
-    ({**CHAT, "functions": [{"name": "f"}]}, api.ChatCompletionRequest, "functions"),
-    ({**CHAT, "reasoning_effort": "high"}, api.ChatCompletionRequest, "reasoning_effort"),
-    ({**CHAT, "stream_options": {"include_obfuscation": True}}, api.ChatCompletionRequest,
-     "stream_options.include_obfuscation"),
-    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "see"}, IMAGE]}]},
-     api.ChatCompletionRequest, "messages.0.content"),
-    ({"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]},
-     api.ChatCompletionRequest, "messages.0.content"),
-    ({"prompt": "x", "frobnicate": 1}, api.CompletionRequest, "frobnicate"),
-    ({**MESSAGES, "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
-     api.MessagesRequest, "messages.0.content"),
-    ({**MESSAGES, "messages": [{"role": "user", "content": [
-        {"type": "tool_result", "tool_use_id": "t", "content": [{"type": "image", "source": {}}]}]}]},
-     api.MessagesRequest, "messages.0.content.0.content"),
-    ({**MESSAGES, "top_k": 5}, api.MessagesRequest, "top_k"),
-    ({**MESSAGES, "thinking": {"type": "enabled", "budget_tokens": 1024}}, api.MessagesRequest, "thinking"),
-    ({**MESSAGES, "tool_choice": {"type": "any"}}, api.MessagesRequest, "tool_choice"),
-    ({**MESSAGES, "seed": 1}, api.MessagesRequest, "seed"),
-])
+@pytest.mark.parametrize(
+    "body, kind, param",
+    [
+        ({"prompt": "x", "echo": True}, api.CompletionRequest, "echo"),
+        ({"prompt": "x", "best_of": 3}, api.CompletionRequest, "best_of"),
+        ({"prompt": "x", "suffix": "end"}, api.CompletionRequest, "suffix"),
+        ({"prompt": "x", "n": 2}, api.CompletionRequest, "n"),
+        ({**CHAT, "n": 2}, api.ChatCompletionRequest, "n"),
+        ({**CHAT, "response_format": {"type": "json_object"}}, api.ChatCompletionRequest, "response_format"),
+        (
+            {**CHAT, "response_format": {"type": "json_schema", "json_schema": {}}},
+            api.ChatCompletionRequest,
+            "response_format",
+        ),
+        ({**CHAT, "tool_choice": "required"}, api.ChatCompletionRequest, "tool_choice"),
+        ({**CHAT, "modalities": ["text", "audio"]}, api.ChatCompletionRequest, "modalities"),
+        ({**CHAT, "functions": [{"name": "f"}]}, api.ChatCompletionRequest, "functions"),
+        ({**CHAT, "reasoning_effort": "high"}, api.ChatCompletionRequest, "reasoning_effort"),
+        (
+            {**CHAT, "stream_options": {"include_obfuscation": True}},
+            api.ChatCompletionRequest,
+            "stream_options.include_obfuscation",
+        ),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "text", "text": "see"}, IMAGE]}]},
+            api.ChatCompletionRequest,
+            "messages.0.content",
+        ),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]},
+            api.ChatCompletionRequest,
+            "messages.0.content",
+        ),
+        ({"prompt": "x", "frobnicate": 1}, api.CompletionRequest, "frobnicate"),
+        (
+            {**MESSAGES, "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
+            api.MessagesRequest,
+            "messages.0.content",
+        ),
+        (
+            {
+                **MESSAGES,
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "tool_result", "tool_use_id": "t", "content": [{"type": "image", "source": {}}]}
+                        ],
+                    }
+                ],
+            },
+            api.MessagesRequest,
+            "messages.0.content.0.content",
+        ),
+        ({**MESSAGES, "top_k": 5}, api.MessagesRequest, "top_k"),
+        ({**MESSAGES, "thinking": {"type": "enabled", "budget_tokens": 1024}}, api.MessagesRequest, "thinking"),
+        ({**MESSAGES, "tool_choice": {"type": "any"}}, api.MessagesRequest, "tool_choice"),
+        ({**MESSAGES, "seed": 1}, api.MessagesRequest, "seed"),
+    ],
+)
 def test_a_field_the_server_does_not_implement_is_a_400_naming_it(body, kind, param):
     with pytest.raises(api.APIError) as caught:
         api.parse_body(json.dumps(body).encode(), kind)
@@ -212,22 +271,50 @@ def test_a_field_the_server_does_not_implement_is_a_400_naming_it(body, kind, pa
     assert err.message.startswith(f"{param}: ") and "not supported" in err.message and "\n" not in err.message
 
 
-@pytest.mark.parametrize("body, kind", [
-    ({**CHAT, "user": "u1", "metadata": {"k": "v"}, "store": False, "service_tier": "auto",
-      "response_format": {"type": "text"}, "tool_choice": "auto", "parallel_tool_calls": True, "n": 1,
-      "modalities": ["text"], "logprobs": False, "presence_penalty": 0, "prompt_cache_key": "c"},
-     api.ChatCompletionRequest),
-    ({"prompt": "x", "echo": False, "best_of": 1, "suffix": "", "user": "u1", "logprobs": None},
-     api.CompletionRequest),
-    ({**MESSAGES, "metadata": {"user_id": "u"}, "thinking": {"type": "disabled"}, "tool_choice": {"type": "auto"},
-      "system": [{"type": "text", "text": "s", "cache_control": {"type": "ephemeral"}}]}, api.MessagesRequest),
-])
+@pytest.mark.parametrize(
+    "body, kind",
+    [
+        (
+            {
+                **CHAT,
+                "user": "u1",
+                "metadata": {"k": "v"},
+                "store": False,
+                "service_tier": "auto",
+                "response_format": {"type": "text"},
+                "tool_choice": "auto",
+                "parallel_tool_calls": True,
+                "n": 1,
+                "modalities": ["text"],
+                "logprobs": False,
+                "presence_penalty": 0,
+                "prompt_cache_key": "c",
+            },
+            api.ChatCompletionRequest,
+        ),
+        (
+            {"prompt": "x", "echo": False, "best_of": 1, "suffix": "", "user": "u1", "logprobs": None},
+            api.CompletionRequest,
+        ),
+        (
+            {
+                **MESSAGES,
+                "metadata": {"user_id": "u"},
+                "thinking": {"type": "disabled"},
+                "tool_choice": {"type": "auto"},
+                "system": [{"type": "text", "text": "s", "cache_control": {"type": "ephemeral"}}],
+            },
+            api.MessagesRequest,
+        ),
+    ],
+)
 def test_fields_that_change_nothing_here_are_accepted(body, kind):
     assert api.parse_body(json.dumps(body).encode(), kind)
 
 
-@pytest.mark.parametrize("bias, words", [({"a": 1}, "token ids"), ({"7": 101}, "[-100, 100]"),
-                                         ({"7": "1"}, "valid number")])
+@pytest.mark.parametrize(
+    "bias, words", [({"a": 1}, "token ids"), ({"7": 101}, "[-100, 100]"), ({"7": "1"}, "valid number")]
+)
 def test_logit_bias_is_checked(bias, words):
     with pytest.raises(api.APIError) as caught:
         api.parse_body(json.dumps({"prompt": "x", "logit_bias": bias}).encode(), api.CompletionRequest)
@@ -235,11 +322,25 @@ def test_logit_bias_is_checked(bias, words):
 
 
 def test_sampling_settings_reach_the_engine_as_token_ids():
-    body = api.parse_body(json.dumps({**CHAT, "logit_bias": {"65": -100, "7": 2.5}, "presence_penalty": 0.5,
-                                      "frequency_penalty": -1, "logprobs": True, "top_logprobs": 3}).encode(),
-                          api.ChatCompletionRequest)
-    assert body.sampling() == {"logit_bias": {65: -100, 7: 2.5}, "presence_penalty": 0.5,
-                               "frequency_penalty": -1, "logprobs": 3}
+    body = api.parse_body(
+        json.dumps(
+            {
+                **CHAT,
+                "logit_bias": {"65": -100, "7": 2.5},
+                "presence_penalty": 0.5,
+                "frequency_penalty": -1,
+                "logprobs": True,
+                "top_logprobs": 3,
+            }
+        ).encode(),
+        api.ChatCompletionRequest,
+    )
+    assert body.sampling() == {
+        "logit_bias": {65: -100, 7: 2.5},
+        "presence_penalty": 0.5,
+        "frequency_penalty": -1,
+        "logprobs": 3,
+    }
     plain = api.parse_body(json.dumps({"prompt": "x", "logprobs": 0}).encode(), api.CompletionRequest)
     assert plain.sampling()["logprobs"] == 0 and plain.sampling()["logit_bias"] is None
     with pytest.raises(api.APIError, match="top_logprobs: needs logprobs"):
@@ -249,13 +350,24 @@ def test_sampling_settings_reach_the_engine_as_token_ids():
 def test_logprobs_in_openai_shapes():
     tokens = [responses.TokenChoice("ab", -0.5, [("ab", -0.5), ("x", -1.5)]), responses.TokenChoice("\ufffd", -0.1, [])]
     chat = responses.OpenAIShape(chat=True, model="m").logprobs(tokens)
-    assert chat["content"][0] == {"token": "ab", "logprob": -0.5, "bytes": [97, 98], "top_logprobs": [
-        {"token": "ab", "logprob": -0.5, "bytes": [97, 98]}, {"token": "x", "logprob": -1.5, "bytes": [120]}]}
+    assert chat["content"][0] == {
+        "token": "ab",
+        "logprob": -0.5,
+        "bytes": [97, 98],
+        "top_logprobs": [
+            {"token": "ab", "logprob": -0.5, "bytes": [97, 98]},
+            {"token": "x", "logprob": -1.5, "bytes": [120]},
+        ],
+    }
     assert chat["content"][1]["bytes"] is None  # part of a character: no bytes of its own in its text
     shape = responses.OpenAIShape(chat=False, model="m")
     first, second = shape.logprobs(tokens[:1]), shape.logprobs(tokens[1:])  # two chunks of one stream
-    assert first == {"tokens": ["ab"], "token_logprobs": [-0.5], "top_logprobs": [{"ab": -0.5, "x": -1.5}],
-                     "text_offset": [0]}
+    assert first == {
+        "tokens": ["ab"],
+        "token_logprobs": [-0.5],
+        "top_logprobs": [{"ab": -0.5, "x": -1.5}],
+        "text_offset": [0],
+    }
     assert second["text_offset"] == [2]
     assert shape.logprobs(None) is None
     plain = responses.OpenAIShape(chat=False, model="m").response(_done({"L1": 0, "L2": 0, "L3": 0, "recomputed": 1}))

@@ -36,8 +36,10 @@ def test_sizes_durations_and_counts_that_make_no_sense_are_refused(argv, words):
 
 
 ACCEPTED = [  # where 0 means something: a tier that is off (an L3 that drops writes), no draining, no refresh
-    (["run", "--prompt", "x", "--l1-bytes", "0", "--l2-bytes", "0", "--l3-bytes", "0"],
-     {"l1_bytes": 0, "l2_bytes": 0, "l3_bytes": 0}),
+    (
+        ["run", "--prompt", "x", "--l1-bytes", "0", "--l2-bytes", "0", "--l3-bytes", "0"],
+        {"l1_bytes": 0, "l2_bytes": 0, "l3_bytes": 0},
+    ),
     (["serve", "--drain-timeout", "0"], {"drain_timeout": 0.0}),
     (["serve", "--drain-timeout", "2.5", "--l3-bytes", "1MiB"], {"drain_timeout": 2.5, "l3_bytes": 1 << 20}),
     (["run", "--prompt", "x", "--refresh-window", "0"], {"refresh_window": 0}),
@@ -68,7 +70,8 @@ def test_no_flag_takes_a_bare_number():
 
 @pytest.mark.parametrize("argv", [["store", "resize", "--l3-bytes", "0"], ["serve", "--drain-timeout", "-5"]])
 def test_the_reported_cases_exit_2_with_one_line(argv):
-    done = subprocess.run([sys.executable, "-m", "kvtier.engine.cli", *argv], capture_output=True, text=True,
-                          timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "kvtier.engine.cli", *argv], capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 2 and done.stdout == ""
     assert done.stderr.startswith("kvtier: error: ") and len(done.stderr.strip().splitlines()) == 1, done.stderr

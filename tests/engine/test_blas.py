@@ -62,8 +62,13 @@ def same_bits(preload: bool) -> str:
     from kvtier.engine.blas import wheel_library
 
     env = {**os.environ, "KVTIER_NO_OPENBLAS": "1"}
-    done = subprocess.run([sys.executable, "-c", PRELOADED if preload else SAME_BITS, str(wheel_library())],
-                          capture_output=True, text=True, env=env, check=True)
+    done = subprocess.run(
+        [sys.executable, "-c", PRELOADED if preload else SAME_BITS, str(wheel_library())],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=True,
+    )
     return done.stdout.strip()
 
 
@@ -85,8 +90,10 @@ def gfortran() -> bool:
         return False
 
 
-@pytest.mark.skipif(sys.platform != "linux" or not gfortran(),
-                    reason="the OpenBLAS wheel is a Linux dependency; its library needs libgfortran.so.5")
+@pytest.mark.skipif(
+    sys.platform != "linux" or not gfortran(),
+    reason="the OpenBLAS wheel is a Linux dependency; its library needs libgfortran.so.5",
+)
 def test_mlx_binds_to_the_wheels_openblas_when_it_is_loaded_first():
     """Loaded globally before mlx, the wheel's cblas_sgemm is the one mlx calls; without
     that, mlx's own BLAS gives other bits (the check can fail)."""
@@ -99,8 +106,10 @@ def test_without_openblas_one_line_on_stderr_says_how_to_get_it(tmp_path):
     """No -v: the CLI's one line, on a terminal (a script's stderr gets it only with -v, so
     tests and pipelines that read stderr see what they did before). mlx imported before
     kvtier is one way to end up without OpenBLAS on any machine."""
-    script = ("import sys, mlx.core; from kvtier.engine.cli import main; "
-              "sys.exit(main(['run', '--no-offload', '--model', 'kvtier-tiny', '--max-tokens', '1', '--prompt', 'hi']))")
+    script = (
+        "import sys, mlx.core; from kvtier.engine.cli import main; "
+        "sys.exit(main(['run', '--no-offload', '--model', 'kvtier-tiny', '--max-tokens', '1', '--prompt', 'hi']))"
+    )
     env = {k: v for k, v in os.environ.items() if k != "KVTIER_NO_OPENBLAS"}
     for terminal in (True, False):
         main_end, child_end = pty.openpty() if terminal else os.pipe()

@@ -17,7 +17,9 @@ PAGE = 128
 
 
 def kvtier(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    done = subprocess.run([sys.executable, "-m", "kvtier.engine.cli", *on_tiny_model(args)], capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-m", "kvtier.engine.cli", *on_tiny_model(args)], capture_output=True, text=True, timeout=300
+    )
     if check:
         assert done.returncode == 0, done.stderr
     return done
@@ -49,8 +51,9 @@ def test_sequential_repeat_hits_l1(tmp_path):
 
 
 def test_small_l1_spills_to_l2(tmp_path):
-    results, counters = run_json("--store", str(tmp_path), "--sequential", "--l1-bytes", "1MiB",
-                                 "--prompt", PROMPT, "--prompt", PROMPT)
+    results, counters = run_json(
+        "--store", str(tmp_path), "--sequential", "--l1-bytes", "1MiB", "--prompt", PROMPT, "--prompt", PROMPT
+    )
     assert results[1]["sources"]["L2"] >= results[1]["prompt_tokens"] - PAGE - 1
     assert counters["tiers"]["L1"]["bytes_used"] <= 1 << 20
 
@@ -63,7 +66,10 @@ def test_stats_reads_what_runs_persisted(tmp_path):
     assert stats["tiers"]["L3"]["pages"] >= 3
     text = kvtier("stats", "--store", str(tmp_path), "--prometheus").stdout
     assert "# TYPE kvtier_tier_pages gauge" in text and 'kvtier_tier_pages{tier="L3"}' in text
-    assert re.search(r"# TYPE kvtier_tier_lookups(_total)? counter", text) and 'kvtier_tier_lookups_total{tier="L3"}' in text
+    assert (
+        re.search(r"# TYPE kvtier_tier_lookups(_total)? counter", text)
+        and 'kvtier_tier_lookups_total{tier="L3"}' in text
+    )
     assert re.search(r"# TYPE kvtier_link_bytes(_total)? counter", text)
     assert 'kvtier_prompt_tokens_total{source="L3"}' in text
 
@@ -75,11 +81,14 @@ def test_damaged_store_warns_and_runs_without_l3(tmp_path):
     assert (tmp_path / "data.mdb").read_bytes() == b"this is not lmdb" * 1024
 
 
-@pytest.mark.parametrize("content,message", [
-    ('{"tokens": [1, 2, 999999]}\n', "outside the vocabulary"),
-    ('{"text": "x"}\n', "expected"),
-    ("", "holds no prompts"),
-])
+@pytest.mark.parametrize(
+    "content,message",
+    [
+        ('{"tokens": [1, 2, 999999]}\n', "outside the vocabulary"),
+        ('{"text": "x"}\n', "expected"),
+        ("", "holds no prompts"),
+    ],
+)
 def test_bad_prompts_file_is_one_line_and_exit_2(tmp_path, content, message):
     path = tmp_path / "prompts.jsonl"
     path.write_text(content)
@@ -122,8 +131,17 @@ def ttft_bench(tmp_path_factory):
 
     directory = tmp_path_factory.mktemp("ttft")
     plot = directory / "ttft.png"
-    args = ["bench", "ttft", "--json", "--store", str(directory), "--page-size", str(TTFT_PAGE),
-            "--lengths", ",".join(map(str, TTFT_LENGTHS))]
+    args = [
+        "bench",
+        "ttft",
+        "--json",
+        "--store",
+        str(directory),
+        "--page-size",
+        str(TTFT_PAGE),
+        "--lengths",
+        ",".join(map(str, TTFT_LENGTHS)),
+    ]
     if importlib.util.find_spec("matplotlib") is not None:
         args += ["--plot", str(plot)]
     return json.loads(kvtier(*args).stdout), directory, plot
@@ -144,7 +162,9 @@ def test_bench_ttft_times_every_source_from_the_tier_it_names(ttft_bench):
         assert row["restored_tokens"] == (n - 1) // TTFT_PAGE * TTFT_PAGE
         assert set(row["ttft_s"]) == set(report["sources"]) and min(row["ttft_s"].values()) > 0
         for tier in ("L1", "L2", "L3"):
-            assert row["ratio_to_recompute"][tier] == pytest.approx(row["ttft_s"][tier] / row["ttft_s"]["recompute"], abs=5e-5)  # rounded to 4 places
+            assert row["ratio_to_recompute"][tier] == pytest.approx(
+                row["ttft_s"][tier] / row["ttft_s"]["recompute"], abs=5e-5
+            )  # rounded to 4 places
         for tier in ("L2", "L3"):
             assert row["sources"][tier] == restored_from(tier, n)
         assert row["sources"]["L1"] == {"L1": n - 1, "L2": 0, "L3": 0, "recomputed": 1}  # with its last partial page
@@ -161,8 +181,19 @@ def test_bench_ttft_draws_its_plot(ttft_bench):
 
 @needs_redis
 def test_bench_ttft_restores_from_redis_after_a_restart_and_leaves_nothing_there(redis_server, tmp_path):
-    done = kvtier("bench", "ttft", "--json", "--store", str(tmp_path), "--page-size", "64", "--lengths", "150",
-                  "--redis", redis_server.url)
+    done = kvtier(
+        "bench",
+        "ttft",
+        "--json",
+        "--store",
+        str(tmp_path),
+        "--page-size",
+        "64",
+        "--lengths",
+        "150",
+        "--redis",
+        redis_server.url,
+    )
     (row,) = json.loads(done.stdout)["rows"]
     assert row["sources"]["Redis"] == {"L1": 0, "L2": 0, "L3": 128, "recomputed": 22}
     assert row["ttft_s"]["Redis"] > 0 and "Redis" in row["ratio_to_recompute"]

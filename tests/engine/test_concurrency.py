@@ -149,6 +149,7 @@ def _serial_checked(method):
         finally:
             self._owner = None
             self._inside.release()
+
     return call
 
 

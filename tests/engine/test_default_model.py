@@ -70,7 +70,9 @@ def test_tokenizer_bytes_and_round_trip(loaded) -> None:
     assert tokenizer.decode(tokenizer.encode(text)) == text
     assert tokenizer.encode("<|im_start|>") == [dm.EOS_TOKEN_ID + 1]
     assert tokenizer.eos_token_ids == {dm.EOS_TOKEN_ID}
-    chat = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False)
+    chat = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False
+    )
     assert chat == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
 
 

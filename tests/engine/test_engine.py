@@ -51,7 +51,10 @@ def test_restored_output_equals_mlx_lm_from_every_tier(loaded, tmp_path, name):
     # (an aligned prompt's last page); from_l3 left its partial page: all but the last token are L1
     again = run_one(engine, prompt)
     engine.close()
-    assert from_l3.output == expected and from_l3.sources()["L3"] == reusable == len(prompt) - from_l3.sources()["recomputed"]
+    assert (
+        from_l3.output == expected
+        and from_l3.sources()["L3"] == reusable == len(prompt) - from_l3.sources()["recomputed"]
+    )
     assert again.output == expected and again.sources()["L1"] == len(prompt) - 1
 
 

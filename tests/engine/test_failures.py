@@ -25,9 +25,9 @@ from kvtier.costmodel.models import ComputeModel
 from kvtier.costmodel.plan import Profile
 from kvtier.engine.engine import Engine, EngineConfig
 from kvtier.engine.request import SamplingParams
+from kvtier.tiers.hierarchy import StoreConfig
 from kvtier.tiers.l3.lmdb_store import DiskTier
 from kvtier.tiers.l3.record import FORMAT_VERSION, RecordHeader, decode_record
-from kvtier.tiers.hierarchy import StoreConfig
 from kvtier.tiers.page import page_keys, reusable_pages
 
 from ..tiers.test_disk import _raw_env
@@ -40,8 +40,23 @@ REPO = Path(__file__).resolve().parents[2]
 PAGE = 8
 MAX_TOKENS = 6
 PAGE_BYTES = PAGE * 24 * 2 * 2 * 64 * 4  # the default model's float32 KV: 196,608 bytes a page
-_WORDS = ["cache", "page", "tier", "restore", "token", "prefix", "model", "host", "disk", "lmdb",
-          "alpha", "zeta", "Q", "!", "42"]
+_WORDS = [
+    "cache",
+    "page",
+    "tier",
+    "restore",
+    "token",
+    "prefix",
+    "model",
+    "host",
+    "disk",
+    "lmdb",
+    "alpha",
+    "zeta",
+    "Q",
+    "!",
+    "42",
+]
 
 
 def _prompt(seed: int, n: int) -> str:
@@ -60,8 +75,13 @@ STORED = [len(p) // PAGE for p in PROMPTS]  # pages a run stores: every full pag
 
 
 def kvtier(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kvtier.engine.cli", *on_tiny_model(args)], capture_output=True,
-                          text=True, timeout=timeout, cwd=REPO)
+    return subprocess.run(
+        [sys.executable, "-m", "kvtier.engine.cli", *on_tiny_model(args)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=REPO,
+    )
 
 
 def run_args(store: Path | None, *extra: str, prompts: list[str] = PROMPTS) -> list[str]:
@@ -158,6 +178,7 @@ def snapshot(store: Path) -> dict:
 
 # --- process killed mid-write -----------------------------------------------------------------
 
+
 def _has_store_mapped(pid: int, data: Path) -> bool:
     """The process has opened the store (its data file is in its memory map)."""
     try:
@@ -166,8 +187,9 @@ def _has_store_mapped(pid: int, data: Path) -> bool:
         return False
 
 
-def cli_crash_trial(store: Path, rng: random.Random, prompts: list[str], *, grown: bool,
-                    max_delay: float = 1.5) -> dict:
+def cli_crash_trial(
+    store: Path, rng: random.Random, prompts: list[str], *, grown: bool, max_delay: float = 1.5
+) -> dict:
     """Start ``kvtier run`` on ``prompts`` (small L1 and L2: pages spill to L3 during the run)
     and SIGKILL it: at a random moment after it opened the store, or (``grown``) as soon as
     the store file grows by a page (pages being committed). Then the store must open and
@@ -175,8 +197,12 @@ def cli_crash_trial(store: Path, rng: random.Random, prompts: list[str], *, grow
     data = store / "data.mdb"
     size0 = data.stat().st_size if data.exists() else 0
     args = run_args(store, "--l1-bytes", str(2 * PAGE_BYTES), "--l2-bytes", str(2 * PAGE_BYTES), prompts=prompts)
-    child = subprocess.Popen([sys.executable, "-m", "kvtier.engine.cli", *args], cwd=REPO,
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    child = subprocess.Popen(
+        [sys.executable, "-m", "kvtier.engine.cli", *args],
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.monotonic() + 120
     delay, opened_at = rng.uniform(0.0, max_delay), None
     while child.poll() is None and time.monotonic() < deadline:
@@ -244,6 +270,7 @@ def test_runs_killed_mid_write_leave_a_store_that_serves_correct_pages(tmp_path,
 
 # --- corrupt pages -----------------------------------------------------------------------------
 
+
 def _records_by_page(store: Path, loaded) -> dict[tuple[int, int], bytes]:
     """(prompt, page index) -> record key, matched through the token ids in each header."""
     want = {}
@@ -289,8 +316,7 @@ def test_corrupt_records_are_detected_deleted_and_recomputed(tmp_path, baseline,
     assert stats["tiers"]["L3"]["checksum_failures"] == len(damaged)
 
 
-@pytest.mark.parametrize("damage,message", [("garbage-header", "cannot open store at"),
-                                            ("truncated", "is truncated")])
+@pytest.mark.parametrize("damage,message", [("garbage-header", "cannot open store at"), ("truncated", "is truncated")])
 def test_store_file_damaged_beyond_lmdb_checks_runs_without_l3(tmp_path, baseline, written, damage, message):
     """Garbage over data.mdb's meta pages (LMDB refuses it), or the file cut in half (LMDB
     would open it and die of SIGBUS at the first read past the end: kvtier checks the size)."""
@@ -312,6 +338,7 @@ def test_store_file_damaged_beyond_lmdb_checks_runs_without_l3(tmp_path, baselin
 
 
 # --- other format version, other namespace -------------------------------------------------------
+
 
 def test_other_format_version_is_never_served(tmp_path, baseline, written):
     store = copy_of(written, tmp_path)
@@ -343,6 +370,7 @@ def test_other_cache_salt_gets_no_l3_hits(tmp_path, baseline, written):
 
 
 # --- full and capped tiers -------------------------------------------------------------------------
+
 
 def test_l3_smaller_than_a_page_drops_and_counts_every_write(tmp_path, baseline):
     results, counters, _ = run(tmp_path / "store", "--l3-bytes", str(PAGE_BYTES // 2))
@@ -413,12 +441,20 @@ def test_engine_caps_hold_under_a_long_mixed_workload(tmp_path, loaded):
 
 # --- several processes on one store -----------------------------------------------------------------
 
+
 @pytest.mark.parametrize("processes", [2, 4])
 def test_concurrent_runs_share_one_store(tmp_path, baseline, processes):
     store = tmp_path / "store"
-    children = [subprocess.Popen([sys.executable, "-m", "kvtier.engine.cli", *run_args(store)], cwd=REPO,
-                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-                for _ in range(processes)]
+    children = [
+        subprocess.Popen(
+            [sys.executable, "-m", "kvtier.engine.cli", *run_args(store)],
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(processes)
+    ]
     done = []
     for c in children:
         out, err = c.communicate(timeout=300)

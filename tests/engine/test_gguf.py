@@ -24,8 +24,10 @@ from kvtier.engine.models.paths import kvtier_home
 
 pytestmark = pytest.mark.slow  # starts processes or loads the real model
 
-CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 HIDDEN, HEADS, KV_HEADS, LAYERS, FFN = 64, 4, 2, 2, 128
 
@@ -47,10 +49,17 @@ def write_gguf(path: Path, arch: str = "llama") -> Path:
     head_dim = HIDDEN // HEADS
     tensors = {"token_embd.weight": tensor(len(tokens), HIDDEN), "output_norm.weight": tensor(HIDDEN)}
     for i in range(LAYERS):
-        shapes = {"attn_norm": (HIDDEN,), "ffn_norm": (HIDDEN,), "attn_q": (HIDDEN, HIDDEN),
-                  "attn_k": (KV_HEADS * head_dim, HIDDEN), "attn_v": (KV_HEADS * head_dim, HIDDEN),
-                  "attn_output": (HIDDEN, HIDDEN), "ffn_gate": (FFN, HIDDEN), "ffn_up": (FFN, HIDDEN),
-                  "ffn_down": (HIDDEN, FFN)}
+        shapes = {
+            "attn_norm": (HIDDEN,),
+            "ffn_norm": (HIDDEN,),
+            "attn_q": (HIDDEN, HIDDEN),
+            "attn_k": (KV_HEADS * head_dim, HIDDEN),
+            "attn_v": (KV_HEADS * head_dim, HIDDEN),
+            "attn_output": (HIDDEN, HIDDEN),
+            "ffn_gate": (FFN, HIDDEN),
+            "ffn_up": (FFN, HIDDEN),
+            "ffn_down": (HIDDEN, FFN),
+        }
         tensors.update({f"blk.{i}.{name}.weight": tensor(*shape) for name, shape in shapes.items()})
         if arch == "qwen2":
             tensors.update({f"blk.{i}.attn_{x}.bias": tensor(shapes[f"attn_{x}"][0]) for x in "qkv"})
@@ -71,8 +80,9 @@ def write_gguf(path: Path, arch: str = "llama") -> Path:
         "tokenizer.ggml.model": "gpt2",
         "tokenizer.ggml.pre": "smollm",
         "tokenizer.ggml.tokens": tokens,
-        "tokenizer.ggml.token_type": mx.array([3] * len(SPECIALS) + [1] * (len(tokens) - len(SPECIALS)),
-                                              dtype=mx.int32),
+        "tokenizer.ggml.token_type": mx.array(
+            [3] * len(SPECIALS) + [1] * (len(tokens) - len(SPECIALS)), dtype=mx.int32
+        ),
         "tokenizer.ggml.merges": ["h e", "Ġ t", "Ġt he"],
         "tokenizer.ggml.bos_token_id": u32(1),
         "tokenizer.ggml.eos_token_id": u32(2),
@@ -94,8 +104,9 @@ def llama_dir(llama_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Pat
 
 
 def kvtier(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kvtier.engine.cli", *args], capture_output=True, text=True,
-                          timeout=300, env=env)
+    return subprocess.run(
+        [sys.executable, "-m", "kvtier.engine.cli", *args], capture_output=True, text=True, timeout=300, env=env
+    )
 
 
 def test_llama_loads_in_mlx_lm_with_the_gguf_tensors_and_tokenizer(llama_gguf: Path, llama_dir: Path) -> None:
@@ -107,16 +118,19 @@ def test_llama_loads_in_mlx_lm_with_the_gguf_tensors_and_tokenizer(llama_gguf: P
     source = mx.load(str(llama_gguf))
     imported = dict(mx.load(str(llama_dir / "model.safetensors")))
     assert len(imported) == len(source)
-    assert mx.array_equal(imported["model.layers.1.self_attn.k_proj.weight"],
-                          source["blk.1.attn_k.weight"].astype(mx.float32))
-    assert mx.array_equal(imported["model.layers.0.post_attention_layernorm.weight"],
-                          source["blk.0.ffn_norm.weight"].astype(mx.float32))
+    assert mx.array_equal(
+        imported["model.layers.1.self_attn.k_proj.weight"], source["blk.1.attn_k.weight"].astype(mx.float32)
+    )
+    assert mx.array_equal(
+        imported["model.layers.0.post_attention_layernorm.weight"], source["blk.0.ffn_norm.weight"].astype(mx.float32)
+    )
     ids = tokenizer.encode("he the")
     assert [tokenizer.decode([i]) for i in ids] == ["he", " the"]  # the GGUF's merges apply
     assert tokenizer.decode(tokenizer.encode("naïve 🙂\n")) == "naïve 🙂\n"
     assert tokenizer.encode("<|im_end|>") == [2] and tokenizer.eos_token_ids == {2}
-    chat = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True,
-                                         tokenize=False)
+    chat = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False
+    )
     assert chat == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     assert model(mx.array([ids])).shape == (1, len(ids), config["vocab_size"])
 
@@ -160,24 +174,35 @@ def _with_tensor_type(source: Path, target: Path, tensor: str, ggml_type: int) -
     """Rewrite one tensor's type id in the header (name, n_dims, dims, then type)."""
     data = bytearray(source.read_bytes())
     at = data.index(tensor.encode()) + len(tensor)
-    n_dims = int.from_bytes(data[at:at + 4], "little")
+    n_dims = int.from_bytes(data[at : at + 4], "little")
     at += 4 + 8 * n_dims
-    data[at:at + 4] = ggml_type.to_bytes(4, "little")
+    data[at : at + 4] = ggml_type.to_bytes(4, "little")
     target.write_bytes(bytes(data))
     return target
 
 
-@pytest.mark.parametrize("make,message", [
-    (lambda src, tmp: _with_metadata(src, tmp / "x.gguf", **{"general.architecture": "gemma"}),
-     "unsupported architecture 'gemma'"),
-    (lambda src, tmp: (tmp / "x.gguf").write_bytes(src.read_bytes()[:-4096]) and tmp / "x.gguf",
-     "extends past the end of the file"),
-    (lambda src, tmp: _with_tensor_type(src, tmp / "x.gguf", "blk.0.attn_q.weight", 16),  # IQ2_XXS
-     "tensor type mlx cannot read"),
-    (lambda src, tmp: (tmp / "x.gguf").write_text("not a model") and tmp / "x.gguf", "not a GGUF file"),
-    (lambda src, tmp: _with_metadata(src, tmp / "x.gguf", **{"tokenizer.ggml.model": "llama"}),
-     "unsupported tokenizer model 'llama'"),
-])
+@pytest.mark.parametrize(
+    "make,message",
+    [
+        (
+            lambda src, tmp: _with_metadata(src, tmp / "x.gguf", **{"general.architecture": "gemma"}),
+            "unsupported architecture 'gemma'",
+        ),
+        (
+            lambda src, tmp: (tmp / "x.gguf").write_bytes(src.read_bytes()[:-4096]) and tmp / "x.gguf",
+            "extends past the end of the file",
+        ),
+        (
+            lambda src, tmp: _with_tensor_type(src, tmp / "x.gguf", "blk.0.attn_q.weight", 16),  # IQ2_XXS
+            "tensor type mlx cannot read",
+        ),
+        (lambda src, tmp: (tmp / "x.gguf").write_text("not a model") and tmp / "x.gguf", "not a GGUF file"),
+        (
+            lambda src, tmp: _with_metadata(src, tmp / "x.gguf", **{"tokenizer.ggml.model": "llama"}),
+            "unsupported tokenizer model 'llama'",
+        ),
+    ],
+)
 def test_unsupported_or_damaged_files_are_one_line_and_exit_2(llama_gguf: Path, tmp_path: Path, make, message):
     bad = make(llama_gguf, tmp_path)
     done = kvtier("import-gguf", str(bad), "--out", str(tmp_path / "out"))
@@ -202,7 +227,6 @@ def test_an_unwritable_destination_is_one_error(llama_gguf: Path, tmp_path: Path
     (tmp_path / "file").write_text("")
     with pytest.raises(GGUFError, match="cannot write"):
         import_gguf(llama_gguf, tmp_path / "file" / "m")  # its parent is a file (root can't either)
-
 
 
 def test_the_same_content_under_another_name_reuses_the_first_import(llama_gguf: Path, tmp_path: Path) -> None:

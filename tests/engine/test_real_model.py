@@ -18,8 +18,8 @@ import mlx_lm
 import pytest
 from mlx_lm.utils import load_model as mlx_load_model
 
-from kvtier.engine.models.defaults import packaged_gguf
 from kvtier.engine.engine import Engine, EngineConfig
+from kvtier.engine.models.defaults import packaged_gguf
 from kvtier.engine.request import SamplingParams
 from kvtier.tiers.hierarchy import StoreConfig
 from kvtier.tiers.page import reusable_pages
@@ -55,9 +55,15 @@ def test_perplexity_is_low_and_high_with_the_wrong_rotary_layout(smollm2) -> Non
 def test_chat_template_renders_as_the_ggufs_and_eos_is_im_end(smollm2) -> None:
     _, metadata = mx.load(str(packaged_gguf()), return_metadata=True)
     template = jinja2.Environment().from_string(metadata["tokenizer.chat_template"])
-    for messages in ([{"role": "user", "content": QUESTION}],
-                     [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
-                      {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": QUESTION}]):
+    for messages in (
+        [{"role": "user", "content": QUESTION}],
+        [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello!"},
+            {"role": "user", "content": QUESTION},
+        ],
+    ):
         ours = smollm2.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         assert ours == template.render(messages=messages, add_generation_prompt=True)
     im_end = smollm2.tokenizer.encode("<|im_end|>")
@@ -66,8 +72,23 @@ def test_chat_template_renders_as_the_ggufs_and_eos_is_im_end(smollm2) -> None:
 
 
 def test_cli_default_model_answers_stops_at_eos_and_reports_a_loadable_model(smollm2, tmp_path) -> None:
-    done = subprocess.run([sys.executable, "-m", "kvtier.engine.cli", "run", "--json", "--chat", "--store",
-                           str(tmp_path), "--prompt", QUESTION], capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvtier.engine.cli",
+            "run",
+            "--json",
+            "--chat",
+            "--store",
+            str(tmp_path),
+            "--prompt",
+            QUESTION,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout.splitlines()[0])
     assert "Paris" in result["text"]
@@ -87,8 +108,10 @@ def _long_prompt(tokenizer) -> list[int]:
 
 
 CASES = {  # name -> (prompt, page size); chat-templated and short, raw and over 1,000 tokens
-    "chat": (lambda tok: tok.apply_chat_template([{"role": "user", "content": QUESTION}],
-                                                 add_generation_prompt=True), 8),
+    "chat": (
+        lambda tok: tok.apply_chat_template([{"role": "user", "content": QUESTION}], add_generation_prompt=True),
+        8,
+    ),
     "raw-long": (_long_prompt, 128),
 }
 

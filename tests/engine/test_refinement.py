@@ -14,8 +14,9 @@ GREEDY = SamplingParams(max_tokens=4)
 
 
 def engine_for(loaded, store_dir=None, throttle=None, step=2048) -> Engine:
-    store = StoreConfig(l1_bytes=1 << 30, l2_bytes=1 << 30, l3_bytes=1 << 30, store_dir=store_dir,
-                        throttle=throttle or {})
+    store = StoreConfig(
+        l1_bytes=1 << 30, l2_bytes=1 << 30, l3_bytes=1 << 30, store_dir=store_dir, throttle=throttle or {}
+    )
     return Engine(loaded, EngineConfig(page_size=PAGE, store=store, prefill_step_size=step))
 
 
@@ -25,8 +26,9 @@ def test_a_throttled_link_is_not_refined_from_its_restores(loaded, tmp_path):
     first.generate([prompt], GREEDY)
     first.close()
     engine = engine_for(loaded, tmp_path, throttle={"L3": 1 << 30})
-    engine.profile = Profile({**Profile.defaults().links, "L3->L1": LinkModel.of(0.0, 1 << 40)},
-                             Profile.defaults().compute)  # restoring always wins
+    engine.profile = Profile(
+        {**Profile.defaults().links, "L3->L1": LinkModel.of(0.0, 1 << 40)}, Profile.defaults().compute
+    )  # restoring always wins
     samples = len(engine.profile.links["L3->L1"].samples)
     (request,) = engine.generate([prompt], GREEDY)
     engine.close()
@@ -41,8 +43,9 @@ def test_the_unthrottled_link_is_refined_from_the_same_restore(loaded, tmp_path)
     first.generate([prompt], GREEDY)
     first.close()
     engine = engine_for(loaded, tmp_path)
-    engine.profile = Profile({**Profile.defaults().links, "L3->L1": LinkModel.of(0.0, 1 << 40)},
-                             Profile.defaults().compute)
+    engine.profile = Profile(
+        {**Profile.defaults().links, "L3->L1": LinkModel.of(0.0, 1 << 40)}, Profile.defaults().compute
+    )
     samples = len(engine.profile.links["L3->L1"].samples)
     (request,) = engine.generate([prompt], GREEDY)
     engine.close()

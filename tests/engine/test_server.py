@@ -74,8 +74,9 @@ def model(server):
 
 
 def _chat(server, model, messages, max_tokens=24, **kw):
-    return server.openai.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens,
-                                                 temperature=0, **kw)
+    return server.openai.chat.completions.create(
+        model=model, messages=messages, max_tokens=max_tokens, temperature=0, **kw
+    )
 
 
 def _sum_usage(usage) -> None:
@@ -94,10 +95,15 @@ def test_ops_endpoints(server, model):
     assert [m.id for m in server.openai.models.list().data] == [model] == ["kvtier-tiny"]  # --model as given
     _chat(server, model, [{"role": "user", "content": "warm the metrics up " * 3}], max_tokens=2)
     metrics = server.http.get("/metrics").text
-    for name in ('kvtier_tier_capacity{tier="L1"}', 'kvtier_link_bytes_total{link="L2->L1"}',
-                 'kvtier_prompt_tokens_total{source="recomputed"}', "kvtier_ttft_seconds_bucket",
-                 "kvtier_queue_seconds_count", 'kvtier_costmodel_predictions_checked_total{part="prefill"}',
-                 "kvtier_server_waiting"):
+    for name in (
+        'kvtier_tier_capacity{tier="L1"}',
+        'kvtier_link_bytes_total{link="L2->L1"}',
+        'kvtier_prompt_tokens_total{source="recomputed"}',
+        "kvtier_ttft_seconds_bucket",
+        "kvtier_queue_seconds_count",
+        'kvtier_costmodel_predictions_checked_total{part="prefill"}',
+        "kvtier_server_waiting",
+    ):
         assert name in metrics, name
     stats = server.stats()
     assert set(stats["tiers"]) == {"L1", "L2", "L3"} and stats["engine"]["requests"] >= 1
@@ -135,15 +141,21 @@ def test_completions_take_text_or_token_ids(server, model, loaded):
 
 
 def test_anthropic_messages_stream_and_usage(server, model, loaded):
-    kw = dict(model=model, max_tokens=20, extra_body={"temperature": 0}, system="Answer briefly.",
-              messages=[{"role": "user", "content": "which tier holds the page? " * 2}])
+    kw = dict(
+        model=model,
+        max_tokens=20,
+        extra_body={"temperature": 0},
+        system="Answer briefly.",
+        messages=[{"role": "user", "content": "which tier holds the page? " * 2}],
+    )
     message = server.anthropic.messages.create(**kw)
     with server.anthropic.messages.stream(**kw) as stream:
         streamed = "".join(stream.text_stream)
         final = stream.get_final_message()
     assert streamed == message.content[0].text and final.content[0].text == streamed
     rendered = loaded.tokenizer.apply_chat_template(
-        [{"role": "system", "content": kw["system"]}, *kw["messages"]], add_generation_prompt=True)
+        [{"role": "system", "content": kw["system"]}, *kw["messages"]], add_generation_prompt=True
+    )
     for usage in (message.usage, final.usage):
         assert usage.input_tokens + usage.cache_read_input_tokens == len(rendered)
         assert usage.output_tokens == 20
@@ -156,6 +168,7 @@ def test_multi_turn_restores_previous_prompt_and_answer(server, model, loaded):
     pages and the last partial page). The first turn may share the template's start
     with earlier tests' prompts."""
     messages = [{"role": "user", "content": "a new conversation about eviction"}]
+    shared = 0  # tokens of the previous turn's prompt and answer
     for turn in range(3):
         reply = _chat(server, model, messages, max_tokens=40)
         if turn:
@@ -176,8 +189,9 @@ def test_without_model_flags_the_id_is_the_one_the_readme_sends(tmp_path):
         hello = [{"role": "user", "content": "Hello"}]
         reply = srv.openai.chat.completions.create(model="kvtier-default", max_tokens=4, messages=hello)
         assert reply.model == "kvtier-default" and reply.usage.completion_tokens > 0
-        raw = srv.http.post("/v1/chat/completions", json={"model": "kvtier-default", "messages": hello,
-                                                          "max_tokens": 4})
+        raw = srv.http.post(
+            "/v1/chat/completions", json={"model": "kvtier-default", "messages": hello, "max_tokens": 4}
+        )
         assert raw.status_code == 200 and raw.json()["model"] == "kvtier-default"
         assert srv.http.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 2}).status_code == 200
         other = srv.http.post("/v1/completions", json={"model": "gpt-4o", "prompt": "Hello", "max_tokens": 2})
@@ -210,14 +224,18 @@ def test_logit_bias_and_penalties_steer_and_text_ends_on_whole_characters(server
     steered = server.openai.completions.create(**kw, extra_body=ACCENTS)
     assert steered.choices[0].text == "éé" != plain.choices[0].text
     assert steered.usage.completion_tokens == 5 and steered.choices[0].finish_reason == "length"
-    pieces = [c.choices[0].text for c in server.openai.completions.create(**kw, extra_body=ACCENTS, stream=True)
-              if c.choices]
+    pieces = [
+        c.choices[0].text for c in server.openai.completions.create(**kw, extra_body=ACCENTS, stream=True) if c.choices
+    ]
     assert "".join(pieces) == "éé" and not any("\ufffd" in p for p in pieces)
     messages = [{"role": "user", "content": "the cache"}]
     chat = _chat(server, model, messages, max_tokens=5, extra_body=ACCENTS)
     assert chat.choices[0].message.content == "éé"
-    streamed = [c.choices[0].delta.content or "" for c in _chat(server, model, messages, max_tokens=5, stream=True,
-                                                                extra_body=ACCENTS) if c.choices]
+    streamed = [
+        c.choices[0].delta.content or ""
+        for c in _chat(server, model, messages, max_tokens=5, stream=True, extra_body=ACCENTS)
+        if c.choices
+    ]
     assert "".join(streamed) == "éé" and not any("\ufffd" in p for p in streamed)
     unbiased = _chat(server, model, messages, max_tokens=5, extra_body={"logit_bias": {"195": 100}})
     assert unbiased.choices[0].message.content == ""  # five lone lead bytes: nothing whole to show
@@ -246,43 +264,70 @@ def test_logprobs_stream_and_not_in_openai_shapes(server, model):
     assert "".join(logprobs.tokens) == text.choices[0].text
     assert logprobs.text_offset == [sum(map(len, logprobs.tokens[:i])) for i in range(6)]
     assert all(max(top.values()) == lp for top, lp in zip(logprobs.top_logprobs, logprobs.token_logprobs))
-    stream = server.openai.completions.create(model=model, prompt="log", max_tokens=6, temperature=0, logprobs=2,
-                                              stream=True)
-    streamed = [lp for c in stream if c.choices and c.choices[0].logprobs
-                for lp in c.choices[0].logprobs.token_logprobs]
+    stream = server.openai.completions.create(
+        model=model, prompt="log", max_tokens=6, temperature=0, logprobs=2, stream=True
+    )
+    streamed = [
+        lp for c in stream if c.choices and c.choices[0].logprobs for lp in c.choices[0].logprobs.token_logprobs
+    ]
     assert streamed == logprobs.token_logprobs
 
 
 def test_unsupported_settings_through_the_clients(server, model):
     messages = [{"role": "user", "content": "x"}]
-    for kw, param in ((dict(response_format={"type": "json_object"}), "response_format"), (dict(n=2), "n"),
-                      (dict(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {
-                          "url": "https://example.invalid/cat.png"}}]}]), "messages.0.content")):
+    for kw, param in (
+        (dict(response_format={"type": "json_object"}), "response_format"),
+        (dict(n=2), "n"),
+        (
+            dict(
+                messages=[
+                    {
+                        "role": "user",
+                        "content": [{"type": "image_url", "image_url": {"url": "https://example.invalid/cat.png"}}],
+                    }
+                ]
+            ),
+            "messages.0.content",
+        ),
+    ):
         with pytest.raises(openai.BadRequestError) as caught:
             server.openai.chat.completions.create(**{"model": model, "messages": messages, **kw})
         assert caught.value.body["param"] == param and "not supported" in caught.value.body["message"]
     with pytest.raises(openai.BadRequestError, match="echo"):
         server.openai.completions.create(model=model, prompt="x", echo=True)
     with pytest.raises(anthropic.BadRequestError, match="not supported"):
-        server.anthropic.messages.create(model=model, max_tokens=2, messages=[{"role": "user", "content": [
-            {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}}]}])
+        server.anthropic.messages.create(
+            model=model,
+            max_tokens=2,
+            messages=[
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}}
+                    ],
+                }
+            ],
+        )
 
 
 # -- bad input -------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("path, body, status, param", [
-    ("/v1/completions", b"{oops", 400, None),
-    ("/v1/completions", b'{"prompt": 3}', 400, "prompt"),
-    ("/v1/completions", b'{"max_tokens": 3}', 400, "prompt"),
-    ("/v1/completions", b'{"prompt": "x", "temperature": -0.5}', 400, "temperature"),
-    ("/v1/completions", b'{"prompt": "x", "max_tokens": 0}', 400, "max_tokens"),
-    ("/v1/completions", b'{"prompt": [999999]}', 400, "prompt"),
-    ("/v1/chat/completions", b'{"messages": []}', 400, "messages"),
-    ("/v1/chat/completions", b'{"messages": [{"role": "bot", "content": "x"}]}', 400, "messages.0.role"),
-    ("/v1/chat/completions", b'{"model": "gpt-9", "messages": [{"role": "user", "content": "x"}]}', 404, "model"),
-    ("/v1/messages", b'{"messages": [{"role": "user", "content": "x"}]}', 400, "max_tokens"),
-])
+@pytest.mark.parametrize(
+    "path, body, status, param",
+    [
+        ("/v1/completions", b"{oops", 400, None),
+        ("/v1/completions", b'{"prompt": 3}', 400, "prompt"),
+        ("/v1/completions", b'{"max_tokens": 3}', 400, "prompt"),
+        ("/v1/completions", b'{"prompt": "x", "temperature": -0.5}', 400, "temperature"),
+        ("/v1/completions", b'{"prompt": "x", "max_tokens": 0}', 400, "max_tokens"),
+        ("/v1/completions", b'{"prompt": [999999]}', 400, "prompt"),
+        ("/v1/chat/completions", b'{"messages": []}', 400, "messages"),
+        ("/v1/chat/completions", b'{"messages": [{"role": "bot", "content": "x"}]}', 400, "messages.0.role"),
+        ("/v1/chat/completions", b'{"model": "gpt-9", "messages": [{"role": "user", "content": "x"}]}', 404, "model"),
+        ("/v1/messages", b'{"messages": [{"role": "user", "content": "x"}]}', 400, "max_tokens"),
+    ],
+)
 def test_bad_requests_answer_an_error_object(server, path, body, status, param):
     response = server.http.post(path, content=body, headers={"content-type": "application/json"})
     assert response.status_code == status
@@ -307,16 +352,20 @@ def test_prompt_past_the_context_and_oversized_bodies(server, model):
 # -- concurrency -------------------------------------------------------------------
 
 
-def _stream_in_background(server, model, max_tokens: int, prompt: str = "stream me " * 3,
-                          hang_up: threading.Event | None = None) -> tuple[threading.Thread, list]:
+def _stream_in_background(
+    server, model, max_tokens: int, prompt: str = "stream me " * 3, hang_up: threading.Event | None = None
+) -> tuple[threading.Thread, list]:
     """A streaming completion read line by line in a thread (status first, then the lines);
     past 100 tokens the client hangs up after a few lines, once ``hang_up`` is set if given."""
     chunks: list = []
 
     def read() -> None:
-        with httpx.stream("POST", server.url + "/v1/completions", timeout=120,
-                          json={"model": model, "prompt": prompt, "max_tokens": max_tokens,
-                                "temperature": 0, "stream": True}) as response:
+        with httpx.stream(
+            "POST",
+            server.url + "/v1/completions",
+            timeout=120,
+            json={"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True},
+        ) as response:
             chunks.append(response.status_code)
             for line in filter(None, response.iter_lines()):
                 chunks.append(line)
@@ -344,7 +393,7 @@ def test_full_queue_answers_429_and_hung_up_streams_are_cancelled(server, model)
     streams = []  # distinct prompts: identical ones would wait behind one another (single flight)
     for group, state in (((0, 1), {"waiting": 0, "running": 2}), ((2, 3), {"waiting": 2, "running": 2})):
         streams += [_stream_in_background(server, model, 5000, f"stream number {i} " * 3, hang_up) for i in group]
-        _wait_for(lambda: server.stats()["server"] == state, str(state))
+        _wait_for(lambda state=state: server.stats()["server"] == state, str(state))
     refused = server.http.post("/v1/completions", json={"model": model, "prompt": "one more", "max_tokens": 1})
     hang_up.set()
     assert refused.status_code == 429 and refused.json()["error"]["code"] == "queue_full"
@@ -402,8 +451,10 @@ def test_clients_that_vanish_never_kill_the_server(server, model):
         if i % 2:
             sock.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
         else:
-            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                         b"Content-Length: %d\r\n\r\n" % len(body) + body)
+            sock.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b"Content-Length: %d\r\n\r\n" % len(body) + body
+            )
             sock.recv(1)  # the stream has begun
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # a reset
         sock.close()
@@ -423,7 +474,11 @@ def test_a_port_that_cannot_be_used_is_one_line_and_exit_2(port):
 
     with socket.create_server(("127.0.0.1", 0)) as taken:
         port = str(taken.getsockname()[1]) if port == "busy" else port
-        done = subprocess.run([sys.executable, "-m", "kvtier.engine.cli", "serve", "--port", port],
-                              capture_output=True, text=True, timeout=120)
+        done = subprocess.run(
+            [sys.executable, "-m", "kvtier.engine.cli", "serve", "--port", port],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
     assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
     assert port in done.stderr

@@ -26,31 +26,54 @@ sampling = {
     "seed": st.integers(0, 2**31),
     "stream": st.booleans(),
 }
-openai = {**sampling, "max_tokens": st.integers(1, 3), "stop": st.text(min_size=1, max_size=3) | st.lists(st.text(min_size=1, max_size=3), max_size=3),
-          "n": st.just(1), "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}),
-          "presence_penalty": st.floats(-2, 2), "frequency_penalty": st.floats(-2, 2),
-          "logit_bias": st.dictionaries(st.integers(0, 258).map(str), st.floats(-100, 100), max_size=3),
-          "user": text}
+openai = {
+    **sampling,
+    "max_tokens": st.integers(1, 3),
+    "stop": st.text(min_size=1, max_size=3) | st.lists(st.text(min_size=1, max_size=3), max_size=3),
+    "n": st.just(1),
+    "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}),
+    "presence_penalty": st.floats(-2, 2),
+    "frequency_penalty": st.floats(-2, 2),
+    "logit_bias": st.dictionaries(st.integers(0, 258).map(str), st.floats(-100, 100), max_size=3),
+    "user": text,
+}
 completion = {**openai, "logprobs": st.integers(0, 5), "echo": st.just(False), "best_of": st.just(1)}
-chat = {**openai, "max_completion_tokens": st.integers(1, 3), "logprobs": st.booleans(),
-        "top_logprobs": st.integers(0, 20), "response_format": st.just({"type": "text"})}
+chat = {
+    **openai,
+    "max_completion_tokens": st.integers(1, 3),
+    "logprobs": st.booleans(),
+    "top_logprobs": st.integers(0, 20),
+    "response_format": st.just({"type": "text"}),
+}
 # Fields that are refused whatever else the body holds: each one's 400 names it.
-refused = {"echo": st.just(True), "best_of": st.integers(2, 5), "n": st.integers(2, 4),
-           "response_format": st.just({"type": "json_object"}), "frobnicate": json_values_base,
-           "image": st.just([{"type": "image_url", "image_url": {"url": "data:,"}}])}
-message = st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "system"]),
-                                 "content": text | st.lists(st.fixed_dictionaries({"type": st.just("text"),
-                                                                                   "text": text}), max_size=2)})
+refused = {
+    "echo": st.just(True),
+    "best_of": st.integers(2, 5),
+    "n": st.integers(2, 4),
+    "response_format": st.just({"type": "json_object"}),
+    "frobnicate": json_values_base,
+    "image": st.just([{"type": "image_url", "image_url": {"url": "data:,"}}]),
+}
+message = st.fixed_dictionaries(
+    {
+        "role": st.sampled_from(["user", "assistant", "system"]),
+        "content": text | st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": text}), max_size=2),
+    }
+)
 valid = {
     "/v1/completions": st.fixed_dictionaries({"prompt": text.filter(bool) | tokens}, optional=completion),
-    "/v1/chat/completions": st.fixed_dictionaries({"messages": st.lists(message, min_size=1, max_size=3)},
-                                                  optional=chat).map(  # top_logprobs needs logprobs
-        lambda b: {**b, "logprobs": True} if "top_logprobs" in b else b),
+    "/v1/chat/completions": st.fixed_dictionaries(
+        {"messages": st.lists(message, min_size=1, max_size=3)}, optional=chat
+    ).map(  # top_logprobs needs logprobs
+        lambda b: {**b, "logprobs": True} if "top_logprobs" in b else b
+    ),
     "/v1/messages": st.fixed_dictionaries(
-        {"max_tokens": st.integers(1, 3),
-         "messages": st.lists(message.map(lambda m: {**m, "role": "user"}), min_size=1, max_size=2)},
-        optional={**sampling, "system": text, "stop_sequences": st.lists(st.text(min_size=1, max_size=3),
-                                                                        max_size=2)}),
+        {
+            "max_tokens": st.integers(1, 3),
+            "messages": st.lists(message.map(lambda m: {**m, "role": "user"}), min_size=1, max_size=2),
+        },
+        optional={**sampling, "system": text, "stop_sequences": st.lists(st.text(min_size=1, max_size=3), max_size=2)},
+    ),
 }
 # ... and any JSON in any field, whole bodies of any JSON, and bytes that are not JSON.
 json_values = st.recursive(
@@ -63,6 +86,7 @@ FIELDS = sorted({*completion, *chat, "prompt", "messages", "system", "stop_seque
 
 def _refusing(path: str):
     """A valid body with one refused field (an image block goes into the first message)."""
+
     def add(pair):
         body, (name, value) = pair
         if name == "image":
@@ -71,8 +95,10 @@ def _refusing(path: str):
                 return body, None
             return {**body, "messages": [{**first, "content": value}, *body["messages"][1:]]}, "messages.0.content"
         return {**body, name: value}, name
-    return st.tuples(valid[path], st.sampled_from(sorted(refused)).flatmap(
-        lambda name: st.tuples(st.just(name), refused[name]))).map(add)
+
+    return st.tuples(
+        valid[path], st.sampled_from(sorted(refused)).flatmap(lambda name: st.tuples(st.just(name), refused[name]))
+    ).map(add)
 
 
 def bodies(path: str):
@@ -104,8 +130,9 @@ def before(client):
     return _fixed(client)
 
 
-@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
-                                                                  HealthCheck.too_slow])
+@settings(
+    max_examples=50, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
+)
 @given(request=requests)
 def test_any_body_gets_a_result_or_an_error_object(client, before, request):
     path, body = request
@@ -120,10 +147,14 @@ def test_any_body_gets_a_result_or_an_error_object(client, before, request):
         assert response.json()["usage"]
 
 
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
-                                                                  HealthCheck.too_slow])
-@given(request=st.sampled_from(["/v1/completions", "/v1/chat/completions"]).flatmap(
-    lambda path: st.tuples(st.just(path), _refusing(path))))
+@settings(
+    max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
+)
+@given(
+    request=st.sampled_from(["/v1/completions", "/v1/chat/completions"]).flatmap(
+        lambda path: st.tuples(st.just(path), _refusing(path))
+    )
+)
 def test_a_refused_field_is_a_400_naming_it_whatever_the_rest(client, before, request):
     path, (body, param) = request
     response = client.post(path, json=body)
@@ -134,10 +165,14 @@ def test_a_refused_field_is_a_400_naming_it_whatever_the_rest(client, before, re
     assert set(error) == ERROR_KEYS and error["param"] == param and "not supported" in error["message"]
 
 
-@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
-                                                                  HealthCheck.too_slow])
-@given(body=valid["/v1/completions"].map(lambda b: {**b, "logprobs": 2, "max_tokens": 3,
-                                                    "logit_bias": {"195": 100, "169": 99}}))
+@settings(
+    max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
+)
+@given(
+    body=valid["/v1/completions"].map(
+        lambda b: {**b, "logprobs": 2, "max_tokens": 3, "logit_bias": {"195": 100, "169": 99}}
+    )
+)
 def test_text_and_logprobs_agree_in_any_valid_completion(client, before, body):
     """Whatever the other settings, with the bytes of "é" (C3 A9) pushed up so that
     max_tokens often cuts one: no U+FFFD ends the text, and one logprob entry per token."""
@@ -146,11 +181,16 @@ def test_text_and_logprobs_agree_in_any_valid_completion(client, before, body):
     if response.status_code != 200:
         return
     if body.get("stream"):
-        events = [json.loads(line[len("data: "):]) for line in response.text.splitlines()
-                  if line.startswith("data: {")]
+        events = [
+            json.loads(line[len("data: ") :]) for line in response.text.splitlines() if line.startswith("data: {")
+        ]
         text = "".join(e["choices"][0]["text"] for e in events if e["choices"])
-        entries = [t for e in events if e["choices"] and e["choices"][0]["logprobs"]
-                   for t in e["choices"][0]["logprobs"]["token_logprobs"]]
+        entries = [
+            t
+            for e in events
+            if e["choices"] and e["choices"][0]["logprobs"]
+            for t in e["choices"][0]["logprobs"]["token_logprobs"]
+        ]
         tokens = next(e["usage"] for e in events if e.get("usage"))["completion_tokens"]
     else:
         choice = response.json()["choices"][0]

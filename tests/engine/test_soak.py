@@ -18,8 +18,9 @@ PAGE = 16
 def test_threaded_soak_every_request_ends_and_nothing_is_left(tmp_path):
     loaded = tiny_model()
     page_bytes = loaded.geometry(PAGE).nbytes
-    store = StoreConfig(l1_bytes=24 * page_bytes, l2_bytes=24 * page_bytes, l3_bytes=64 * page_bytes,
-                        store_dir=tmp_path)
+    store = StoreConfig(
+        l1_bytes=24 * page_bytes, l2_bytes=24 * page_bytes, l3_bytes=64 * page_bytes, store_dir=tmp_path
+    )
     engine = Engine(loaded, EngineConfig(page_size=PAGE, store=store, max_running=8, window_s=1e-6))
     report = soak(engine, rounds=3, per_round=120, threads=8)
     engine.close()
@@ -49,8 +50,9 @@ def test_no_structure_grows_with_the_number_of_requests():
 
     def burst(first: int, n: int) -> None:
         for i in range(first, first + n, 50):  # repeated and fresh prefixes: hits, spills, flights
-            engine.generate([[32 + (j * 7 + k * (k % 3)) % 200 for j in range(2 * PAGE + 3)]
-                             for k in range(i, i + 50)], params)
+            engine.generate(
+                [[32 + (j * 7 + k * (k % 3)) % 200 for j in range(2 * PAGE + 3)] for k in range(i, i + 50)], params
+            )
 
     burst(0, 300)  # warm: L1 and L2 full, every structure at its working size
     before = structure_sizes(engine)

@@ -16,6 +16,7 @@ import pytest
 
 from kvtier.costmodel.plan import Profile
 from kvtier.tiers.l3.lmdb_store import DiskTier
+
 from .conftest import on_tiny_model
 
 pytestmark = pytest.mark.slow  # starts processes or loads the real model
@@ -23,9 +24,17 @@ pytestmark = pytest.mark.slow  # starts processes or loads the real model
 PROMPT = "the system prompt of an agent with tools " * 3  # ~120 tokens: 7 pages of 16
 
 
-def kvtier(*args: str, check: bool = True, stdin: str | None = None, env: dict | None = None) -> subprocess.CompletedProcess:
-    done = subprocess.run([sys.executable, "-m", "kvtier.engine.cli", *on_tiny_model(args)], capture_output=True,
-                          text=True, timeout=300, input=stdin, env=env)
+def kvtier(
+    *args: str, check: bool = True, stdin: str | None = None, env: dict | None = None
+) -> subprocess.CompletedProcess:
+    done = subprocess.run(
+        [sys.executable, "-m", "kvtier.engine.cli", *on_tiny_model(args)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        input=stdin,
+        env=env,
+    )
     if check:
         assert done.returncode == 0, done.stderr
     return done
@@ -39,8 +48,13 @@ def run_json(store: Path, *args: str) -> list[dict]:
 def store_state(store: Path) -> tuple:
     """Everything a bad input must leave alone: pages, bytes, namespaces, the file."""
     with DiskTier(store, readonly=True) as disk:
-        return (disk.counters.pages, disk.counters.bytes_used, disk.counters.capacity,
-                disk.namespaces(), (store / "data.mdb").read_bytes())
+        return (
+            disk.counters.pages,
+            disk.counters.bytes_used,
+            disk.counters.capacity,
+            disk.namespaces(),
+            (store / "data.mdb").read_bytes(),
+        )
 
 
 @pytest.fixture(scope="module")
@@ -129,14 +143,25 @@ def test_unsupported_model_is_one_line_and_exit_2(tmp_path):
 
     from kvtier.engine.models.defaults import ensure_default_model
 
-    config = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128,
-              "num_attention_heads": 2, "num_key_value_heads": 1, "rms_norm_eps": 1e-5, "vocab_size": 259,
-              "tie_word_embeddings": True, "layer_types": ["sliding_attention", "full_attention"],
-              "sliding_window": 16}
+    config = {
+        "model_type": "llama",
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "intermediate_size": 128,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "rms_norm_eps": 1e-5,
+        "vocab_size": 259,
+        "tie_word_embeddings": True,
+        "layer_types": ["sliding_attention", "full_attention"],
+        "sliding_window": 16,
+    }
     model_dir = tmp_path / "rotating"
     model_dir.mkdir()
-    mx.save_safetensors(str(model_dir / "model.safetensors"),
-                        dict(tree_flatten(llama.Model(llama.ModelArgs.from_dict(config)).parameters())))
+    mx.save_safetensors(
+        str(model_dir / "model.safetensors"),
+        dict(tree_flatten(llama.Model(llama.ModelArgs.from_dict(config)).parameters())),
+    )
     (model_dir / "config.json").write_text(json.dumps(config))
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         (model_dir / name).write_bytes((ensure_default_model() / name).read_bytes())
@@ -151,8 +176,12 @@ def test_long_prompt_from_a_file_or_stdin(tmp_path):
     text = "a long prompt " * 30  # 420 tokens (argv limits bite far later; the path is what counts)
     (tmp_path / "p.txt").write_text(text)
     (from_file, _) = run_json(tmp_path / "s", "--no-offload", "--prompt-file", str(tmp_path / "p.txt"))
-    (from_stdin, _) = [json.loads(line) for line in kvtier(
-        "run", "--json", "--no-offload", "--max-tokens", "1", "--prompt", "-", stdin=text).stdout.splitlines()]
+    (from_stdin, _) = [
+        json.loads(line)
+        for line in kvtier(
+            "run", "--json", "--no-offload", "--max-tokens", "1", "--prompt", "-", stdin=text
+        ).stdout.splitlines()
+    ]
     assert from_file["prompt_tokens"] == from_stdin["prompt_tokens"] == len(text.encode())
     assert from_file["output_token_ids"] == from_stdin["output_token_ids"]
 
@@ -189,8 +218,13 @@ def test_stats_works_on_a_read_only_store(store, tmp_path):
     for path in (copy / "data.mdb", copy / "lock.mdb", copy):
         path.chmod(0o555 if path.is_dir() else 0o444)
     try:
-        done = subprocess.run([sys.executable, "-m", "kvtier.engine.cli", "stats", "--json", "--store", str(copy)],
-                              capture_output=True, text=True, timeout=120, preexec_fn=without_dac_override)
+        done = subprocess.run(
+            [sys.executable, "-m", "kvtier.engine.cli", "stats", "--json", "--store", str(copy)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            preexec_fn=without_dac_override,
+        )
         assert done.returncode == 0, done.stderr
         assert json.loads(done.stdout)["tiers"]["L3"]["pages"] == 7
         probe = subprocess.run(["touch", str(copy / "x")], preexec_fn=without_dac_override, capture_output=True)
@@ -201,16 +235,29 @@ def test_stats_works_on_a_read_only_store(store, tmp_path):
 
 def test_the_cap_belongs_to_the_store(tmp_path):
     run_json(tmp_path, "--l3-bytes", "64MiB", "--prompt", PROMPT)
-    done = kvtier("run", "--json", "--store", str(tmp_path), "--page-size", "16", "--max-tokens", "1",
-                  "--l3-bytes", "1MiB", "--prompt", "another prompt entirely " * 6)
+    done = kvtier(
+        "run",
+        "--json",
+        "--store",
+        str(tmp_path),
+        "--page-size",
+        "16",
+        "--max-tokens",
+        "1",
+        "--l3-bytes",
+        "1MiB",
+        "--prompt",
+        "another prompt entirely " * 6,
+    )
     assert "keeps its L3 cap of 64.0 MiB; the 1.0 MiB asked for is ignored" in done.stderr
     stats = json.loads(kvtier("stats", "--json", "--store", str(tmp_path)).stdout)["tiers"]["L3"]
-    assert stats["capacity"] == 64 << 20 and stats["evictions"] == 0 and stats["pages"] == 7 + 9  # every full page of both
+    assert (
+        stats["capacity"] == 64 << 20 and stats["evictions"] == 0 and stats["pages"] == 7 + 9
+    )  # every full page of both
 
 
 def test_another_page_size_says_so(store):
-    done = kvtier("run", "--json", "--store", str(store), "--page-size", "32", "--max-tokens", "1",
-                  "--prompt", PROMPT)
+    done = kvtier("run", "--json", "--store", str(store), "--page-size", "32", "--max-tokens", "1", "--prompt", PROMPT)
     lines = [line for line in done.stderr.splitlines() if "holds no pages for this model and page size" in line]
     assert len(lines) == 1 and "page size 16" in lines[0] and "page size 32" in lines[0]
 
@@ -249,9 +296,16 @@ def test_store_ls_clear_resize_compact(tmp_path):
 
 
 def test_compact_refuses_a_store_in_use(store):
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from kvtier.tiers.l3.lmdb_store import DiskTier; "
-                               f"d = DiskTier({str(store)!r}); print('open', flush=True); time.sleep(60)"],
-                              stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from kvtier.tiers.l3.lmdb_store import DiskTier; "
+            f"d = DiskTier({str(store)!r}); print('open', flush=True); time.sleep(60)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout.readline().strip() == "open"
         done = kvtier("store", "compact", "--store", str(store), check=False)
@@ -272,10 +326,19 @@ def test_stats_reset(tmp_path):
 def test_ctrl_c_streams_then_keeps_pages_and_exits_130(tmp_path):
     """Tokens appear while the request runs; Ctrl-C ends it with one line, exit 130, and
     the prompt's pages safely in the store."""
-    proc = subprocess.Popen([sys.executable, "-m", "kvtier.engine.cli", *on_tiny_model([
-                             "run", "--store", str(tmp_path), "--page-size", "16", "--max-tokens", "20000",
-                             "--prompt", PROMPT])],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "kvtier.engine.cli",
+            *on_tiny_model(
+                ["run", "--store", str(tmp_path), "--page-size", "16", "--max-tokens", "20000", "--prompt", PROMPT]
+            ),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert proc.stdout.readline().startswith("── request 0")
         assert proc.stdout.read(1)  # generated text, long before the 20,000 tokens end
@@ -291,8 +354,17 @@ def test_ctrl_c_streams_then_keeps_pages_and_exits_130(tmp_path):
 
 def test_help_version_and_verbose_after_the_subcommand():
     text = kvtier("run", "--help").stdout
-    for needle in ("(default: 32)", "(default: 1GiB)", "(default: 4GiB)", "32.0 GiB", "(default: 128)",
-                   "512MiB", "KVTIER_HOME", "KVTIER_NO_OPENBLAS", "store"):
+    for needle in (
+        "(default: 32)",
+        "(default: 1GiB)",
+        "(default: 4GiB)",
+        "32.0 GiB",
+        "(default: 128)",
+        "512MiB",
+        "KVTIER_HOME",
+        "KVTIER_NO_OPENBLAS",
+        "store",
+    ):
         assert needle in text
     assert kvtier("--version").stdout.strip().startswith("kvtier 0.")
     done = kvtier("run", "-v", "--no-offload", "--max-tokens", "1", "--prompt", "hi")
@@ -311,8 +383,18 @@ def test_first_use_of_a_store_calibrates_once(tmp_path):
     assert [fitted["compute"][c] for c in ("c0", "c1", "c2")] != [defaults["compute"][c] for c in ("c0", "c1", "c2")]
     second = kvtier("run", "--json", "--store", str(tmp_path), "--max-tokens", "1", "--prompt", "hi", env=env)
     assert "calibration" not in second.stderr
-    skipped = kvtier("run", "--json", "--store", str(tmp_path / "other"), "--max-tokens", "1",
-                     "--no-auto-calibrate", "--prompt", "hi", env=env)
+    skipped = kvtier(
+        "run",
+        "--json",
+        "--store",
+        str(tmp_path / "other"),
+        "--max-tokens",
+        "1",
+        "--no-auto-calibrate",
+        "--prompt",
+        "hi",
+        env=env,
+    )
     assert "calibration" not in skipped.stderr
     assert not json.loads(skipped.stdout.splitlines()[-1])["counters"]["costmodel"]["calibrated"]
 
@@ -342,7 +424,7 @@ def test_every_flag_in_help_is_in_the_readme_flag_list():
 
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     start = readme.index("## Flags")
-    flags = readme[start:readme.index("\n## ", start)]  # up to the next section
+    flags = readme[start : readme.index("\n## ", start)]  # up to the next section
     for command in _commands(build_parser()):
         text = kvtier(*command, "--help").stdout
         for flag in set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]+", text)) - {"--help"}:
@@ -352,8 +434,17 @@ def test_every_flag_in_help_is_in_the_readme_flag_list():
 def test_ctrl_c_in_bench_removes_its_scratch_store_and_exits_130(tmp_path):
     import time
 
-    proc = subprocess.Popen([sys.executable, "-m", "kvtier.engine.cli", *on_tiny_model([
-                             "bench", "restore", "--store", str(tmp_path), "--page-size", "16"])], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "kvtier.engine.cli",
+            *on_tiny_model(["bench", "restore", "--store", str(tmp_path), "--page-size", "16"]),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 120
         while not list(tmp_path.glob("calibration-*")) and time.monotonic() < deadline:
@@ -369,8 +460,8 @@ def test_ctrl_c_in_bench_removes_its_scratch_store_and_exits_130(tmp_path):
 
 
 def test_an_l3_cap_beyond_the_free_disk_space_is_a_warning(tmp_path):
-    done = kvtier("run", "--json", "--store", str(tmp_path), "--max-tokens", "1", "--l3-bytes", "99999TiB",
-                  "--prompt", "hi")
+    done = kvtier(
+        "run", "--json", "--store", str(tmp_path), "--max-tokens", "1", "--l3-bytes", "99999TiB", "--prompt", "hi"
+    )
     assert "is more than the free space" in done.stderr and len(done.stderr.strip().splitlines()) == 1
     assert json.loads(done.stdout.splitlines()[-1])["counters"]["tiers"]["L3"]["capacity"] == 99999 << 40
-

@@ -1,12 +1,22 @@
 """The engine's typed totals: what each ending adds, and the JSON shape that
 ``Engine.stats()["engine"]``, the Prometheus export and a store's persisted counters read."""
 
-from kvtier.engine.serve.prometheus import ENGINE_COUNTERS
 from kvtier.engine.request import Request, SamplingParams
+from kvtier.engine.serve.prometheus import ENGINE_COUNTERS
 from kvtier.engine.totals import EngineTotals
 
-SHAPE = ["requests", "prompt_tokens", "generated_tokens", "store_seconds", "l1_hit_loss_tokens", "sources",
-         "cancelled", "errors", "waited_tokens", "wait_s"]
+SHAPE = [
+    "requests",
+    "prompt_tokens",
+    "generated_tokens",
+    "store_seconds",
+    "l1_hit_loss_tokens",
+    "sources",
+    "cancelled",
+    "errors",
+    "waited_tokens",
+    "wait_s",
+]
 
 
 def ended(reason: str, prompt_tokens: int = 10, output: int = 3) -> Request:

@@ -28,9 +28,17 @@ class ByteTokenizer:
 
 def tiny_model(eos_token_ids: tuple[int, ...] = ()) -> LoadedModel:
     mx.random.seed(7)
-    args = qwen2.ModelArgs(model_type="qwen2", hidden_size=32, num_hidden_layers=2, intermediate_size=64,
-                           num_attention_heads=2, rms_norm_eps=1e-6, vocab_size=256, num_key_value_heads=1,
-                           tie_word_embeddings=True)
+    args = qwen2.ModelArgs(
+        model_type="qwen2",
+        hidden_size=32,
+        num_hidden_layers=2,
+        intermediate_size=64,
+        num_attention_heads=2,
+        rms_norm_eps=1e-6,
+        vocab_size=256,
+        num_key_value_heads=1,
+        tie_word_embeddings=True,
+    )
     model = qwen2.Model(args)
     # Larger than the default init, so each output depends on the whole context.
     model.update(tree_map_with_path(lambda name, w: w if "norm" in name else 4 * w, model.parameters()))
