@@ -206,12 +206,8 @@ class TieredStore:
     def begin(
         self, keys: Sequence[PageKey], tokens: Sequence[int], first: int = 0, ahead: bool = False
     ) -> PendingRestore:
-        """The host side of a restore: find and pin the pages (L3 records in a snapshot
-        held until ``finish``), decode compressed L3 pages, wait out an L3 throttle.
-        With ``ahead`` the raw L3 pages are also checked now, so ``finish`` only
-        copies; without, the join hashes them as it copies them. Touches no mlx
-        array (an L1 page is read by ``finish``): safe on another thread while the
-        model runs. On an error nothing stays pinned."""
+        """:meth:`Restorer.begin` under the store's lock: safe on another thread while
+        the model runs."""
         with self._lock:
             return self.restorer.begin(keys, tokens, first, ahead)
 
