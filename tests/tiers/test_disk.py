@@ -201,7 +201,7 @@ def test_full_queue_drops_and_counts(store: Path) -> None:
     try:
         assert tier.put(key(0), NS, TOKENS, payload(0))
         deadline = time.monotonic() + 5
-        while not tier._in_flight and time.monotonic() < deadline:
+        while not tier.writer.state().committing and time.monotonic() < deadline:
             time.sleep(0.001)
         assert tier.put(key(1), NS, TOKENS, payload(1))  # fills the one-page queue
         assert not tier.put(key(2), NS, TOKENS, payload(2))

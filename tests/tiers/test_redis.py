@@ -19,10 +19,11 @@ from kvtier.costmodel.plan import plan_restore
 from kvtier.costmodel.profile import Profile
 from kvtier.engine.request import SamplingParams
 from kvtier.tiers.hierarchy import StoreConfig, TieredStore
-from kvtier.tiers.l3.base import Batch, PendingPut, StoreError
+from kvtier.tiers.l3.base import StoreError
 from kvtier.tiers.l3.open import open_l3
 from kvtier.tiers.l3.record import FORMAT_VERSION, RecordHeader, token_bytes
 from kvtier.tiers.l3.redis_store import RedisTier
+from kvtier.tiers.l3.writer import Batch, PendingPut
 from kvtier.tiers.page import Source
 from kvtier.tiers.tier import kv_to_host
 

@@ -32,8 +32,9 @@ from xxhash import xxh3_64_intdigest
 from ..counters import add_into
 from ..policy import POLICIES
 from ..text import format_bytes, one_line
-from .base import Batch, L3Store, Snapshot, StoreError
+from .base import L3Store, Snapshot, StoreError
 from .record import FORMAT_VERSION, RecordHeader, encode_record, header_or_none
+from .writer import Batch
 
 log = logging.getLogger(__name__)
 

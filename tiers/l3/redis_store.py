@@ -44,8 +44,9 @@ from redis.retry import Retry
 from xxhash import xxh3_64_intdigest
 
 from ..text import format_bytes, one_line
-from .base import Batch, L3Store, Snapshot, StoreError
+from .base import L3Store, Snapshot, StoreError
 from .record import FORMAT_VERSION, encode_record
+from .writer import Batch
 
 log = logging.getLogger(__name__)
 
