@@ -70,6 +70,6 @@ def _model_geometry(args: argparse.Namespace):
         disk = open_l3(store_dir, readonly=True)
     except StoreError as err:
         raise UsageError(str(err)) from None
-    saved = disk.get_meta(loaded.profile_key(geometry))
+    saved = disk.tables.get_meta(loaded.profile_key(geometry))
     disk.close()
     return geometry.bytes_per_token, Profile.from_dict(saved) if saved else None

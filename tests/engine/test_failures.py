@@ -124,7 +124,7 @@ def seed_profile(store: Path, loaded) -> None:
     profile.compute = ComputeModel([0.02, 0.002, 3e-6])
     profile.calibrated = True
     tier = DiskTier(store, 32 << 30)
-    tier.put_meta(loaded.profile_key(loaded.geometry(PAGE)), profile.to_dict())
+    tier.tables.put_meta(loaded.profile_key(loaded.geometry(PAGE)), profile.to_dict())
     tier.close()
 
 

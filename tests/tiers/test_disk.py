@@ -76,13 +76,14 @@ def _assert_consistent(path: Path, capacity: int) -> dict:
 
 def _poke(tier: DiskTier, k: bytes, value: bytes) -> None:
     """Store a raw value behind the tier's back (through its own env handle), meta kept in step."""
+    pages, meta = (tier._env.open_db(name) for name in (b"pages", b"meta"))  # the store format's names
     with tier._env.begin(write=True) as txn:
-        old = txn.get(k, db=tier._pages)
-        txn.put(k, value, db=tier._pages)
-        used = msgpack.unpackb(txn.get(b"bytes_used", db=tier._meta) or msgpack.packb(0))
-        pages = msgpack.unpackb(txn.get(b"pages", db=tier._meta) or msgpack.packb(0))
-        txn.put(b"bytes_used", msgpack.packb(used + len(value) - len(old or b"")), db=tier._meta)
-        txn.put(b"pages", msgpack.packb(pages + (old is None)), db=tier._meta)
+        old = txn.get(k, db=pages)
+        txn.put(k, value, db=pages)
+        used = msgpack.unpackb(txn.get(b"bytes_used", db=meta) or msgpack.packb(0))
+        count = msgpack.unpackb(txn.get(b"pages", db=meta) or msgpack.packb(0))
+        txn.put(b"bytes_used", msgpack.packb(used + len(value) - len(old or b"")), db=meta)
+        txn.put(b"pages", msgpack.packb(count + (old is None)), db=meta)
 
 
 @pytest.fixture
@@ -375,14 +376,14 @@ def test_damaged_environment_is_a_store_error(store: Path) -> None:
 
 def test_persistent_counters_and_meta_survive_reopen(store: Path) -> None:
     tier = DiskTier(store, 1 << 20)
-    assert tier.persistent_counters() == {} and tier.get_meta("profile") is None
-    tier.add_persistent_counters({"L3": {"inserts": 2}, "tokens": 5})
-    tier.put_meta("profile", {"links": {"L3->L2": [1e-4, 2.5e9]}})
+    assert tier.tables.persistent_counters() == {} and tier.tables.get_meta("profile") is None
+    tier.tables.add_persistent_counters({"L3": {"inserts": 2}, "tokens": 5})
+    tier.tables.put_meta("profile", {"links": {"L3->L2": [1e-4, 2.5e9]}})
     tier.close()
     tier = DiskTier(store, 1 << 20)
-    tier.add_persistent_counters({"L3": {"inserts": 3, "evictions": 1}, "seconds": 0.5})
-    assert tier.persistent_counters() == {"L3": {"inserts": 5, "evictions": 1}, "tokens": 5, "seconds": 0.5}
-    assert tier.get_meta("profile") == {"links": {"L3->L2": [1e-4, 2.5e9]}}
+    tier.tables.add_persistent_counters({"L3": {"inserts": 3, "evictions": 1}, "seconds": 0.5})
+    assert tier.tables.persistent_counters() == {"L3": {"inserts": 5, "evictions": 1}, "tokens": 5, "seconds": 0.5}
+    assert tier.tables.get_meta("profile") == {"links": {"L3->L2": [1e-4, 2.5e9]}}
     tier.close()
 
 
@@ -423,7 +424,7 @@ def test_reads_and_caller_writes_run_while_the_writer_works(store: Path) -> None
         t.start()
     for i in range(100):
         tier.put(key(i), NS, TOKENS, payload(i))
-        tier.add_persistent_counters({"n": 1})
+        tier.tables.add_persistent_counters({"n": 1})
     for t in threads:
         t.join()
     tier.close()
@@ -510,7 +511,7 @@ def test_read_through_touches_every_stored_byte(tmp_path, monkeypatch):
 @contextlib.contextmanager
 def _raw_env_of(tier: DiskTier):
     """The stored values, read through the tier's own env handle."""
-    with tier._env.begin(db=tier._pages) as txn:
+    with tier._env.begin(db=tier._env.open_db(b"pages")) as txn:
         yield {bytes(k): bytes(v) for k, v in txn.cursor()}
 
 
@@ -547,17 +548,17 @@ def test_resize_evicts_least_recently_used_down_to_the_new_cap(store: Path) -> N
 def test_namespaces_are_counted_with_the_records_and_clear_takes_one(store: Path) -> None:
     other = b"O" * 16
     tier = DiskTier(store, 1 << 20)
-    tier.describe_namespace(NS, {"model": "m", "page_size": 8})
+    tier.tables.describe_namespace(NS, {"model": "m", "page_size": 8})
     for i in range(5):
         tier.put(key(i), NS if i < 3 else other, TOKENS, payload(i))
     tier.flush()
-    rows = tier.namespaces()
+    rows = tier.tables.namespaces()
     assert (rows[NS]["pages"], rows[NS]["tokens"], rows[other]["pages"]) == (3, 24, 2)
     assert rows[NS]["bytes"] + rows[other]["bytes"] == tier.counters.bytes_used
     assert rows[NS]["about"] == {"model": "m", "page_size": 8} and rows[NS]["last_use"] > 0
     assert tier.clear({other}) == (2, rows[other]["bytes"])
     assert tier.get(key(3), other, TOKENS, 4096) is None and tier.get(key(0), NS, TOKENS, 4096) is not None
-    assert tier.namespaces()[other]["pages"] == 0 and tier.counters.pages == 3
+    assert tier.tables.namespaces()[other]["pages"] == 0 and tier.counters.pages == 3
     assert tier.clear()[0] == 3 and tier.counters.bytes_used == 0
     tier.close()
     _assert_consistent(store, 1 << 20)
@@ -565,10 +566,10 @@ def test_namespaces_are_counted_with_the_records_and_clear_takes_one(store: Path
 
 def test_a_store_holding_only_other_namespaces_says_so(store: Path, caplog) -> None:
     tier = DiskTier(store, 1 << 20)
-    tier.describe_namespace(NS, {"model": "a", "page_size": 16})
+    tier.tables.describe_namespace(NS, {"model": "a", "page_size": 16})
     tier.put(key(0), NS, TOKENS, payload(0))
     tier.flush()
-    tier.describe_namespace(b"O" * 16, {"model": "a", "page_size": 32})
+    tier.tables.describe_namespace(b"O" * 16, {"model": "a", "page_size": 32})
     tier.close()
     warnings = [r.getMessage() for r in caplog.records if "holds no pages for this model" in r.getMessage()]
     assert len(warnings) == 1 and "page size 32" in warnings[0] and "page size 16" in warnings[0]
@@ -577,12 +578,12 @@ def test_a_store_holding_only_other_namespaces_says_so(store: Path, caplog) -> N
 def test_read_only_open_reads_and_never_writes(store: Path) -> None:
     tier = DiskTier(store, 1 << 20)
     tier.put(key(1), NS, TOKENS, payload(1))
-    tier.add_persistent_counters({"requests": 1})
+    tier.tables.add_persistent_counters({"requests": 1})
     tier.close()
     before = (store / "data.mdb").read_bytes()
     reader = DiskTier(store, readonly=True)
     assert reader.get(key(1), NS, TOKENS, 4096)[0] == payload(1)
-    assert reader.persistent_counters() == {"requests": 1} and reader.counters.pages == 1
+    assert reader.tables.persistent_counters() == {"requests": 1} and reader.counters.pages == 1
     assert reader.put(key(2), NS, TOKENS, payload(2)) is False
     reader.close()
     reader.close()
@@ -594,9 +595,9 @@ def test_read_only_open_reads_and_never_writes(store: Path) -> None:
 
 def test_reset_counters(store: Path) -> None:
     tier = DiskTier(store, 1 << 20)
-    tier.add_persistent_counters({"requests": 3})
-    tier.reset_counters()
-    assert tier.persistent_counters() == {}
+    tier.tables.add_persistent_counters({"requests": 3})
+    tier.tables.reset_counters()
+    assert tier.tables.persistent_counters() == {}
     tier.close()
 
 
@@ -653,8 +654,8 @@ def test_a_store_from_before_the_namespaces_table_is_counted_on_open(store: Path
         with env.begin(write=True) as txn:
             txn.drop(env.open_db(b"namespaces", txn=txn), delete=True)
     with DiskTier(store, readonly=True) as reader:
-        assert reader.namespaces() == {} and reader.counters.pages == 3
+        assert reader.tables.namespaces() == {} and reader.counters.pages == 3
     tier = DiskTier(store, 1 << 20)
-    row = tier.namespaces()[NS]
+    row = tier.tables.namespaces()[NS]
     assert (row["pages"], row["tokens"], row["bytes"]) == (3, 24, tier.counters.bytes_used)
     tier.close()

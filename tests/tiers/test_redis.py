@@ -63,11 +63,11 @@ def test_a_second_store_restores_the_exact_pages_and_counters_and_meta_persist(r
     assert sources == [Source.L3] * 6
     assert all(np.array_equal(page, kv_to_host(KV[i])) for i, page in enumerate(pages))
     with RedisTier(redis_server.url) as tier:
-        counters = tier.persistent_counters()
+        counters = tier.tables.persistent_counters()
         assert counters["tiers"]["L3"]["inserts"] == 6 and counters["tiers"]["L3"]["hit_pages"] == 6
-        tier.put_meta("profile/x", {"a": [1, 2]})
+        tier.tables.put_meta("profile/x", {"a": [1, 2]})
     with RedisTier(redis_server.url, readonly=True) as tier:
-        assert tier.get_meta("profile/x") == {"a": [1, 2]} and tier.backend == "redis"
+        assert tier.tables.get_meta("profile/x") == {"a": [1, 2]} and tier.backend == "redis"
 
 
 def test_a_tls_url_stores_and_restores(redis_tls_server):

@@ -108,7 +108,7 @@ if mode == "disk":
             j = rng.randrange(n)
             tier.get(pages[j][0], pages[j][1], pages[j][2], len(crash_payload(mode, start + j)))
         elif r < 0.13:  # a side-table write transaction of its own
-            tier.add_persistent_counters({"crash_child": {"puts": n}})
+            tier.tables.add_persistent_counters({"crash_child": {"puts": n}})
     tier.close()
 else:
     import mlx.core as mx
@@ -264,12 +264,13 @@ def verify_store(store: Path, log: CrashLog, fresh: set[bytes], tier: DiskTier |
 def _check_meta(tier: DiskTier, capacity: int) -> list[bytes]:
     """Through the tier's own handle, in one read transaction: meta bytes_used and pages
     match the records, lru and order name exactly the records; the record keys."""
+    db = {name: tier._env.open_db(name) for name in (b"pages", b"lru", b"order", b"meta")}  # the format's names
     with tier._env.begin() as txn:
-        sizes = {bytes(k): len(v) for k, v in txn.cursor(db=tier._pages)}
-        lru = {bytes(k) for k, _ in txn.cursor(db=tier._lru)}
-        order = [bytes(k)[8:] for k, _ in txn.cursor(db=tier._order)]
+        sizes = {bytes(k): len(v) for k, v in txn.cursor(db=db[b"pages"])}
+        lru = {bytes(k) for k, _ in txn.cursor(db=db[b"lru"])}
+        order = [bytes(k)[8:] for k, _ in txn.cursor(db=db[b"order"])]
         meta = {
-            name: msgpack.unpackb(txn.get(name, db=tier._meta) or msgpack.packb(0))
+            name: msgpack.unpackb(txn.get(name, db=db[b"meta"]) or msgpack.packb(0))
             for name in (b"bytes_used", b"pages")
         }
     assert meta[b"bytes_used"] == sum(sizes.values()) <= capacity
@@ -403,10 +404,11 @@ def test_rejected_page_can_be_stored_again_before_its_delete_commits(store: Path
     tier = DiskTier(store, 1 << 20)
     tier.put(key(0), NS, TOKENS, payload(0))
     tier.flush()
+    pages = tier._env.open_db(b"pages")
     with tier._env.begin(write=True) as txn:
-        value = bytearray(txn.get(key(0), db=tier._pages))
+        value = bytearray(txn.get(key(0), db=pages))
         value[-1] ^= 0x40
-        txn.put(key(0), bytes(value), db=tier._pages)
+        txn.put(key(0), bytes(value), db=pages)
     blocker = tier._env.begin(write=True)  # the writer cannot commit the delete yet
     try:
         assert tier.get(key(0), NS, TOKENS, 4096) is None
@@ -687,7 +689,7 @@ def seed_records() -> list[tuple[bytes, bytes]]:
             for i, raw in enumerate(raws):
                 tier.put(key(i), NS, TOKENS, raw)
             tier.flush()
-            with tier._env.begin(db=tier._pages) as txn:
+            with tier._env.begin(db=tier._env.open_db(b"pages")) as txn:
                 out += [(raw, bytes(txn.get(key(i)))) for i, raw in enumerate(raws)]
             tier.close()
     return out

@@ -4,8 +4,9 @@ implements (LMDB on this machine, ``tiers.l3.lmdb_store``; Redis / Valkey for a 
 (``tiers.l3.writer``). The factory that picks a backend is ``tiers.l3.open``, above both.
 
 A backend stores records (``tiers.l3.record``) under 16-byte page keys and keeps beside
-them the store's meta (format version, ``put_meta`` entries such as cost profiles),
-cumulative counters and a namespaces table. The hierarchy talks to this interface only:
+them the store's format version and its side tables (``tables``, ``tiers.l3.tables``:
+``put_meta`` entries such as cost profiles, cumulative counters, a namespaces table).
+The hierarchy talks to this interface only:
 ``contains``, ``snapshot`` (find a run of records, read once), ``verified`` / ``accept``
 (serve or reject a record), ``put`` (write-once, queued), ``flush``, ``close``.
 
@@ -32,6 +33,7 @@ import numpy as np
 from ..counters import TierCounters
 from ..text import one_line
 from .record import CODECS, CorruptRecord, StoredRecord, checked_record, token_bytes, verify_payload
+from .tables import SideTables
 from .writer import Batch, PendingPut, Writer
 
 log = logging.getLogger(__name__)
@@ -85,6 +87,7 @@ class L3Store(ABC):
     """
 
     backend = ""  # "lmdb" or "redis": what stats call this L3
+    tables: SideTables  # meta entries, cumulative counters, namespaces (set by the backend)
     tracks_use = True  # the writer records each use (a backend that sees its reads does not)
 
     def __init__(self, capacity: int, *, codec: str, zstd_level: int, queue_pages: int, readonly: bool) -> None:
@@ -140,31 +143,10 @@ class L3Store(ABC):
         restore (benchmarks compare against it). Returns bytes read."""
 
     @abstractmethod
-    def namespaces(self) -> dict[bytes, dict]: ...
-
-    @abstractmethod
-    def describe_namespace(self, digest: bytes, about: dict) -> None: ...
-
-    @abstractmethod
     def clear(self, namespaces: set[bytes] | None = None) -> tuple[int, int]: ...
 
     @abstractmethod
     def resize(self, capacity: int) -> int: ...
-
-    @abstractmethod
-    def reset_counters(self) -> None: ...
-
-    @abstractmethod
-    def add_persistent_counters(self, delta: dict) -> None: ...
-
-    @abstractmethod
-    def persistent_counters(self) -> dict: ...
-
-    @abstractmethod
-    def get_meta(self, name: str) -> object | None: ...
-
-    @abstractmethod
-    def put_meta(self, name: str, value: object) -> None: ...
 
     @property
     def file_bytes(self) -> int:
