@@ -1,13 +1,12 @@
 """L3 (DiskTier): one test per invariant in the DiskTier docstring, plus the failure table.
 
-py-lmdb refuses to open one environment twice in a process, so tests that edit
-records directly either close the tier first (``_raw_env``) or go through the
-tier's own handle (``_poke``).
+Tests that read or edit records directly open the store's files with the ``lmdb``
+package (``tests.tiers.lmdb_files``: the layout is the store format), the tier closed,
+or read the tier's ``census`` view while it is open.
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import random
 import subprocess
@@ -16,7 +15,6 @@ import threading
 import time
 from pathlib import Path
 
-import lmdb
 import msgpack
 import numpy as np
 import pytest
@@ -28,6 +26,8 @@ from kvtier.tiers.l3.base import StoreError
 from kvtier.tiers.l3.lmdb_admin import compact_store
 from kvtier.tiers.l3.lmdb_store import DiskTier
 from kvtier.tiers.l3.record import FORMAT_VERSION, RAW_PAYLOAD_OFFSET, CorruptRecord, RecordHeader, decode_record
+
+from .lmdb_files import raw_env, write_lock
 
 REPO = Path(__file__).resolve().parents[2]
 NS = b"N" * 16
@@ -44,18 +44,9 @@ def payload(i: int, nbytes: int = 4096) -> bytes:
     return (values.view(np.uint32) >> 16).astype(np.uint16).tobytes()
 
 
-@contextlib.contextmanager
-def _raw_env(path: Path):
-    env = lmdb.open(str(path), max_dbs=8, map_size=1 << 30)
-    try:
-        yield env, env.open_db(b"pages"), env.open_db(b"meta")
-    finally:
-        env.close()
-
-
 def _scan(path: Path) -> dict:
     """What is really stored, read with lmdb directly (the tier must be closed)."""
-    with _raw_env(path) as (env, pages, meta):
+    with raw_env(path) as (env, pages, meta):
         with env.begin() as txn:
             sizes = {bytes(k): len(v) for k, v in txn.cursor(db=pages)}
             lru = {bytes(k) for k, _ in txn.cursor(db=env.open_db(b"lru", txn=txn))}
@@ -74,10 +65,9 @@ def _assert_consistent(path: Path, capacity: int) -> dict:
     return s
 
 
-def _poke(tier: DiskTier, k: bytes, value: bytes) -> None:
-    """Store a raw value behind the tier's back (through its own env handle), meta kept in step."""
-    pages, meta = (tier._env.open_db(name) for name in (b"pages", b"meta"))  # the store format's names
-    with tier._env.begin(write=True) as txn:
+def _poke(store: Path, k: bytes, value: bytes) -> None:
+    """Store a raw value behind the tier's back (the store closed), meta kept in step."""
+    with raw_env(store) as (env, pages, meta), env.begin(write=True) as txn:
         old = txn.get(k, db=pages)
         txn.put(k, value, db=pages)
         used = msgpack.unpackb(txn.get(b"bytes_used", db=meta) or msgpack.packb(0))
@@ -196,10 +186,10 @@ def test_record_larger_than_capacity_is_dropped(store: Path) -> None:
     tier.close()
 
 
+@pytest.mark.slow  # another process holds the write lock
 def test_full_queue_drops_and_counts(store: Path) -> None:
     tier = DiskTier(store, 1 << 20, queue_pages=1)
-    blocker = tier._env.begin(write=True)  # the writer blocks on LMDB's write lock
-    try:
+    with write_lock(store):  # the writer blocks on LMDB's write lock
         assert tier.put(key(0), NS, TOKENS, payload(0))
         deadline = time.monotonic() + 5
         while not tier.writer.state().committing and time.monotonic() < deadline:
@@ -207,8 +197,6 @@ def test_full_queue_drops_and_counts(store: Path) -> None:
         assert tier.put(key(1), NS, TOKENS, payload(1))  # fills the one-page queue
         assert not tier.put(key(2), NS, TOKENS, payload(2))
         assert not tier.put(key(3), NS, TOKENS, payload(3))
-    finally:
-        blocker.abort()
     tier.flush()
     assert tier.counters.writes_dropped == 2
     assert [tier.contains(key(i)) for i in range(4)] == [True, True, False, False]
@@ -234,7 +222,7 @@ def _store_records(store: Path, n: int, codec: str) -> dict[int, int]:
     for i in range(n):
         tier.put(key(i), NS, TOKENS, payload(i))
     tier.close()
-    with _raw_env(store) as (env, pages, _):
+    with raw_env(store) as (env, pages, _):
         with env.begin() as txn:
             return {i: len(txn.get(key(i), db=pages)) for i in range(n)}
 
@@ -242,7 +230,7 @@ def _store_records(store: Path, n: int, codec: str) -> dict[int, int]:
 @pytest.mark.parametrize("codec", ["raw", "zstd"])
 def test_corrupt_header_or_payload_is_a_miss_deleted_and_counted(store: Path, codec: str) -> None:
     sizes = _store_records(store, 1, codec)
-    with _raw_env(store) as (env, pages, _):
+    with raw_env(store) as (env, pages, _):
         with env.begin() as txn:
             value = txn.get(key(0), db=pages)
     header_len = 4 + int.from_bytes(value[:4], "little")
@@ -253,7 +241,7 @@ def test_corrupt_header_or_payload_is_a_miss_deleted_and_counted(store: Path, co
     positions += rng.sample(range(header_len, sizes[0]), 8)
     n = len(positions)
     _store_records(store, n, codec)
-    with _raw_env(store) as (env, pages, _):
+    with raw_env(store) as (env, pages, _):
         with env.begin(write=True) as txn:
             for i, pos in enumerate(positions):
                 damaged = bytearray(txn.get(key(i), db=pages))
@@ -294,8 +282,9 @@ def test_a_raw_payload_of_the_wrong_length_is_refused_at_every_layer(store: Path
     for out in (None, np.empty(4096, np.uint8)):
         with pytest.raises(CorruptRecord):
             decode_record(memoryview(value), NS, tokens, 4096, out)
+    DiskTier(store, 1 << 20).close()
+    _poke(store, key(0), value)
     tier = DiskTier(store, 1 << 20)
-    _poke(tier, key(0), value)
     with tier.snapshot() as snap:
         assert snap.find(key(0), NS, TOKENS, 4096) is None
     assert tier.counters.checksum_failures == 1
@@ -327,25 +316,24 @@ RECORD_VALUES = st.one_of(
 
 
 def test_arbitrary_record_values_never_raise(store: Path) -> None:
-    tier = DiskTier(store, 1 << 20)
+    DiskTier(store, 1 << 20).close()
 
     @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
     @given(value=RECORD_VALUES)
     def check(value: bytes) -> None:
-        _poke(tier, key(0), value)
-        assert tier.get(key(0), NS, TOKENS, 64) is None
-        tier.flush()  # the delete commits before the next poke rewrites the record under it
+        _poke(store, key(0), value)
+        with DiskTier(store, 1 << 20) as tier:  # close commits the delete before the next poke
+            assert tier.get(key(0), NS, TOKENS, 64) is None
 
     check()
-    tier.flush()
-    assert not tier.contains(key(0))
-    tier.close()
+    with DiskTier(store, 1 << 20) as tier:
+        assert not tier.contains(key(0))
     _assert_consistent(store, 1 << 20)
 
 
 def test_other_format_version_is_refused_with_one_clear_line(store: Path) -> None:
     DiskTier(store, 1 << 20).close()
-    with _raw_env(store) as (env, _, meta):
+    with raw_env(store) as (env, _, meta):
         with env.begin(write=True) as txn:
             txn.put(b"format_version", msgpack.packb(FORMAT_VERSION + 98), db=meta)
     with pytest.raises(StoreError) as err:
@@ -355,7 +343,7 @@ def test_other_format_version_is_refused_with_one_clear_line(store: Path) -> Non
         f"store at {store} has format version {FORMAT_VERSION + 98}, this kvtier reads version {FORMAT_VERSION}"
     )
     # the refused store was closed again: this process can open it raw
-    with _raw_env(store):
+    with raw_env(store):
         pass
 
 
@@ -502,17 +490,11 @@ def test_read_through_touches_every_stored_byte(tmp_path, monkeypatch):
     hashed = []
     monkeypatch.setattr(disk_module, "xxh3_64_intdigest", lambda data: hashed.append(bytes(data)) or 0)
     assert disk.read_through([key(0), b"missing-key-0000", key(1)]) == disk.counters.bytes_used
-    with _raw_env_of(disk) as stored:
-        assert hashed == [stored[key(0)], stored[key(1)]]
-        assert all(record.endswith(payload(i, 1000)) for i, record in enumerate(hashed))
     disk.close()
-
-
-@contextlib.contextmanager
-def _raw_env_of(tier: DiskTier):
-    """The stored values, read through the tier's own env handle."""
-    with tier._env.begin(db=tier._env.open_db(b"pages")) as txn:
-        yield {bytes(k): bytes(v) for k, v in txn.cursor()}
+    with raw_env(tmp_path) as (env, pages, _), env.begin(db=pages) as txn:
+        stored = {bytes(k): bytes(v) for k, v in txn.cursor()}
+    assert hashed == [stored[key(0)], stored[key(1)]]
+    assert all(record.endswith(payload(i, 1000)) for i, record in enumerate(hashed))
 
 
 # --- the store's own cap, namespaces, read-only opens and management (issues 11 and 12) ---
@@ -650,7 +632,7 @@ def test_a_store_from_before_the_namespaces_table_is_counted_on_open(store: Path
     for i in range(3):
         tier.put(key(i), NS, TOKENS, payload(i))
     tier.close()
-    with _raw_env(store) as (env, _, _meta):
+    with raw_env(store) as (env, _, _meta):
         with env.begin(write=True) as txn:
             txn.drop(env.open_db(b"namespaces", txn=txn), delete=True)
     with DiskTier(store, readonly=True) as reader:

@@ -28,7 +28,7 @@ from .base import L3Store, Snapshot
 from .lmdb_admin import clear_pages, resize_store
 from .lmdb_open import open_readonly, open_writable
 from .lmdb_tables import LmdbTables
-from .lmdb_txn import Outcome
+from .lmdb_txn import Census, Outcome
 from .record import encode_record
 from .writer import Batch
 
@@ -180,6 +180,11 @@ class DiskTier(L3Store):
         with self._lock:
             self.counters.bytes_used, self.counters.pages = state.bytes_used, state.pages
             self._capacity = self.counters.capacity = state.capacity
+
+    def census(self) -> Census:
+        """The page tables as they are now, read in one transaction (a read-only view for
+        consistency checks: tests, diagnostics)."""
+        return self._tables.census()
 
     @property
     def file_bytes(self) -> int:

@@ -79,6 +79,18 @@ class Databases:
     namespaces: object | None
 
 
+@dataclass(frozen=True)
+class Census:
+    """What the page tables hold at one moment, read in one transaction: a read-only view
+    for consistency checks (meta must match the records; lru and order must name them)."""
+
+    sizes: dict[bytes, int]  # record key -> stored value length
+    lru: frozenset[bytes]  # keys with an lru entry
+    order: tuple[bytes, ...]  # keys in eviction order, next victim first
+    bytes_used: int  # meta
+    pages: int  # meta
+
+
 class PageTables:
     """The write-transaction operations on one store's page tables.
 
@@ -94,6 +106,17 @@ class PageTables:
     def size(self, value: memoryview | bytes) -> int:
         """Bytes a record counts against the cap (and in bytes_used)."""
         return self._record_bytes or len(value)
+
+    def census(self) -> Census:
+        with self.env.begin(buffers=True) as txn:
+            state = self.load_state(txn)
+            return Census(
+                {bytes(k): len(v) for k, v in txn.cursor(db=self.dbs.pages)},
+                frozenset(bytes(k) for k, _ in txn.cursor(db=self.dbs.lru)),
+                tuple(bytes(k)[_SEQ.size :] for k, _ in txn.cursor(db=self.dbs.order)),
+                state.bytes_used,
+                state.pages,
+            )
 
     def load_state(self, txn: lmdb.Transaction) -> StoreState:
         stored = {name: txn.get(name.encode(), db=self.dbs.meta) for name in _STATE_FIELDS}
