@@ -23,7 +23,7 @@ from kvtier.tiers.l3.base import StoreError
 from kvtier.tiers.l3.open import open_l3
 from kvtier.tiers.l3.record import FORMAT_VERSION, RecordHeader, token_bytes
 from kvtier.tiers.l3.redis_store import RedisTier
-from kvtier.tiers.l3.writer import Batch, PendingPut
+from kvtier.tiers.l3.writer import PendingPut
 from kvtier.tiers.page import Source
 from kvtier.tiers.tier import kv_to_host
 
@@ -81,7 +81,8 @@ def test_write_once_keeps_the_first_value(redis_server):
         tier.put(KEYS[0], NS.digest(), TOKENS[:4], b"a" * PAGE)
         tier.flush()
         second = PendingPut(KEYS[0], NS.digest(), token_bytes(TOKENS[:4]), b"b" * PAGE)
-        tier._commit(Batch([second], [], {}))  # another host's write of the same page, raced past put's check
+        assert tier.writer.put(second, wait=True)  # another host's write of the same page, raced past put's check
+        tier.flush()
         assert tier.get(KEYS[0], NS.digest(), TOKENS[:4], PAGE)[0] == b"a" * PAGE
         assert tier.counters.inserts == 1
 
