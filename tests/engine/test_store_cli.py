@@ -47,7 +47,7 @@ def store_state(store: Path) -> tuple:
             disk.counters.pages,
             disk.counters.bytes_used,
             disk.counters.capacity,
-            disk.namespaces(),
+            disk.tables.namespaces(),
             (store / "data.mdb").read_bytes(),
         )
 
