@@ -15,6 +15,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from kvtier.tiers.hierarchy import RestoredPrefix, TieredStore
 
+from .cache_layers import append_rows, cache_from
 from .config import EngineConfig
 from .publisher import Publisher
 from .request import Request
@@ -45,7 +46,7 @@ class PrefixCaches:
         pages are then joined and appended to the computed ones.
         """
         plan, size, keys = request.plan, self.config.page_size, request.keys
-        if not plan.overlap_pages:
+        if not plan.overlap_pages or self.store.geometry.window is not None:  # a window model restores serially
             request.restored = self.store.restore(keys[: plan.restore_pages], request.prompt)
             request.pinned = list(request.restored.keys)
             request.prefix_tokens = request.restored.num_pages * size
@@ -84,8 +85,7 @@ class PrefixCaches:
         if match is None:
             return cache
         cache = cache or make_prompt_cache(self.model)
-        for layer, c in enumerate(cache):
-            c.update_and_fetch(match.kv[layer, 0][None], match.kv[layer, 1][None])
+        append_rows(cache, self.store.geometry, match.kv)
         request.partial_tokens = match.num_tokens
         request.prefix_tokens += match.num_tokens
         return cache
@@ -98,13 +98,8 @@ class PrefixCaches:
             mx.eval([c.state for c in cache])
 
     def cache_from(self, layers: list[tuple[mx.array, mx.array]], num_tokens: int) -> list | None:
-        """An mlx-lm cache holding these per-layer K/V; None (mlx-lm makes one) when empty."""
-        if not num_tokens:
-            return None
-        cache = make_prompt_cache(self.model)
-        for c, (keys, values) in zip(cache, layers):
-            c.state = (keys, values, num_tokens)
-        return cache
+        """An mlx-lm cache holding these per-row K/V; None (mlx-lm makes one) when empty."""
+        return cache_from(self.model, self.store.geometry, layers, num_tokens) if num_tokens else None
 
     def close(self) -> None:
         self._loader.shutdown()

@@ -17,6 +17,7 @@ from mlx_lm.generate import BatchGenerator
 from kvtier.tiers.hierarchy import TieredStore
 from kvtier.tiers.page import Namespace, PageKey, page_keys
 
+from .cache_layers import page_kv
 from .config import EngineConfig
 from .request import Request
 from .scheduler import Scheduler
@@ -68,7 +69,11 @@ class Publisher:
         for i in range(request.published, ready):
             if not self.store.wants(keys[i]):  # recomputed over an L1 page: nothing to copy out
                 continue
-            pages.append((i, page_kv(caches, i * size, (i + 1) * size)))
+            kv = page_kv(caches, self.store.geometry, i * size, (i + 1) * size)
+            if kv is None:  # a window layer has left it: the pages from here stay unpublished
+                ready = i
+                break
+            pages.append((i, kv))
         mx.eval([kv for _, kv in pages])
         for i, kv in pages:
             self.store.publish(keys[i], tokens[i * size : (i + 1) * size], kv, parent=keys[i - 1] if i else self.root)
@@ -91,15 +96,10 @@ class Publisher:
         if len(keys) > request.published:
             self.publish(request, caches, len(keys), keys, tokens)
         done = len(keys) * self.config.page_size
-        if done < len(tokens):
+        if done < len(tokens) and request.published >= len(keys):  # the pages before it are stored
             t0 = time.perf_counter()
-            kv = page_kv(caches, done, len(tokens))
-            mx.eval(kv)
-            self.store.publish_partial(keys[-1] if keys else self.root, tokens[done:], kv)
+            kv = page_kv(caches, self.store.geometry, done, len(tokens))
+            if kv is not None:
+                mx.eval(kv)
+                self.store.publish_partial(keys[-1] if keys else self.root, tokens[done:], kv)
             self.totals.store_seconds += time.perf_counter() - t0
-
-
-def page_kv(caches: list, start: int, end: int) -> mx.array:
-    """Tokens ``start..end`` of a one-sequence mlx-lm cache in page layout:
-    (layers, 2, kv_heads, tokens, head_dim), a new array."""
-    return mx.stack([mx.stack([c.keys[0, :, start:end], c.values[0, :, start:end]]) for c in caches])

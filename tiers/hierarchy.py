@@ -144,7 +144,15 @@ class TieredStore:
         self.links = self.ledger.links  # link name -> LinkCounters of this process
         self.pins = Pins()
         self.placement = Placement(
-            self.l1, self.l2, self.disk, self.ns_digest, geometry.page_size, self.admission, self.ledger, self.pins
+            self.l1,
+            self.l2,
+            self.disk,
+            self.ns_digest,
+            geometry.page_size,
+            self.admission,
+            self.ledger,
+            self.pins,
+            geometry.segments,
         )
         self.restorer = Restorer(
             geometry,

@@ -60,10 +60,15 @@ class Namespace:
     layout_version: int = LAYOUT_VERSION
     adapter_id: str = ""
     cache_salt: str = ""
+    layers: str = ""  # PageGeometry.describe_layers(): empty for a model of global-attention layers only
 
     def digest(self) -> bytes:
-        """Stable 16-byte digest; the root of every page key in this namespace."""
-        return _hash(msgpack.packb(asdict(self), use_bin_type=True))
+        """Stable 16-byte digest; the root of every page key in this namespace. ``layers``
+        is digested only when set, so a plain model's keys are what they always were."""
+        fields = asdict(self)
+        if not self.layers:
+            del fields["layers"]
+        return _hash(msgpack.packb(fields, use_bin_type=True))
 
 
 def page_keys(namespace: Namespace, tokens: Sequence[int] | np.ndarray) -> list[PageKey]:
@@ -105,11 +110,34 @@ _NUMPY_STORAGE = {"bfloat16": "<u2", "float16": "<f2", "float32": "<f4"}
 
 
 @dataclass(frozen=True)
+class LayerKind:
+    """What one attention layer keeps of a sequence (DESIGN §3a): ``"kv"``, every token
+    (global attention); ``"window"``, the last ``window`` tokens and the first ``keep``
+    (sliding-window attention, mlx-lm's ``RotatingKVCache``)."""
+
+    name: str
+    window: int = 0
+    keep: int = 0
+
+    def describe(self) -> str:
+        return self.name if self.name == "kv" else f"{self.name}:{self.window}:{self.keep}"
+
+
+GLOBAL = LayerKind("kv")
+
+
+@dataclass(frozen=True)
 class PageGeometry:
     """Shape and dtype of one page's KV: ``(layers, 2, kv_heads, page_size, head_dim)``.
 
     The payload bytes of a page are this array in C order, K before V within a
     layer, so one page is one contiguous buffer in every tier.
+
+    ``kinds`` gives each attention layer's kind in model order (empty: all global).
+    A page's rows hold the global layers first, then the window layers (``rows``), so
+    its bytes are two segments (``segments``) that a restore reads apart: the global
+    segment of every page, the window segment only of the pages a window still sees
+    (``window_pages``). Every window layer has the same window and keep.
     """
 
     num_layers: int
@@ -117,6 +145,51 @@ class PageGeometry:
     head_dim: int
     page_size: int
     dtype: str
+    kinds: tuple[LayerKind, ...] = ()
+
+    def __post_init__(self) -> None:
+        windows = {(k.window, k.keep) for k in self.kinds if k.name == "window"}
+        if len(windows) > 1 or (self.kinds and len(self.kinds) != self.num_layers):
+            raise ValueError(f"one window and keep for every window layer, one kind per layer: {self.kinds}")
+
+    @property
+    def rows(self) -> tuple[int, ...]:
+        """The attention layer (model order) of each row of a page."""
+        kinds = self.kinds or (GLOBAL,) * self.num_layers
+        return tuple(sorted(range(self.num_layers), key=lambda i: kinds[i].name != "kv"))
+
+    @property
+    def global_rows(self) -> int:
+        """Rows ``[0, global_rows)`` are global layers, the rest window layers."""
+        return sum(k.name == "kv" for k in self.kinds) if self.kinds else self.num_layers
+
+    @property
+    def window(self) -> LayerKind | None:
+        """The kind of the window layers; None without any."""
+        return next((k for k in self.kinds if k.name == "window"), None)
+
+    @property
+    def segments(self) -> tuple[int, ...]:
+        """Byte lengths of a page's segments: (global rows, window rows) when the model
+        has window layers, else () (one segment, the whole page)."""
+        if self.window is None:
+            return ()
+        row = self.nbytes // self.num_layers
+        return (self.global_rows * row, (self.num_layers - self.global_rows) * row)
+
+    def window_pages(self, pages: int) -> list[int]:
+        """The pages of a ``pages``-page prefix whose window rows its restore reads: those
+        holding its first ``keep`` tokens and its last ``window`` tokens."""
+        kind, size = self.window, self.page_size
+        if kind is None:
+            return list(range(pages))
+        sink = range(min(pages, -(-kind.keep // size)))
+        last = range(max(0, (pages * size - kind.window) // size), pages)
+        return sorted({*sink, *last})
+
+    def describe_layers(self) -> str:
+        """The layer kinds as the namespace digests them; empty when all are global."""
+        return ",".join(k.describe() for k in self.kinds) if self.window is not None else ""
 
     @property
     def shape(self) -> tuple[int, int, int, int, int]:
