@@ -43,10 +43,26 @@ class RestoredPrefix:
     keys: list[PageKey]
     sources: list[Source]
     layers: list[tuple[mx.array, mx.array]]  # per layer K, V: (1, kv_heads, tokens, head_dim)
+    state: mx.array | None = None  # a hybrid model's state after the last page (``tiers.snapshots``)
+    partial_tokens: int = 0  # a hybrid model's: tokens of an L1 partial page after the pages, in ``layers``
 
     @property
     def num_pages(self) -> int:
         return len(self.keys)
+
+
+@dataclass(frozen=True)
+class PartialMatch:
+    """The start of an L1 page that a prompt shares (``TieredStore.match_partial``)."""
+
+    key: PageKey
+    kv: mx.array  # (layers, 2, kv_heads, tokens, head_dim): the shared tokens only
+    parent: bytes | None = None  # the key of the page before it
+    state: mx.array | None = None  # a hybrid model's state after them (the whole page is shared)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.kv.shape[3]
 
 
 @dataclass
