@@ -10,10 +10,15 @@ for it:
   the newest last, so token ``t`` is at ``t - (offset - held)``; a token the window has
   left cannot be published (``page_kv`` returns None). A restored prefix of ``p``
   tokens gives it the last ``min(p, max_size)`` tokens, which is what mlx-lm's own cache
-  holds for the next step (its prefill keeps ``max_size - 1`` and adds the chunk).
+  holds for the next step (its prefill keeps ``max_size - 1`` and adds the chunk);
+- ``ArraysCache`` (recurrent state): no rows; its arrays after the cache's last token
+  are a snapshot (``snapshot``), every state layer's arrays in model order as one flat
+  uint8 array, put back by ``cache_from`` with the KV before it.
 """
 
 from __future__ import annotations
+
+import math
 
 import mlx.core as mx
 from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
@@ -40,10 +45,34 @@ def page_kv(caches: list, geometry: PageGeometry, start: int, end: int) -> mx.ar
     return mx.stack(rows)
 
 
-def cache_from(model, geometry: PageGeometry, layers: list[tuple[mx.array, mx.array]], num_tokens: int) -> list:
+def snapshot(caches: list, geometry: PageGeometry) -> mx.array:
+    """The state layers' arrays of a one-sequence mlx-lm cache as one flat uint8 array."""
+    arrays = [a for layer in geometry.state_layers for a in caches[layer].cache]
+    return mx.concatenate([mx.contiguous(a).reshape(-1).view(mx.uint8) for a in arrays])
+
+
+def _put_state(cache: list, geometry: PageGeometry, state: mx.array) -> None:
+    at = 0
+    for layer in geometry.state_layers:
+        for i, (dtype, shape) in enumerate(geometry.kinds[layer].arrays):
+            n = math.prod(shape) * getattr(mx, dtype).size
+            cache[layer][i] = state[at : at + n].view(getattr(mx, dtype)).reshape(shape)
+            at += n
+
+
+def cache_from(
+    model,
+    geometry: PageGeometry,
+    layers: list[tuple[mx.array, mx.array]],
+    num_tokens: int,
+    state: mx.array | None = None,
+) -> list:
     """A fresh mlx-lm cache holding a restored ``num_tokens``-token prefix: ``layers``
-    are the restore's rows (a window row holds at least the window's last tokens)."""
+    are the restore's rows (a window row holds at least the window's last tokens),
+    ``state`` a hybrid model's snapshot after them."""
     cache = make_prompt_cache(model)
+    if state is not None:
+        _put_state(cache, geometry, state)
     for (keys, values), layer in zip(layers, geometry.rows):
         c = cache[layer]
         if isinstance(c, RotatingKVCache):

@@ -35,6 +35,7 @@ import numpy as np
 from mlx_lm.generate import BatchGenerator
 
 from kvtier.costmodel.plan import Profile
+from kvtier.costmodel.spacing import prefill_segments, snapshot_pages
 from kvtier.tiers.hierarchy import TieredStore
 from kvtier.tiers.page import page_keys, reusable_pages
 
@@ -249,9 +250,14 @@ class Engine:
             self.cached_tokens.add(request.restored.num_pages * self.config.page_size + request.partial_tokens)
             self.totals.store_seconds += time.perf_counter() - t0
         request.t_admit = time.perf_counter()
-        done = request.prefix_tokens
-        (request.uid,) = self.generator.insert(
-            [request.prompt[done:]],
+        done, segments = request.prefix_tokens, [request.prompt[request.prefix_tokens :]]
+        if self.geometry.snapshot_nbytes and self.store is not None:  # prefill chunks end where states are kept
+            request.snapshot_pages = snapshot_pages(
+                len(request.prompt), self.config.page_size, self.config.snapshot_spacing
+            )
+            segments = prefill_segments(request.prompt, done, self.config.page_size, request.snapshot_pages)
+        (request.uid,) = self.generator.insert_segments(
+            [segments],
             max_tokens=[request.params.max_tokens],
             caches=[cache],
             all_tokens=[request.prompt[:done]],

@@ -31,6 +31,8 @@ class PrefixCaches:
     def build(self, request: Request, matched_pages: int) -> list | None:
         """The cache holding ``request.plan``'s prefix, then the shared start of the L1 page
         after it when no stored page of the ``matched_pages`` follows; None if empty."""
+        if self.store.geometry.snapshot_nbytes:
+            return self.restored_with_state(request, matched_pages)
         cache = self.restored(request)
         if request.prefix_tokens == matched_pages * self.config.page_size:  # no stored page follows
             cache = self.reuse_partial(request, cache)
@@ -73,6 +75,24 @@ class PrefixCaches:
                 request.prefix_tokens,
             )
         return cache
+
+    def restored_with_state(self, request: Request, matched_pages: int) -> list | None:
+        """A hybrid model's cache: the plan's pages with the state after them, from a
+        snapshot (the store cuts the pages back to one) or, when the plan takes every
+        matched page, from the L1 partial page after them with its state. Serial."""
+        size, restore = self.config.page_size, request.plan.restore_pages
+        then = None
+        if restore == matched_pages:
+            parent = request.keys[restore - 1] if restore else self.root
+            then = self.store.match_partial(parent, request.prompt[restore * size : len(request.prompt) - 1])
+        request.restored = self.store.restore(request.keys[:restore], request.prompt, then=then)
+        request.pinned = list(request.restored.keys)
+        request.partial_tokens = request.restored.partial_tokens
+        request.prefix_tokens = request.restored.num_pages * size + request.partial_tokens
+        if not request.prefix_tokens:
+            return None
+        state = request.restored.state
+        return cache_from(self.model, self.store.geometry, request.restored.layers, request.prefix_tokens, state)
 
     def reuse_partial(self, request: Request, cache: list | None) -> list | None:
         """Append to the restored prefix the start of the L1 page after it that the

@@ -17,7 +17,7 @@ from mlx_lm.generate import BatchGenerator
 from kvtier.tiers.hierarchy import TieredStore
 from kvtier.tiers.page import Namespace, PageKey, page_keys
 
-from .cache_layers import page_kv
+from .cache_layers import page_kv, snapshot
 from .config import EngineConfig
 from .request import Request
 from .scheduler import Scheduler
@@ -43,7 +43,9 @@ class Publisher:
         """Publish every page of the request that became full in this step; at the end of
         a leader's prompt, release its single-flight followers."""
         early = response.end_of_prompt and self.scheduler.is_leader(request.rid)
-        if self.config.publish == "incremental" or early:
+        if self.store.geometry.snapshot_nbytes:
+            self.with_state(request, response)
+        elif self.config.publish == "incremental" or early:
             in_cache = request.prefix_tokens + response.progress[0]
             ready = min(len(request.keys), in_cache // self.config.page_size)
             if ready > request.published:
@@ -51,6 +53,30 @@ class Publisher:
                 self.publish(request, caches, ready)
         if response.end_of_prompt:
             self.scheduler.prefilled(request.rid)
+
+    def with_state(self, request: Request, response) -> None:
+        """A hybrid model's prefill step: publish the pages that became full, the state
+        where a snapshot is due (``request.snapshot_pages``: the step ended there), and
+        at the end of the prompt its last partial page with the state after it (L1).
+        Whatever the publish setting: a state exists only at the step that reaches it."""
+        caches, _ = self.generator.extract_cache([request.uid])[request.uid]
+        g, size, keys = self.store.geometry, self.config.page_size, request.keys
+        held = caches[g.rows[0]].offset  # tokens in the cache (at the end of the prompt: all of them)
+        ready = min(len(keys), held // size)
+        if ready > request.published:
+            self.publish(request, caches, ready)
+        t0 = time.perf_counter()
+        if held % size == 0 and held // size in request.snapshot_pages and held // size <= request.published:
+            state = snapshot(caches, g)
+            mx.eval(state)
+            self.store.publish_snapshot(keys[held // size - 1], request.prompt[held - size : held], state)
+        done = len(keys) * size
+        if response.end_of_prompt and request.published == len(keys) and 0 < held - done < size:
+            kv, state = page_kv(caches, g, done, held), snapshot(caches, g)
+            if kv is not None:
+                mx.eval(kv, state)
+                self.store.publish_partial(keys[-1] if keys else self.root, request.prompt[done:held], kv, state)
+        self.totals.store_seconds += time.perf_counter() - t0
 
     def publish(
         self,
@@ -88,7 +114,10 @@ class Publisher:
         the generated tokens, so that a next turn whose prompt holds this prompt and
         this answer restores both (DESIGN §8a). mlx-lm feeds every token it reports
         back into the cache, the last one too: the cache holds ``all_tokens``, prompt
-        and output (EOS included)."""
+        and output (EOS included). A hybrid model's state is kept during prefill only
+        (``with_state``): its answers are not published yet."""
+        if self.store.geometry.snapshot_nbytes:
+            return
         caches = response.prompt_cache
         tokens = list(response.all_tokens) if self.config.publish_answers else request.prompt
         tokens = tokens[: caches[0].offset]

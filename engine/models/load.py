@@ -21,7 +21,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm import load as mlx_load
-from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
+from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
 from mlx_lm.utils import _download
 
 from kvtier.costmodel.profile import profile_key
@@ -53,25 +53,32 @@ class LoadedModel:
         """KV page geometry, read off a one-token forward pass, with each layer's kind
         (``layer_kind``; DESIGN §3a)."""
         cache = make_prompt_cache(self.model)
+        for c in cache:
+            layer_kind(c)  # refuse an unknown kind before any work
+        self.model(mx.array([[0]]), cache=cache)
         kinds = tuple(layer_kind(c) for c in cache)
         narrowest = min((k.window for k in kinds if k.name == "window"), default=page_size)
         if narrowest < page_size:
             raise ModelError(f"page size {page_size} is larger than this model's sliding window ({narrowest} tokens)")
-        self.model(mx.array([[0]]), cache=cache)
-        shapes = {(*c.state[0].shape[1::2], *c.state[1].shape[1::2]) for c in cache}  # heads, head dims
+        attention = [c for c, k in zip(cache, kinds) if k.name != "state"]
+        if not attention:
+            raise ModelError(
+                "kvtier needs at least one attention layer (a model of recurrent layers only has no pages)"
+            )
+        shapes = {(*c.state[0].shape[1::2], *c.state[1].shape[1::2]) for c in attention}  # heads, head dims
         if len(shapes) > 1:
             raise ModelError("kvtier needs the same KV heads and head dimension in every layer")
-        keys, values = cache[0].state[:2]
+        keys, values = attention[0].state[:2]
         if keys.shape[-1] != values.shape[-1]:
             raise ModelError("kvtier needs equal key and value head dimensions")
         try:
             return PageGeometry(
-                num_layers=len(cache),
+                num_layers=len(attention),
                 num_kv_heads=keys.shape[1],
                 head_dim=keys.shape[3],
                 page_size=page_size,
                 dtype=str(keys.dtype).removeprefix("mlx.core."),
-                kinds=kinds if any(k.name == "window" for k in kinds) else (),
+                kinds=kinds if any(k.name != "kv" for k in kinds) else (),
             )
         except ValueError as err:
             raise ModelError(f"kvtier cannot page this model's layers: {err}") from None
@@ -92,20 +99,23 @@ class LoadedModel:
 
 
 def layer_kind(cache: object) -> LayerKind:
-    """The kind of one layer's mlx-lm cache; ModelError naming the cache class for one
-    kvtier cannot restore (yet: recurrent state, ``ArraysCache``, and ``CacheList``;
-    for good: a rotating cache that keeps its first tokens, which mlx-lm's
-    ``BatchGenerator`` drops when it batches the cache)."""
+    """The kind of one layer's mlx-lm cache (a state layer's arrays are known once a
+    token has passed); ModelError naming the cache class for one kvtier cannot restore
+    (yet: ``CacheList`` and the others; for good: a rotating cache that keeps its first
+    tokens, which mlx-lm's ``BatchGenerator`` drops when it batches the cache)."""
     if type(cache) is KVCache:
         return GLOBAL
     if type(cache) is RotatingKVCache and cache.keep == 0:
         return LayerKind("window", cache.max_size)
+    if type(cache) is ArraysCache:
+        arrays = [(str(a.dtype).removeprefix("mlx.core."), tuple(a.shape)) for a in cache.cache if a is not None]
+        return LayerKind("state", arrays=tuple(arrays))
     if type(cache) is RotatingKVCache:
         raise ModelError(
             f"kvtier cannot serve RotatingKVCache(keep={cache.keep}): mlx-lm's BatchGenerator drops the kept tokens"
         )
     raise ModelError(
-        f"kvtier cannot restore {type(cache).__name__} layers yet; it serves KVCache and RotatingKVCache layers"
+        f"kvtier cannot restore {type(cache).__name__} layers yet; it serves KVCache, RotatingKVCache and ArraysCache"
     )
 
 

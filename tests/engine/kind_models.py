@@ -8,7 +8,9 @@ so that outputs depend on the context. Sizes are tiny so each test runs in secon
 - ``gemma3_text``: sliding-window layers (``RotatingKVCache``, window 32) with a global
   layer every second layer (``KVCache``);
 - ``lfm2``: a recurrent hybrid, short-convolution layers (``ArraysCache``: one state
-  array of the last ``conv_L_cache - 1`` inputs) between attention layers.
+  array of the last ``conv_L_cache - 1`` inputs) between attention layers;
+- ``falcon_h1``: a ``CacheList`` (Mamba-2 state and KV) per layer, a kind kvtier does
+  not restore yet (its refusal names it).
 """
 
 from __future__ import annotations
@@ -23,6 +25,9 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
+from kvtier.costmodel.models import ComputeModel
+from kvtier.costmodel.plan import Profile
+from kvtier.engine.engine import Engine
 from kvtier.engine.models.defaults import EOS_TOKEN_ID, ensure_default_model
 
 _VOCAB = 259  # the kvtier-tiny byte tokenizer: 256 bytes and 3 specials
@@ -60,6 +65,21 @@ CONFIGS = {
         "block_auto_adjust_ff_dim": False,
         "layer_types": ["conv", "full_attention", "conv", "full_attention"],
     },
+    "falcon_h1": {
+        "model_type": "falcon_h1",
+        "vocab_size": _VOCAB,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "head_dim": 32,
+        "mamba_d_ssm": 64,
+        "mamba_d_state": 16,
+        "mamba_d_head": 16,
+        "mamba_n_heads": 4,
+        "mamba_chunk_size": 16,
+    },
 }
 
 
@@ -83,3 +103,11 @@ def write_model(directory: Path, architecture: str) -> Path:
     weights = {name: mx.array(_weight(name, tuple(p.shape))) for name, p in tree_flatten(model.parameters())}
     mx.save_safetensors(str(directory / "model.safetensors"), weights, metadata={"format": "mlx"})
     return directory
+
+
+def restoring_wins(engine: Engine) -> Engine:
+    """Prefill priced at 1 s a token, not learned online: every stored prefix is restored
+    (a tiny model computes so fast that a learned profile may rightly recompute)."""
+    engine.profile = Profile(Profile.defaults().links, ComputeModel([0.0, 1.0, 0.0]))
+    engine.profile.compute.observe = lambda *args, **kwargs: None
+    return engine

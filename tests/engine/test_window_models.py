@@ -12,7 +12,7 @@ from kvtier.tiers.hierarchy import StoreConfig
 from kvtier.tiers.page import reusable_pages
 
 from .conftest import mlx_lm_greedy, text_prompt
-from .kind_models import CONFIGS, write_model
+from .kind_models import CONFIGS, restoring_wins, write_model
 
 PAGE = 16
 WINDOW = CONFIGS["gemma3_text"]["sliding_window"]
@@ -26,7 +26,7 @@ def gemma(tmp_path_factory):
 
 def make_engine(loaded, store_dir, l1_bytes: int = 1 << 26, step: int = 2048) -> Engine:
     store = StoreConfig(l1_bytes=l1_bytes, l2_bytes=1 << 26, store_dir=store_dir)
-    return Engine(loaded, EngineConfig(page_size=PAGE, store=store, prefill_step_size=step))
+    return restoring_wins(Engine(loaded, EngineConfig(page_size=PAGE, store=store, prefill_step_size=step)))
 
 
 def run_one(engine: Engine, prompt: list[int]):
