@@ -163,7 +163,12 @@ class TieredStore:
         if self.snapshots is not None and self.disk is not None:
             self.disk.describe_namespace(
                 self.snapshots.ns_digest,
-                {"model": f"{config.label or namespace.model_fingerprint[:12]} (state snapshots)", "page_size": 0},
+                {
+                    "model": f"{config.label or namespace.model_fingerprint[:12]} (state snapshots)",
+                    "page_size": 0,
+                    "dtype": "uint8",
+                    "salted": bool(namespace.cache_salt),
+                },
             )
         self.restorer = Restorer(
             geometry,
