@@ -27,7 +27,7 @@ def test_restored_from_redis_after_a_restart(redis_server, tmp_path, architectur
     expected = mlx_lm_greedy(loaded, prompt, GREEDY.max_tokens)
 
     def engine() -> Engine:
-        store = StoreConfig(store_dir=redis_server.url)
+        store = StoreConfig(1 << 26, 1 << 26, store_dir=redis_server.url, snapshot_l2_bytes=1 << 20)
         return restoring_wins(Engine(loaded, EngineConfig(page_size=PAGE, store=store, snapshot_spacing=2)))
 
     first = engine()

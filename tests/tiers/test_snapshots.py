@@ -13,9 +13,13 @@ GEOMETRY = PageGeometry(1, 1, 8, 4, "float32", (STATE, GLOBAL))  # 256-byte page
 TOKENS = list(range(100, 120))  # 5 pages
 
 
+def config(store_dir=None) -> StoreConfig:
+    return StoreConfig(1 << 16, 1 << 16, store_dir=store_dir, snapshot_l1_bytes=1 << 12, snapshot_l2_bytes=1 << 12)
+
+
 def store_with_pages(tmp_path=None) -> tuple[TieredStore, list]:
     namespace = Namespace("hybrid", "float32", 4, layers=GEOMETRY.describe_layers())
-    store = TieredStore(GEOMETRY, namespace, StoreConfig(l1_bytes=1 << 20, l2_bytes=1 << 20, store_dir=tmp_path))
+    store = TieredStore(GEOMETRY, namespace, config(tmp_path))
     keys = page_keys(namespace, TOKENS)
     for i, key in enumerate(keys):
         kv = mx.array(np.full(GEOMETRY.shape, i, np.float32))
@@ -60,5 +64,16 @@ def test_snapshots_survive_a_restart_in_lmdb(tmp_path):
     restored = again.restore(keys, TOKENS)
     assert restored.sources == ["L3"] * 4 and np.array_equal(np.asarray(restored.state), np.asarray(state(4)))
     assert again.stats()["snapshots"]["links"]["L3->L1"]["pages"] == 1
+    again.release(restored.keys)
+    again.close()
+
+
+def test_the_last_page_is_labelled_the_slowest_tier_of_its_page_and_its_snapshot(tmp_path):
+    store, keys = store_with_pages(tmp_path)
+    store.publish_snapshot(keys[2], TOKENS[8:12], state(3))
+    store.close()  # pages and snapshot in LMDB
+    again, _ = store_with_pages(tmp_path)  # the pages computed again: in L1; the snapshot only in L3
+    restored = again.restore(keys, TOKENS)
+    assert restored.sources == ["L1", "L1", "L3"]
     again.release(restored.keys)
     again.close()
