@@ -278,6 +278,8 @@ class Engine:
                 request.logprobs.append(token_logprob(response.logprobs, response.token, request.params.logprobs))
             request._tokens.put(response.token)
         if response.finish_reason is None:
+            if self.publisher is not None:
+                self.publisher.on_decode(request, response)
             return
         if self.publisher is not None:
             self.publisher.at_end(request, response)

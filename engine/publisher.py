@@ -107,28 +107,55 @@ class Publisher:
         request.published = ready
         self.totals.store_seconds += time.perf_counter() - t0
 
+    def on_decode(self, request: Request, response) -> None:
+        """With ``publish_answers``, a sliding-window or hybrid model's answer pages are
+        published as they fill: a window layer holds only its last tokens by the end,
+        and a state exists only at the step that reaches it (a snapshot is kept every
+        ``snapshot_spacing`` pages of the sequence). mlx-lm may have fed the newest
+        token to the model already (it runs a step ahead), so the cache is read when
+        either the sequence or the sequence without its newest token ends a page."""
+        g, size = self.store.geometry, self.config.page_size
+        sequence = request.prompt + request.output
+        if g.window is None and not g.snapshot_nbytes or not self.config.publish_answers:
+            return
+        if len(sequence) // size <= request.published or len(sequence) % size not in (0, 1):
+            return
+        caches, _ = self.generator.extract_cache([request.uid])[request.uid]
+        tokens = sequence[: caches[g.rows[0]].offset]
+        keys = page_keys(self.namespace, tokens)
+        if len(tokens) % size or len(keys) <= request.published:
+            return
+        self.publish(request, caches, len(keys), keys, tokens)
+        if g.snapshot_nbytes and len(keys) % self.config.snapshot_spacing == 0 and request.published == len(keys):
+            state = snapshot(caches, g)
+            mx.eval(state)
+            self.store.publish_snapshot(keys[-1], tokens[-size:], state)
+
     def at_end(self, request: Request, response) -> None:
         """At the end, publish the full pages of the sequence not published yet, and keep
-        its last partial page in L1 (``TieredStore.publish_partial``). The sequence is
-        the prompt or, with ``publish_answers``, the prompt and the answer, keyed by
-        the generated tokens, so that a next turn whose prompt holds this prompt and
-        this answer restores both (DESIGN §8a). mlx-lm feeds every token it reports
-        back into the cache, the last one too: the cache holds ``all_tokens``, prompt
-        and output (EOS included). A hybrid model's state is kept during prefill only
-        (``with_state``): its answers are not published yet."""
-        if self.store.geometry.snapshot_nbytes:
+        its last partial page in L1 (``TieredStore.publish_partial``; a hybrid model's
+        with the state after it). The sequence is the prompt or, with
+        ``publish_answers``, the prompt and the answer, keyed by the generated tokens,
+        so that a next turn whose prompt holds this prompt and this answer restores both
+        (DESIGN §8a). mlx-lm feeds every token it reports back into the cache, the last
+        one too: the cache holds ``all_tokens``, prompt and output (EOS included). A
+        hybrid model's state is after all of them, so without ``publish_answers`` its
+        partial page is the one kept at the end of its prompt (``with_state``)."""
+        g = self.store.geometry
+        if g.snapshot_nbytes and not self.config.publish_answers:
             return
         caches = response.prompt_cache
         tokens = list(response.all_tokens) if self.config.publish_answers else request.prompt
-        tokens = tokens[: caches[0].offset]
+        tokens = tokens[: caches[g.rows[0]].offset]
         keys = page_keys(self.namespace, tokens)
         if len(keys) > request.published:
             self.publish(request, caches, len(keys), keys, tokens)
         done = len(keys) * self.config.page_size
         if done < len(tokens) and request.published >= len(keys):  # the pages before it are stored
             t0 = time.perf_counter()
-            kv = page_kv(caches, self.store.geometry, done, len(tokens))
+            kv = page_kv(caches, g, done, len(tokens))
             if kv is not None:
-                mx.eval(kv)
-                self.store.publish_partial(keys[-1] if keys else self.root, tokens[done:], kv)
+                state = snapshot(caches, g) if g.snapshot_nbytes else None
+                mx.eval(kv, state)
+                self.store.publish_partial(keys[-1] if keys else self.root, tokens[done:], kv, state)
             self.totals.store_seconds += time.perf_counter() - t0

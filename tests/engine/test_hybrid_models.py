@@ -26,7 +26,9 @@ def lfm2(tmp_path_factory):
     return load_model(str(write_model(tmp_path_factory.mktemp("models") / "lfm2", "lfm2")))
 
 
-def make_engine(loaded, store_dir, l1_bytes: int = 1 << 26, step: int = 2048, snapshot_l1: int = 1 << 20) -> Engine:
+def make_engine(
+    loaded, store_dir, l1_bytes: int = 1 << 26, step: int = 2048, snapshot_l1: int = 1 << 20, answers: bool = False
+) -> Engine:
     store = StoreConfig(
         l1_bytes=l1_bytes,
         l2_bytes=1 << 26,
@@ -34,7 +36,9 @@ def make_engine(loaded, store_dir, l1_bytes: int = 1 << 26, step: int = 2048, sn
         snapshot_l1_bytes=snapshot_l1,
         snapshot_l2_bytes=1 << 20,
     )
-    config = EngineConfig(page_size=PAGE, store=store, prefill_step_size=step, snapshot_spacing=SPACING)
+    config = EngineConfig(
+        page_size=PAGE, store=store, prefill_step_size=step, snapshot_spacing=SPACING, publish_answers=answers
+    )
     return restoring_wins(Engine(loaded, config))
 
 
@@ -130,6 +134,22 @@ def test_next_chat_turn_reuses_the_whole_previous_prompt(lfm2, tmp_path):
     engine.close()
     # its 5 pages and the partial page after them with the state at the prompt's end
     assert turn.output == expected and turn.sources()["L1"] == len(first)
+
+
+def test_next_chat_turn_restores_the_previous_prompt_and_answer(lfm2):
+    """With answers published (a server's setting): the answer's pages as they fill, and
+    its end in L1 with the state after the whole turn."""
+    first = text_prompt(lfm2, 90, seed=7)
+    engine = make_engine(lfm2, None, answers=True)
+    (turn,) = engine.generate([first], SamplingParams(max_tokens=40))
+    second = first + turn.output + text_prompt(lfm2, 20, seed=8)
+    (next_turn,) = engine.generate([second], GREEDY)
+    kept = engine.store.view().snapshots[0].pages
+    engine.close()
+    assert turn.output == mlx_lm_greedy(lfm2, first, 40)
+    assert next_turn.output == mlx_lm_greedy(lfm2, second, GREEDY.max_tokens)
+    assert next_turn.sources()["L1"] == len(first) + len(turn.output)
+    assert kept == 6  # after pages 2, 4, 5 (the first prompt's last full page), 6, 8 (its answer), 9 (the second's)
 
 
 def test_a_restored_and_a_fresh_request_in_one_batch(lfm2, tmp_path):

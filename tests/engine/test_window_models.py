@@ -24,9 +24,10 @@ def gemma(tmp_path_factory):
     return load_model(str(write_model(tmp_path_factory.mktemp("models") / "gemma3_text", "gemma3_text")))
 
 
-def make_engine(loaded, store_dir, l1_bytes: int = 1 << 26, step: int = 2048) -> Engine:
+def make_engine(loaded, store_dir, l1_bytes: int = 1 << 26, step: int = 2048, answers: bool = False) -> Engine:
     store = StoreConfig(l1_bytes=l1_bytes, l2_bytes=1 << 26, store_dir=store_dir)
-    return restoring_wins(Engine(loaded, EngineConfig(page_size=PAGE, store=store, prefill_step_size=step)))
+    config = EngineConfig(page_size=PAGE, store=store, prefill_step_size=step, publish_answers=answers)
+    return restoring_wins(Engine(loaded, config))
 
 
 def run_one(engine: Engine, prompt: list[int]):
@@ -94,3 +95,17 @@ def test_window_model_shared_start_restores_at_another_length(gemma, tmp_path):
     request = run_one(engine, second)
     engine.close()
     assert request.output == expected and request.sources()["L3"] == 64  # 4 pages of the 70 shared tokens
+
+
+def test_next_chat_turn_restores_the_previous_prompt_and_answer(gemma):
+    """With answers published (a server's setting), the answer's pages are published as
+    they fill: by the end a window layer holds only its last tokens."""
+    first = text_prompt(gemma, 90, seed=7)
+    engine = make_engine(gemma, None, answers=True)
+    (turn,) = engine.generate([first], SamplingParams(max_tokens=40))
+    second = first + turn.output + text_prompt(gemma, 20, seed=8)
+    (next_turn,) = engine.generate([second], GREEDY)
+    engine.close()
+    assert turn.output == mlx_lm_greedy(gemma, first, 40)
+    assert next_turn.output == mlx_lm_greedy(gemma, second, GREEDY.max_tokens)
+    assert next_turn.sources()["L1"] == len(first) + len(turn.output)  # 8 pages and the partial page after them
