@@ -35,7 +35,7 @@ import numpy as np
 from mlx_lm.generate import BatchGenerator
 
 from kvtier.costmodel.plan import Profile
-from kvtier.costmodel.spacing import prefill_segments, snapshot_pages
+from kvtier.costmodel.spacing import choose_spacing, prefill_segments, snapshot_pages
 from kvtier.tiers.hierarchy import TieredStore
 from kvtier.tiers.page import page_keys, reusable_pages
 
@@ -252,8 +252,11 @@ class Engine:
         request.t_admit = time.perf_counter()
         done, segments = request.prefix_tokens, [request.prompt[request.prefix_tokens :]]
         if self.geometry.snapshot_nbytes and self.store is not None:  # prefill chunks end where states are kept
+            request.snapshot_spacing = self.config.snapshot_spacing or choose_spacing(
+                self.profile, self.config.page_size, self.geometry.snapshot_nbytes, len(request.prompt)
+            )
             request.snapshot_pages = snapshot_pages(
-                len(request.prompt), self.config.page_size, self.config.snapshot_spacing
+                len(request.prompt), self.config.page_size, request.snapshot_spacing
             )
             segments = prefill_segments(request.prompt, done, self.config.page_size, request.snapshot_pages)
         (request.uid,) = self.generator.insert_segments(

@@ -111,7 +111,7 @@ class Publisher:
         """With ``publish_answers``, a sliding-window or hybrid model's answer pages are
         published as they fill: a window layer holds only its last tokens by the end,
         and a state exists only at the step that reaches it (a snapshot is kept every
-        ``snapshot_spacing`` pages of the sequence). mlx-lm may have fed the newest
+        ``request.snapshot_spacing`` pages of the sequence). mlx-lm may have fed the newest
         token to the model already (it runs a step ahead), so the cache is read when
         either the sequence or the sequence without its newest token ends a page."""
         g, size = self.store.geometry, self.config.page_size
@@ -126,7 +126,7 @@ class Publisher:
         if len(tokens) % size or len(keys) <= request.published:
             return
         self.publish(request, caches, len(keys), keys, tokens)
-        if g.snapshot_nbytes and len(keys) % self.config.snapshot_spacing == 0 and request.published == len(keys):
+        if g.snapshot_nbytes and len(keys) % request.snapshot_spacing == 0 and request.published == len(keys):
             state = snapshot(caches, g)
             mx.eval(state)
             self.store.publish_snapshot(keys[-1], tokens[-size:], state)
