@@ -153,9 +153,12 @@ def test_next_chat_turn_restores_the_previous_prompt_and_answer(lfm2):
 
 
 def test_a_restored_and_a_fresh_request_in_one_batch(lfm2, tmp_path):
+    """With the snapshot spacing the cost model chooses (the prompt's last full page is
+    always one)."""
     shared = text_prompt(lfm2, 120, seed=9)
     other = text_prompt(lfm2, 70, seed=10)
-    engine = make_engine(lfm2, tmp_path)
+    store = StoreConfig(1 << 26, 1 << 26, store_dir=tmp_path, snapshot_l2_bytes=1 << 20)
+    engine = restoring_wins(Engine(lfm2, EngineConfig(page_size=PAGE, store=store)))
     run_one(engine, shared)
     restored, fresh = engine.generate([shared, other], GREEDY)
     engine.close()

@@ -109,3 +109,14 @@ def test_next_chat_turn_restores_the_previous_prompt_and_answer(gemma):
     assert turn.output == mlx_lm_greedy(gemma, first, 40)
     assert next_turn.output == mlx_lm_greedy(gemma, second, GREEDY.max_tokens)
     assert next_turn.sources()["L1"] == len(first) + len(turn.output)  # 8 pages and the partial page after them
+
+
+def test_a_restored_and_a_fresh_request_in_one_batch(gemma, tmp_path):
+    shared = text_prompt(gemma, 120, seed=9)
+    other = text_prompt(gemma, 70, seed=10)
+    engine = make_engine(gemma, tmp_path)
+    run_one(engine, shared)
+    restored, fresh = engine.generate([shared, other], GREEDY)
+    engine.close()
+    assert restored.output == mlx_lm_greedy(gemma, shared, GREEDY.max_tokens) and restored.sources()["L1"] == 119
+    assert fresh.output == mlx_lm_greedy(gemma, other, GREEDY.max_tokens) and fresh.sources()["recomputed"] == 70
