@@ -48,6 +48,7 @@ class PrefixCaches:
         pages are then joined and appended to the computed ones.
         """
         plan, size, keys = request.plan, self.config.page_size, request.keys
+        assert plan is not None, "restoring a request admission did not plan"
         if not plan.overlap_pages or self.store.geometry.window is not None:  # a window model restores serially
             request.restored = self.store.restore(keys[: plan.restore_pages], request.prompt)
             request.pinned = list(request.restored.keys)
@@ -80,6 +81,7 @@ class PrefixCaches:
         """A hybrid model's cache: the plan's pages with the state after them, from a
         snapshot (the store cuts the pages back to one) or, when the plan takes every
         matched page, from the L1 partial page after them with its state. Serial."""
+        assert request.plan is not None, "restoring a request admission did not plan"
         size, restore = self.config.page_size, request.plan.restore_pages
         then = None
         if restore == matched_pages:

@@ -4,6 +4,7 @@ log-probabilities reported with each output token."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import cast
 
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_top_p, make_logits_processors, make_sampler
@@ -38,10 +39,13 @@ def logits_processors(params: SamplingParams) -> list:
 def token_logprob(logprobs: mx.array, token: int, top: int) -> TokenLogprob:
     """The chosen token's log-probability and the ``top`` best at its position, from the
     vector mlx-lm sampled from."""
-    chosen = logprobs[token].item()
+    # mlx types item() as any scalar and tolist() as a list or a scalar; a float vector
+    # gives a float, and a 1-D array a flat list.
+    chosen = cast(float, logprobs[token].item())
     if not top:
         return TokenLogprob(chosen, [])
     ids = mx.argpartition(-logprobs, kth=top - 1)[:top]
     order = mx.argsort(-logprobs[ids])
     ids = ids[order]
-    return TokenLogprob(chosen, list(zip(ids.tolist(), logprobs[ids].tolist())))
+    best = zip(cast(list[int], ids.tolist()), cast(list[float], logprobs[ids].tolist()))
+    return TokenLogprob(chosen, list(best))

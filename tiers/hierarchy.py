@@ -270,6 +270,7 @@ class TieredStore:
     def publish_snapshot(self, page: PageKey, tokens: Sequence[int], state: mx.array) -> bool:
         """Keep a hybrid model's state right after page ``page`` (``Snapshots.publish``)."""
         with self._lock:
+            assert self.snapshots is not None, "a snapshot of a model without state layers"
             return self.snapshots.publish(page, tokens, state)
 
     def release(self, keys: Sequence[PageKey]) -> None:
@@ -376,8 +377,9 @@ class TieredStore:
             if best is None:
                 return None
             self.l1.counters.hit_tokens += shared
-            page = self.l1.get(best)
-            return PartialMatch(best, page.kv[:, :, :, :shared], page.parent, page.state)
+            match = self.l1.get(best)  # marked most recently used
+            assert match is not None, "following() lists pages in L1 (under the same lock)"
+            return PartialMatch(best, match.kv[:, :, :, :shared], match.parent, match.state)
 
     # -- lifecycle and numbers -------------------------------------------------
 

@@ -94,17 +94,19 @@ class Snapshots:
         """The snapshot after page ``page`` (whose tokens are ``tokens``) and the tier it
         came from, kept in L1 when it came from below; None when no tier has a good one."""
         key, own = snapshot_key(page), tuple(tokens)
-        for tier in (self.l1, self.l2):
-            tier.counters.lookups += 1
-            entry = tier.get(key)
-            if entry is not None and entry.tokens == own:
-                tier.counters.hit_pages += 1
-                if tier is self.l1:
-                    return entry.kv, Source.L1
-                t0 = time.perf_counter()
-                state = mx.array(self.l2.read(key))
-                self.ledger.record(Link.L2_L1, self.nbytes, time.perf_counter() - t0)
-                return self._keep(key, own, state), Source.L2
+        self.l1.counters.lookups += 1
+        resident = self.l1.get(key)
+        if resident is not None and resident.tokens == own:
+            self.l1.counters.hit_pages += 1
+            return resident.kv, Source.L1
+        self.l2.counters.lookups += 1
+        host = self.l2.get(key)
+        if host is not None and host.tokens == own:
+            self.l2.counters.hit_pages += 1
+            t0 = time.perf_counter()
+            state = mx.array(self.l2.read(key))
+            self.ledger.record(Link.L2_L1, self.nbytes, time.perf_counter() - t0)
+            return self._keep(key, own, state), Source.L2
         if self.disk is None:
             return None
         t0 = time.perf_counter()

@@ -108,7 +108,8 @@ def layer_kind(cache: object) -> LayerKind:
     if type(cache) is RotatingKVCache and cache.keep == 0:
         return LayerKind("window", cache.max_size)
     if type(cache) is ArraysCache:
-        arrays = [(str(a.dtype).removeprefix("mlx.core."), tuple(a.shape)) for a in cache.cache if a is not None]
+        held: list[Any] = list(cache.cache)  # mlx arrays once a token has passed
+        arrays = [(str(a.dtype).removeprefix("mlx.core."), tuple(a.shape)) for a in held if a is not None]
         return LayerKind("state", arrays=tuple(arrays))
     if type(cache) is RotatingKVCache:
         raise ModelError(
@@ -153,7 +154,8 @@ def load_model(name: str | None = None, progress: Callable[[int, int], None] | N
     if not (path / "config.json").exists():
         raise ModelError(f"{path} has no config.json; not an mlx-lm model directory")
     try:
-        model, tokenizer = mlx_load(str(path))
+        # [:2]: mlx-lm's hint also allows the (model, tokenizer, config) of return_config=True
+        model, tokenizer = mlx_load(str(path))[:2]
     except Exception as err:
         raise ModelError(f"cannot load model from {path}: {err}") from None
     return LoadedModel(_loadable_reference(name, path), path, label, model, tokenizer, model_fingerprint(path))
@@ -161,8 +163,9 @@ def load_model(name: str | None = None, progress: Callable[[int, int], None] | N
 
 def _loadable_reference(name: str | None, path: Path) -> str:
     """What ``mlx_lm.load`` accepts as it is: the hub id the user gave, else the directory."""
-    hub_id = name is not None and not Path(name).expanduser().is_dir() and _HUB_ID.match(name)
-    return name if hub_id else str(path.resolve())
+    if name is not None and not Path(name).expanduser().is_dir() and _HUB_ID.match(name):
+        return name
+    return str(path.resolve())
 
 
 def model_fingerprint(path: Path) -> str:
