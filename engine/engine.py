@@ -30,6 +30,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from types import MappingProxyType
+from typing import Any
 
 import numpy as np
 from mlx_lm.generate import BatchGenerator
@@ -254,7 +255,14 @@ class Engine:
             self.cached_tokens.add(request.restored.num_pages * self.config.page_size + request.partial_tokens)
             self.totals.store_seconds += time.perf_counter() - t0
         request.t_admit = time.perf_counter()
-        done, segments = request.prefix_tokens, [request.prompt[request.prefix_tokens :]]
+        done = request.prefix_tokens
+        options: dict[str, Any] = {
+            "max_tokens": [request.params.max_tokens],
+            "caches": [cache],  # a None cache is a fresh one (mlx-lm's insert), though its hint says List[List[Any]]
+            "all_tokens": [request.prompt[:done]],
+            "samplers": [sampler(request.params)],
+            "logits_processors": [logits_processors(request.params)],
+        }
         if self.geometry.snapshot_nbytes and self.store is not None:  # prefill chunks end where states are kept
             request.snapshot_spacing = self.config.snapshot_spacing or choose_spacing(
                 self.profile, self.config.page_size, self.geometry.snapshot_nbytes, len(request.prompt)
@@ -263,15 +271,9 @@ class Engine:
                 len(request.prompt), self.config.page_size, request.snapshot_spacing
             )
             segments = prefill_segments(request.prompt, done, self.config.page_size, request.snapshot_pages)
-        (request.uid,) = self.generator.insert_segments(
-            [segments],
-            max_tokens=[request.params.max_tokens],
-            # a None cache is a fresh one (mlx-lm's insert_segments), though its hint says List[List[Any]]
-            caches=[cache],  # type: ignore[list-item]
-            all_tokens=[request.prompt[:done]],
-            samplers=[sampler(request.params)],
-            logits_processors=[logits_processors(request.params)],
-        )
+            (request.uid,) = self.generator.insert_segments([segments], **options)
+        else:
+            (request.uid,) = self.generator.insert([request.prompt[done:]], **options)
         self._running[request.uid] = request
         if self._prefix_flight:
             self.scheduler.computing(request.rid, request.keys[request.published :])
