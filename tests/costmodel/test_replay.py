@@ -4,13 +4,14 @@ hand, the bound on the shared Mooncake trace against an independent count, and
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from kvtier.costmodel import replay as rp
 from kvtier.costmodel.profile import Profile
+
+from .. import cli
 
 KV_PER_TOKEN = 12288
 PAGE_BYTES = 512 * KV_PER_TOKEN  # 6 MiB
@@ -160,9 +161,7 @@ def test_policies_stay_under_the_bound_and_the_caps(policy, admit):
 
 
 def kvtier(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "kvtier.engine.cli", *args], capture_output=True, text=True, timeout=300
-    )
+    return cli.run(args)
 
 
 def test_cli_replay_json_reports_bound_and_each_policy(tmp_path):

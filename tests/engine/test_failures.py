@@ -30,6 +30,7 @@ from kvtier.tiers.l3.lmdb_store import DiskTier
 from kvtier.tiers.l3.record import FORMAT_VERSION, RecordHeader, decode_record
 from kvtier.tiers.page import page_keys, reusable_pages
 
+from .. import cli
 from ..tiers.test_disk import _raw_env
 from ..tiers.test_reliability import assert_consistent, damage_record
 from .conftest import on_tiny_model, text_prompt
@@ -74,14 +75,8 @@ REUSABLE = [reusable_pages(len(p), PAGE) for p in PROMPTS]  # pages a prompt res
 STORED = [len(p) // PAGE for p in PROMPTS]  # pages a run stores: every full page, the last one too
 
 
-def kvtier(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "kvtier.engine.cli", *on_tiny_model(args)],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=REPO,
-    )
+def kvtier(*args: str) -> subprocess.CompletedProcess:
+    return cli.run(on_tiny_model(args), cwd=REPO)
 
 
 def run_args(store: Path | None, *extra: str, prompts: list[str] = PROMPTS) -> list[str]:
