@@ -419,7 +419,9 @@ class TieredStore:
         if self.disk is not None:
             tiers["L3"] = self.disk.counters.cumulative()
         links = self.ledger.cumulative()
-        return {"tiers": tiers, "links": links}
+        if self.snapshots is None:
+            return {"tiers": tiers, "links": links}
+        return {"tiers": tiers, "links": links, "snapshots": self.snapshots.cumulative()}
 
     def stats(self) -> dict:
         """Counters of this process: per tier (gauges included) and per link."""

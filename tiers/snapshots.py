@@ -167,3 +167,10 @@ class Snapshots:
     def stats(self) -> dict:
         """Counts and bytes of snapshots per tier (L1, L2) and per link."""
         return {"tiers": {t.name: asdict(t.counters) for t in (self.l1, self.l2)}, "links": self.ledger.stats()}
+
+    def cumulative(self) -> dict:
+        """The counters of ``stats`` that only grow (what the store persists)."""
+        return {
+            "tiers": {t.name: t.counters.cumulative() for t in (self.l1, self.l2)},
+            "links": self.ledger.cumulative(),
+        }

@@ -4,6 +4,8 @@ output equal to mlx-lm's own."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from kvtier.engine.engine import Engine, EngineConfig
@@ -12,6 +14,7 @@ from kvtier.engine.request import SamplingParams
 from kvtier.tiers.hierarchy import StoreConfig
 from kvtier.tiers.page import page_keys, snapshot_key
 
+from .. import cli
 from ..tiers.test_disk import _raw_env
 from .conftest import mlx_lm_greedy, text_prompt
 from .kind_models import restoring_wins, write_model
@@ -164,3 +167,18 @@ def test_a_restored_and_a_fresh_request_in_one_batch(lfm2, tmp_path):
     engine.close()
     assert restored.output == mlx_lm_greedy(lfm2, shared, GREEDY.max_tokens) and restored.sources()["L1"] == 112
     assert fresh.output == mlx_lm_greedy(lfm2, other, GREEDY.max_tokens) and fresh.sources()["recomputed"] == 70
+
+
+def test_snapshot_counters_persist_in_the_store(lfm2, tmp_path):
+    prompt = text_prompt(lfm2, 150, seed=12)
+    engine = make_engine(lfm2, tmp_path)
+    run_one(engine, prompt)
+    taken = engine.stats()["snapshots"]["tiers"]["L1"]["inserts"]
+    engine.close()  # flushes the snapshots to L3 and adds this run's counters to the store's
+    done = cli.run(["stats", "--store", tmp_path, "--json"])
+    snapshots = json.loads(done.stdout)["snapshots"]
+    assert taken == 5 and snapshots["tiers"]["L1"]["inserts"] == taken
+    written = snapshots["links"]["L1->L3"]
+    assert written["pages"] == taken and written["bytes"] == taken * engine.geometry.snapshot_nbytes
+    metrics = cli.run(["stats", "--store", tmp_path, "--prometheus"]).stdout
+    assert f'kvtier_snapshot_link_pages_total{{snapshot_link="L1->L3"}} {float(taken)}' in metrics
