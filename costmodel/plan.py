@@ -80,7 +80,13 @@ def restore_seconds(sources: Sequence[Source], page_bytes: int, profile: Profile
 
 
 def plan_restore(
-    matched: Sequence[Source], prompt_tokens: int, page_size: int, page_bytes: int, profile: Profile, codec: str = "raw"
+    matched: Sequence[Source],
+    prompt_tokens: int,
+    page_size: int,
+    page_bytes: int,
+    profile: Profile,
+    codec: str = "raw",
+    points: Sequence[int] | None = None,
 ) -> RestorePlan:
     """The plan with the least predicted time to the end of prefill.
 
@@ -93,6 +99,10 @@ def plan_restore(
     The pages loaded beside the model never include an L1 page (its bytes are device
     memory, read on the model's thread only), so a prefix with an L1 page after its
     leading L1 pages is restored serially.
+
+    ``points``: the only prefix lengths (in pages) that can be restored, a hybrid
+    model's restore points (``TieredStore.restore_points``); restored serially, and
+    its L1 pages are used only when one is at or after them. None: every length.
     """
     loads = LoadCost(matched, page_bytes, profile, codec)
     compute = profile.compute.predict
@@ -101,10 +111,13 @@ def plan_restore(
     next_l1 = next((i for i in l1 if i >= lead), len(matched))  # the loads stop before it
     recompute = compute(prompt_tokens, 0)
     best = RestorePlan([s.value for s in matched], 0, float("inf"), recompute, 0, lead)
-    for k in range(l1[-1] + 1 if l1 else 0, len(matched) + 1):
+    allowed = None if points is None else {0, *points}
+    for k in range(l1[-1] + 1 if l1 and allowed is None else 0, len(matched) + 1):
+        if allowed is not None and k not in allowed:
+            continue
         rest = compute(prompt_tokens - k * page_size, k * page_size)
         options = [(loads.seconds(0, k) + rest, 0)]
-        most = k - lead - 1 if k <= next_l1 else 0  # compute c pages while at least one loads
+        most = k - lead - 1 if k <= next_l1 and allowed is None else 0  # compute c pages while at least one loads
         if most >= 1:
 
             def front(c: int) -> float:

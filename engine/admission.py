@@ -57,8 +57,16 @@ class Admission:
         profile = profile.capped(self.config.store.throttle)
         if self.prefix_flight and self.hold_for_prefix(request, matched, profile):
             return None
+        size = self.config.page_size
+        after = request.prompt[len(matched) * size : len(request.prompt) - 1]
         request.plan = plan_restore(
-            matched, len(request.prompt), self.config.page_size, self.geometry.nbytes, profile, self.config.store.codec
+            matched,
+            len(request.prompt),
+            size,
+            self.geometry.nbytes,
+            profile,
+            self.config.store.codec,
+            self.store.restore_points(request.keys[: len(matched)], after),
         )
         request.l1_tokens_at_admission = l1_tokens(matched, self.config.page_size)
         return matched

@@ -18,6 +18,7 @@ class EngineConfig:
     single_flight: str = "prefix"  # or "after-prefill" | "at-completion" (exact inputs only) | "off"
     publish: str = "incremental"  # after every step, or "at-completion" only
     publish_answers: bool = False  # at the end, also the pages the answer filled (a server's next turn)
+    snapshot_spacing: int = 0  # a hybrid model keeps its state every this many pages; 0: the cost model's choice
     max_running: int = 32  # requests in the BatchGenerator at once; the rest wait
     refresh_window: int = 128  # waiting requests whose L1 pages are touched before admission
     window_s: float = 30.0  # cached tokens per second are measured over this window

@@ -30,11 +30,13 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from types import MappingProxyType
+from typing import Any
 
 import numpy as np
 from mlx_lm.generate import BatchGenerator
 
 from kvtier.costmodel.plan import Profile
+from kvtier.costmodel.spacing import choose_spacing, prefill_segments, snapshot_pages
 from kvtier.tiers.hierarchy import TieredStore
 from kvtier.tiers.page import page_keys, reusable_pages
 
@@ -254,15 +256,24 @@ class Engine:
             self.totals.store_seconds += time.perf_counter() - t0
         request.t_admit = time.perf_counter()
         done = request.prefix_tokens
-        (request.uid,) = self.generator.insert(
-            [request.prompt[done:]],
-            max_tokens=[request.params.max_tokens],
-            # a None cache is a fresh one (mlx-lm's insert_segments), though its hint says List[List[Any]]
-            caches=[cache],  # type: ignore[list-item]
-            all_tokens=[request.prompt[:done]],
-            samplers=[sampler(request.params)],
-            logits_processors=[logits_processors(request.params)],
-        )
+        options: dict[str, Any] = {
+            "max_tokens": [request.params.max_tokens],
+            "caches": [cache],  # a None cache is a fresh one (mlx-lm's insert), though its hint says List[List[Any]]
+            "all_tokens": [request.prompt[:done]],
+            "samplers": [sampler(request.params)],
+            "logits_processors": [logits_processors(request.params)],
+        }
+        if self.geometry.snapshot_nbytes and self.store is not None:  # prefill chunks end where states are kept
+            request.snapshot_spacing = self.config.snapshot_spacing or choose_spacing(
+                self.profile, self.config.page_size, self.geometry.snapshot_nbytes, len(request.prompt)
+            )
+            request.snapshot_pages = snapshot_pages(
+                len(request.prompt), self.config.page_size, request.snapshot_spacing
+            )
+            segments = prefill_segments(request.prompt, done, self.config.page_size, request.snapshot_pages)
+            (request.uid,) = self.generator.insert_segments([segments], **options)
+        else:
+            (request.uid,) = self.generator.insert([request.prompt[done:]], **options)
         self._running[request.uid] = request
         if self._prefix_flight:
             self.scheduler.computing(request.rid, request.keys[request.published :])
@@ -277,6 +288,8 @@ class Engine:
                 request.logprobs.append(token_logprob(response.logprobs, response.token, request.params.logprobs))
             request._tokens.put(response.token)
         if response.finish_reason is None:
+            if self.publisher is not None:
+                self.publisher.on_decode(request, response)
             return
         if self.publisher is not None:
             self.publisher.at_end(request, response)

@@ -15,6 +15,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from kvtier.tiers.hierarchy import RestoredPrefix, TieredStore
 
+from .cache_layers import append_rows, cache_from
 from .config import EngineConfig
 from .publisher import Publisher
 from .request import Request
@@ -30,6 +31,8 @@ class PrefixCaches:
     def build(self, request: Request, matched_pages: int) -> list | None:
         """The cache holding ``request.plan``'s prefix, then the shared start of the L1 page
         after it when no stored page of the ``matched_pages`` follows; None if empty."""
+        if self.store.geometry.snapshot_nbytes:
+            return self.restored_with_state(request, matched_pages)
         cache = self.restored(request)
         if request.prefix_tokens == matched_pages * self.config.page_size:  # no stored page follows
             cache = self.reuse_partial(request, cache)
@@ -46,7 +49,7 @@ class PrefixCaches:
         """
         plan, size, keys = request.plan, self.config.page_size, request.keys
         assert plan is not None, "restoring a request admission did not plan"
-        if not plan.overlap_pages:
+        if not plan.overlap_pages or self.store.geometry.window is not None:  # a window model restores serially
             request.restored = self.store.restore(keys[: plan.restore_pages], request.prompt)
             request.pinned = list(request.restored.keys)
             request.prefix_tokens = request.restored.num_pages * size
@@ -74,6 +77,25 @@ class PrefixCaches:
             )
         return cache
 
+    def restored_with_state(self, request: Request, matched_pages: int) -> list | None:
+        """A hybrid model's cache: the plan's pages with the state after them, from a
+        snapshot (the store cuts the pages back to one) or, when the plan takes every
+        matched page, from the L1 partial page after them with its state. Serial."""
+        assert request.plan is not None, "restoring a request admission did not plan"
+        size, restore = self.config.page_size, request.plan.restore_pages
+        then = None
+        if restore == matched_pages:
+            parent = request.keys[restore - 1] if restore else self.root
+            then = self.store.match_partial(parent, request.prompt[restore * size : len(request.prompt) - 1])
+        request.restored = self.store.restore(request.keys[:restore], request.prompt, then=then)
+        request.pinned = list(request.restored.keys)
+        request.partial_tokens = request.restored.partial_tokens
+        request.prefix_tokens = request.restored.num_pages * size + request.partial_tokens
+        if not request.prefix_tokens:
+            return None
+        state = request.restored.state
+        return cache_from(self.model, self.store.geometry, request.restored.layers, request.prefix_tokens, state)
+
     def reuse_partial(self, request: Request, cache: list | None) -> list | None:
         """Append to the restored prefix the start of the L1 page after it that the
         prompt shares (a previous request's last partial page, or a page this prompt
@@ -85,8 +107,7 @@ class PrefixCaches:
         if match is None:
             return cache
         cache = cache or make_prompt_cache(self.model)
-        for layer, c in enumerate(cache):
-            c.update_and_fetch(match.kv[layer, 0][None], match.kv[layer, 1][None])
+        append_rows(cache, self.store.geometry, match.kv)
         request.partial_tokens = match.num_tokens
         request.prefix_tokens += match.num_tokens
         return cache
@@ -99,13 +120,8 @@ class PrefixCaches:
             mx.eval([c.state for c in cache])
 
     def cache_from(self, layers: list[tuple[mx.array, mx.array]], num_tokens: int) -> list | None:
-        """An mlx-lm cache holding these per-layer K/V; None (mlx-lm makes one) when empty."""
-        if not num_tokens:
-            return None
-        cache = make_prompt_cache(self.model)
-        for c, (keys, values) in zip(cache, layers):
-            c.state = (keys, values, num_tokens)
-        return cache
+        """An mlx-lm cache holding these per-row K/V; None (mlx-lm makes one) when empty."""
+        return cache_from(self.model, self.store.geometry, layers, num_tokens) if num_tokens else None
 
     def close(self) -> None:
         self._loader.shutdown()

@@ -17,6 +17,7 @@ from mlx_lm.generate import BatchGenerator
 from kvtier.tiers.hierarchy import TieredStore
 from kvtier.tiers.page import Namespace, PageKey, page_keys
 
+from .cache_layers import page_kv, snapshot
 from .config import EngineConfig
 from .request import Request
 from .scheduler import Scheduler
@@ -42,7 +43,9 @@ class Publisher:
         """Publish every page of the request that became full in this step; at the end of
         a leader's prompt, release its single-flight followers."""
         early = response.end_of_prompt and self.scheduler.is_leader(request.rid)
-        if self.config.publish == "incremental" or early:
+        if self.store.geometry.snapshot_nbytes:
+            self.with_state(request, response)
+        elif self.config.publish == "incremental" or early:
             in_cache = request.prefix_tokens + response.progress[0]
             ready = min(len(request.keys), in_cache // self.config.page_size)
             if ready > request.published:
@@ -50,6 +53,30 @@ class Publisher:
                 self.publish(request, caches, ready)
         if response.end_of_prompt:
             self.scheduler.prefilled(request.rid)
+
+    def with_state(self, request: Request, response) -> None:
+        """A hybrid model's prefill step: publish the pages that became full, the state
+        where a snapshot is due (``request.snapshot_pages``: the step ended there), and
+        at the end of the prompt its last partial page with the state after it (L1).
+        Whatever the publish setting: a state exists only at the step that reaches it."""
+        caches, _ = self.generator.extract_cache([request.uid])[request.uid]
+        g, size, keys = self.store.geometry, self.config.page_size, request.keys
+        held = caches[g.rows[0]].offset  # tokens in the cache (at the end of the prompt: all of them)
+        ready = min(len(keys), held // size)
+        if ready > request.published:
+            self.publish(request, caches, ready)
+        t0 = time.perf_counter()
+        if held % size == 0 and held // size in request.snapshot_pages and held // size <= request.published:
+            state = snapshot(caches, g)
+            mx.eval(state)
+            self.store.publish_snapshot(keys[held // size - 1], request.prompt[held - size : held], state)
+        done = len(keys) * size
+        if response.end_of_prompt and request.published == len(keys) and 0 < held - done < size:
+            kv, state = page_kv(caches, g, done, held), snapshot(caches, g)
+            if kv is not None:
+                mx.eval(kv, state)
+                self.store.publish_partial(keys[-1] if keys else self.root, request.prompt[done:held], kv, state)
+        self.totals.store_seconds += time.perf_counter() - t0
 
     def publish(
         self,
@@ -68,7 +95,11 @@ class Publisher:
         for i in range(request.published, ready):
             if not self.store.wants(keys[i]):  # recomputed over an L1 page: nothing to copy out
                 continue
-            pages.append((i, page_kv(caches, i * size, (i + 1) * size)))
+            kv = page_kv(caches, self.store.geometry, i * size, (i + 1) * size)
+            if kv is None:  # a window layer has left it: the pages from here stay unpublished
+                ready = i
+                break
+            pages.append((i, kv))
         mx.eval([kv for _, kv in pages])
         for i, kv in pages:
             self.store.publish(keys[i], tokens[i * size : (i + 1) * size], kv, parent=keys[i - 1] if i else self.root)
@@ -76,30 +107,55 @@ class Publisher:
         request.published = ready
         self.totals.store_seconds += time.perf_counter() - t0
 
+    def on_decode(self, request: Request, response) -> None:
+        """With ``publish_answers``, a sliding-window or hybrid model's answer pages are
+        published as they fill: a window layer holds only its last tokens by the end,
+        and a state exists only at the step that reaches it (a snapshot is kept every
+        ``request.snapshot_spacing`` pages of the sequence). mlx-lm may have fed the newest
+        token to the model already (it runs a step ahead), so the cache is read when
+        either the sequence or the sequence without its newest token ends a page."""
+        g, size = self.store.geometry, self.config.page_size
+        sequence = request.prompt + request.output
+        if g.window is None and not g.snapshot_nbytes or not self.config.publish_answers:
+            return
+        if len(sequence) // size <= request.published or len(sequence) % size not in (0, 1):
+            return
+        caches, _ = self.generator.extract_cache([request.uid])[request.uid]
+        tokens = sequence[: caches[g.rows[0]].offset]
+        keys = page_keys(self.namespace, tokens)
+        if len(tokens) % size or len(keys) <= request.published:
+            return
+        self.publish(request, caches, len(keys), keys, tokens)
+        if g.snapshot_nbytes and len(keys) % request.snapshot_spacing == 0 and request.published == len(keys):
+            state = snapshot(caches, g)
+            mx.eval(state)
+            self.store.publish_snapshot(keys[-1], tokens[-size:], state)
+
     def at_end(self, request: Request, response) -> None:
         """At the end, publish the full pages of the sequence not published yet, and keep
-        its last partial page in L1 (``TieredStore.publish_partial``). The sequence is
-        the prompt or, with ``publish_answers``, the prompt and the answer, keyed by
-        the generated tokens, so that a next turn whose prompt holds this prompt and
-        this answer restores both (DESIGN §8a). mlx-lm feeds every token it reports
-        back into the cache, the last one too: the cache holds ``all_tokens``, prompt
-        and output (EOS included)."""
+        its last partial page in L1 (``TieredStore.publish_partial``; a hybrid model's
+        with the state after it). The sequence is the prompt or, with
+        ``publish_answers``, the prompt and the answer, keyed by the generated tokens,
+        so that a next turn whose prompt holds this prompt and this answer restores both
+        (DESIGN §8a). mlx-lm feeds every token it reports back into the cache, the last
+        one too: the cache holds ``all_tokens``, prompt and output (EOS included). A
+        hybrid model's state is after all of them, so without ``publish_answers`` its
+        partial page is the one kept at the end of its prompt (``with_state``)."""
+        g = self.store.geometry
+        if g.snapshot_nbytes and not self.config.publish_answers:
+            return
         caches = response.prompt_cache
         tokens = list(response.all_tokens) if self.config.publish_answers else request.prompt
-        tokens = tokens[: caches[0].offset]
+        tokens = tokens[: caches[g.rows[0]].offset]
         keys = page_keys(self.namespace, tokens)
         if len(keys) > request.published:
             self.publish(request, caches, len(keys), keys, tokens)
         done = len(keys) * self.config.page_size
-        if done < len(tokens):
+        if done < len(tokens) and request.published >= len(keys):  # the pages before it are stored
             t0 = time.perf_counter()
-            kv = page_kv(caches, done, len(tokens))
-            mx.eval(kv)
-            self.store.publish_partial(keys[-1] if keys else self.root, tokens[done:], kv)
+            kv = page_kv(caches, g, done, len(tokens))
+            if kv is not None:
+                state = snapshot(caches, g) if g.snapshot_nbytes else None
+                mx.eval(kv, state)
+                self.store.publish_partial(keys[-1] if keys else self.root, tokens[done:], kv, state)
             self.totals.store_seconds += time.perf_counter() - t0
-
-
-def page_kv(caches: list, start: int, end: int) -> mx.array:
-    """Tokens ``start..end`` of a one-sequence mlx-lm cache in page layout:
-    (layers, 2, kv_heads, tokens, head_dim), a new array."""
-    return mx.stack([mx.stack([c.keys[0, :, start:end], c.values[0, :, start:end]]) for c in caches])

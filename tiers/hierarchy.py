@@ -60,24 +60,13 @@ from .links import LinkLedger, Throttle
 from .page import Namespace, PageGeometry, PageKey, Source, page_tokens, partial_key, shared_start
 from .placement import Pins, Placement
 from .policy import DEFAULT_POLICY, L3Admission, make_policy
-from .restore import PendingRestore, RestoredPrefix, Restorer
+from .restore import PartialMatch, PendingRestore, RestoredPrefix, Restorer
+from .snapshots import Snapshots
 from .tier import DevicePage, DeviceTier, HostTier, TierView
 
 __all__ = ["PartialMatch", "PendingRestore", "RestoredPrefix", "StoreConfig", "StoreView", "TieredStore"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class PartialMatch:
-    """The start of an L1 page that a prompt shares (``TieredStore.match_partial``)."""
-
-    key: PageKey
-    kv: mx.array  # (layers, 2, kv_heads, tokens, head_dim): the shared tokens only
-
-    @property
-    def num_tokens(self) -> int:
-        return self.kv.shape[3]
 
 
 @dataclass(frozen=True)
@@ -88,6 +77,7 @@ class StoreView:
     l2: TierView
     pins: Mapping[PageKey, int]  # pinned page -> pins held (a request's restore, each)
     l3_open: bool  # an L3 backend is open (False once ``close`` has flushed and closed it)
+    snapshots: tuple[TierView, TierView] | None = None  # a hybrid model's snapshot L1 and L2
 
 
 @dataclass
@@ -109,6 +99,9 @@ class StoreConfig:
     page_bytes: int | None = None
     l3_queue_pages: int = 64  # L3 writes queued before more are dropped
     label: str = ""  # what `kvtier store ls` calls these pages' model (its name)
+    # a hybrid model's recurrent-state snapshots (tiers.snapshots): their own L1 and L2 caps
+    snapshot_l1_bytes: int = 256 << 20
+    snapshot_l2_bytes: int = 1 << 30
 
 
 class TieredStore:
@@ -126,7 +119,7 @@ class TieredStore:
         self.ns_digest = namespace.digest()
         page_bytes = config.page_bytes or geometry.nbytes
         self.l1 = DeviceTier(config.l1_bytes, page_bytes, make_policy(config.policy))
-        self.l2 = HostTier(config.l2_bytes, geometry, page_bytes, make_policy(config.policy))
+        self.l2 = HostTier(config.l2_bytes, geometry.nbytes, page_bytes, make_policy(config.policy))
         self.admission = L3Admission(config.l3_admit)
         self.disk = _open_disk(config)
         if self.disk is not None:
@@ -144,8 +137,39 @@ class TieredStore:
         self.links = self.ledger.links  # link name -> LinkCounters of this process
         self.pins = Pins()
         self.placement = Placement(
-            self.l1, self.l2, self.disk, self.ns_digest, geometry.page_size, self.admission, self.ledger, self.pins
+            self.l1,
+            self.l2,
+            self.disk,
+            self.ns_digest,
+            geometry.page_size,
+            self.admission,
+            self.ledger,
+            self.pins,
+            geometry.segments,
         )
+        self.snapshots = (
+            Snapshots(
+                geometry,
+                self.ns_digest,
+                config.snapshot_l1_bytes,
+                config.snapshot_l2_bytes,
+                self.disk,
+                self.admission,
+                config.policy,
+            )
+            if geometry.snapshot_nbytes
+            else None
+        )
+        if self.snapshots is not None and self.disk is not None:
+            self.disk.tables.describe_namespace(
+                self.snapshots.ns_digest,
+                {
+                    "model": f"{config.label or namespace.model_fingerprint[:12]} (state snapshots)",
+                    "page_size": 0,
+                    "dtype": "uint8",
+                    "salted": bool(namespace.cache_salt),
+                },
+            )
         self.restorer = Restorer(
             geometry,
             self.ns_digest,
@@ -194,14 +218,16 @@ class TieredStore:
 
     # -- restore -------------------------------------------------------------
 
-    def restore(self, keys: Sequence[PageKey], tokens: Sequence[int], first: int = 0) -> RestoredPrefix:
+    def restore(
+        self, keys: Sequence[PageKey], tokens: Sequence[int], first: int = 0, then: PartialMatch | None = None
+    ) -> RestoredPrefix:
         """Pin and load the longest loadable run of pages ``first..`` of ``keys`` as
-        per-layer device arrays (``begin`` then ``finish``).
+        per-layer device arrays (``begin`` then ``finish``; ``then``: see ``finish``).
 
         A page that vanished or failed its check since ``locate`` ends the run; the
         caller recomputes from there.
         """
-        return self.finish(self.begin(keys, tokens, first))
+        return self.finish(self.begin(keys, tokens, first), then)
 
     def begin(
         self, keys: Sequence[PageKey], tokens: Sequence[int], first: int = 0, ahead: bool = False
@@ -211,11 +237,41 @@ class TieredStore:
         with self._lock:
             return self.restorer.begin(keys, tokens, first, ahead)
 
-    def finish(self, pending: PendingRestore) -> RestoredPrefix:
+    def finish(self, pending: PendingRestore, then: PartialMatch | None = None) -> RestoredPrefix:
         """Join a begun restore's pages into per-layer device arrays and end its snapshot;
-        if the join fails its pages are unpinned."""
+        if the join fails its pages are unpinned. A hybrid model's restore ends after
+        its last page with a snapshot and holds that state, or, when the partial page
+        ``then`` (with its state) follows all of its pages, ends after that page's
+        tokens with its state (``Snapshots.attach``)."""
         with self._lock:
-            return self.restorer.finish(pending)
+            restored = self.restorer.finish(pending)
+            if self.snapshots is None or not (restored.keys or then):
+                return restored
+            restored, cut = self.snapshots.attach(restored, [p.tokens for p in pending.pages], then)
+            self.pins.release(cut)
+            return restored
+
+    def restore_points(self, keys: Sequence[PageKey], after: Sequence[int] = ()) -> list[int] | None:
+        """The prefix lengths in pages (0..len(keys)) a hybrid model can restore: those
+        followed by a snapshot, and ``len(keys)`` when a partial page with its state,
+        all of whose tokens ``after`` (the prompt's tokens after those pages, its last
+        excluded) starts with, follows them (unverified); None when every length can be."""
+        with self._lock:
+            if self.snapshots is None:
+                return None
+            points = self.snapshots.points(keys)
+            parent = keys[-1] if keys else self.ns_digest
+            if any(
+                p.state is not None and tuple(after[: len(p.tokens)]) == p.tokens for _, p in self.l1.following(parent)
+            ):
+                points.append(len(keys))
+            return points
+
+    def publish_snapshot(self, page: PageKey, tokens: Sequence[int], state: mx.array) -> bool:
+        """Keep a hybrid model's state right after page ``page`` (``Snapshots.publish``)."""
+        with self._lock:
+            assert self.snapshots is not None, "a snapshot of a model without state layers"
+            return self.snapshots.publish(page, tokens, state)
 
     def release(self, keys: Sequence[PageKey]) -> None:
         """Unpin pages taken by ``restore`` (or ``pin``)."""
@@ -232,6 +288,7 @@ class TieredStore:
                 self.l2.view(),
                 MappingProxyType(self.pins.held()),
                 self.disk is not None and not self._closed,
+                self.snapshots.views() if self.snapshots is not None else None,
             )
 
     # -- publish and spill ---------------------------------------------------
@@ -289,36 +346,40 @@ class TieredStore:
         with self._lock:
             return key not in self.l1
 
-    def publish_partial(self, parent: bytes, tokens: Sequence[int], kv: mx.array) -> bool:
-        """Keep a request's last, partial page (``kv``: its tokens along axis 3) in L1
-        after the page keyed ``parent``. It lives in L1 only: evicted, it is dropped,
-        and it is never flushed (L2 and L3 hold whole pages). It is weighed by the
-        eviction policy as the fraction of a page's recompute it saves. False if
-        already there or if L1 has no room."""
+    def publish_partial(
+        self, parent: bytes, tokens: Sequence[int], kv: mx.array, state: mx.array | None = None
+    ) -> bool:
+        """Keep a request's last, partial page (``kv``: its tokens along axis 3; a hybrid
+        model's ``state`` after them) in L1 after the page keyed ``parent``. It lives in
+        L1 only: evicted, it is dropped, and it is never flushed (L2 and L3 hold whole
+        pages). It is weighed by the eviction policy as the fraction of a page's
+        recompute it saves. False if already there or if L1 has no room."""
         key = partial_key(parent, tokens)
         with self._lock:
             if key in self.l1 or not self.placement.make_room(self.l1):
                 return False
-            self.l1.add(key, DevicePage(tuple(tokens), kv, parent), len(tokens) / self.geometry.page_size)
+            self.l1.add(key, DevicePage(tuple(tokens), kv, parent, state), len(tokens) / self.geometry.page_size)
             return True
 
     def match_partial(self, parent: bytes, tokens: Sequence[int]) -> PartialMatch | None:
         """The L1 page after ``parent`` (full or partial) whose start ``tokens`` shares
         most, cut to that start; None if none shares a token. The caller passes the
         prompt's tokens after its restored pages, its last token excluded. The match
-        counts as an L1 hit of its tokens."""
+        counts as an L1 hit of its tokens. A hybrid model's state cannot be cut: its
+        match is a partial page with its state, all of whose tokens the prompt shares."""
         with self._lock:
             best, shared = None, 0
             for key, page in self.l1.following(parent):
                 n = shared_start(page.tokens, tokens)
-                if n > shared:
+                whole = page.state is not None and n == len(page.tokens)
+                if n > shared and (self.snapshots is None or whole):
                     best, shared = key, n
             if best is None:
                 return None
             self.l1.counters.hit_tokens += shared
             match = self.l1.get(best)  # marked most recently used
             assert match is not None, "following() lists pages in L1 (under the same lock)"
-            return PartialMatch(best, match.kv[:, :, :, :shared])
+            return PartialMatch(best, match.kv[:, :, :, :shared], match.parent, match.state)
 
     # -- lifecycle and numbers -------------------------------------------------
 
@@ -331,6 +392,8 @@ class TieredStore:
     def flush(self) -> None:
         """Write every page that lives only in L1 or L2 down to L3 and wait for it."""
         with self._lock:
+            if self.snapshots is not None:
+                self.snapshots.flush()
             self.placement.flush()
 
     def __enter__(self) -> TieredStore:
@@ -356,7 +419,9 @@ class TieredStore:
         if self.disk is not None:
             tiers["L3"] = self.disk.counters.cumulative()
         links = self.ledger.cumulative()
-        return {"tiers": tiers, "links": links}
+        if self.snapshots is None:
+            return {"tiers": tiers, "links": links}
+        return {"tiers": tiers, "links": links, "snapshots": self.snapshots.cumulative()}
 
     def stats(self) -> dict:
         """Counters of this process: per tier (gauges included) and per link."""
@@ -364,14 +429,12 @@ class TieredStore:
             tiers = {t.name: asdict(t.counters) for t in (self.l1, self.l2)}
             if self.disk is not None:
                 tiers["L3"] = asdict(self.disk.counters)
-            links = self.ledger.stats()
-            if self.disk is None:
-                return {"tiers": tiers, "links": links}
-            return {
-                "tiers": tiers,
-                "links": links,
-                "l3": {"backend": self.disk.backend, "location": self.disk.location},
-            }
+            stats = {"tiers": tiers, "links": self.ledger.stats()}
+            if self.snapshots is not None:
+                stats["snapshots"] = self.snapshots.stats()
+            if self.disk is not None:
+                stats["l3"] = {"backend": self.disk.backend, "location": self.disk.location}
+            return stats
 
 
 def _open_disk(config: StoreConfig) -> L3Store | None:

@@ -64,7 +64,8 @@ class Joined:
     """A restore's pages joined into per-layer K/V, with the checksums taken on the way."""
 
     layers: list[tuple[mx.array, mx.array]]  # per layer K, V: (1, kv_heads, tokens, head_dim)
-    digests: list[int | None]  # xxh3_64 of each page's bytes where asked for, else None
+    # xxh3_64 of each page's bytes where asked for, else None (a window model's: one per segment)
+    digests: list[int | tuple[int | None, int | None] | None]
 
 
 def join_pages(hosts: list[np.ndarray], geometry: PageGeometry, digest: Sequence[bool] = ()) -> Joined:

@@ -78,17 +78,18 @@ class LinkLedger:
         self.links[link].record(nbytes, seconds, pages)
 
     def record_restore(
-        self, pages: list[tuple[Source, str, int]], page_nbytes: int, host_s: float, join_s: float, throttle: Throttle
+        self, pages: list[tuple[Source, str, int, int]], host_s: float, join_s: float, throttle: Throttle
     ) -> None:
-        """Add one restore's pages, each ``(source, codec, stored bytes)``, to the links
-        they crossed (``links_crossed``): each page takes an equal share of finding and
-        joining (``join_s``, counted on the link that ends in L1), each L3 page an equal
-        share of the host work (``host_s``: decodes, checks, an L3 throttle's wait,
-        counted on the link that leaves L3). A link out of L3 carries the stored bytes,
-        ``L2->L1`` the raw ones; an L2 throttle stretches the joins."""
+        """Add one restore's pages, each ``(source, codec, stored bytes read, raw bytes
+        joined)``, to the links they crossed (``links_crossed``): each page takes an
+        equal share of finding and joining (``join_s``, counted on the link that ends in
+        L1), each L3 page an equal share of the host work (``host_s``: decodes, checks,
+        an L3 throttle's wait, counted on the link that leaves L3). A link out of L3
+        carries the stored bytes, ``L2->L1`` the raw ones; an L2 throttle stretches the
+        joins. (A page of a sliding-window model may be read and joined in part.)"""
         moved: dict[Link, LinkCounters] = {}
-        from_l3 = sum(source is Source.L3 for source, _, _ in pages)
-        for source, codec, stored in pages:
+        from_l3 = sum(source is Source.L3 for source, *_ in pages)
+        for source, codec, stored, page_nbytes in pages:
             for link in links_crossed(source, codec):
                 leaves_l3 = link in READ_LINKS["L3"]
                 seconds = (host_s / from_l3 if leaves_l3 else 0.0) + (

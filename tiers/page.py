@@ -60,10 +60,15 @@ class Namespace:
     layout_version: int = LAYOUT_VERSION
     adapter_id: str = ""
     cache_salt: str = ""
+    layers: str = ""  # PageGeometry.describe_layers(): empty for a model of global-attention layers only
 
     def digest(self) -> bytes:
-        """Stable 16-byte digest; the root of every page key in this namespace."""
-        return _hash(msgpack.packb(asdict(self), use_bin_type=True))
+        """Stable 16-byte digest; the root of every page key in this namespace. ``layers``
+        is digested only when set, so a plain model's keys are what they always were."""
+        fields = asdict(self)
+        if not self.layers:
+            del fields["layers"]
+        return _hash(msgpack.packb(fields, use_bin_type=True))
 
 
 def page_keys(namespace: Namespace, tokens: Sequence[int] | np.ndarray) -> list[PageKey]:
@@ -89,6 +94,12 @@ def partial_key(parent: bytes, tokens: Sequence[int]) -> PageKey:
     return PageKey(_hash(parent, b"partial", np.asarray(tokens, dtype="<u4").tobytes()))
 
 
+def snapshot_key(page: bytes) -> PageKey:
+    """Key of the state snapshot taken right after the page keyed ``page``; never a
+    page's key."""
+    return PageKey(_hash(page, b"snapshot"))
+
+
 def shared_start(a: Sequence[int], b: Sequence[int]) -> int:
     """How many leading tokens ``a`` and ``b`` have in common."""
     n = min(len(a), len(b))
@@ -105,11 +116,47 @@ _NUMPY_STORAGE = {"bfloat16": "<u2", "float16": "<f2", "float32": "<f4"}
 
 
 @dataclass(frozen=True)
+class LayerKind:
+    """What one layer keeps of a sequence (DESIGN §3a): ``"kv"``, every token (global
+    attention); ``"window"``, the last ``window`` tokens and the first ``keep``
+    (sliding-window attention, mlx-lm's ``RotatingKVCache``); ``"state"``, fixed-size
+    recurrent state, ``arrays`` of (dtype, shape) (mlx-lm's ``ArraysCache``)."""
+
+    name: str
+    window: int = 0
+    keep: int = 0
+    arrays: tuple[tuple[str, tuple[int, ...]], ...] = ()
+
+    def describe(self) -> str:
+        if self.name == "state":
+            return "state:" + "+".join(f"{dtype}{list(shape)}" for dtype, shape in self.arrays)
+        return self.name if self.name == "kv" else f"{self.name}:{self.window}:{self.keep}"
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of a state layer's arrays (0 for attention layers)."""
+        return sum(math.prod(shape) * np.dtype(_NUMPY_STORAGE[dtype]).itemsize for dtype, shape in self.arrays)
+
+
+GLOBAL = LayerKind("kv")
+
+
+@dataclass(frozen=True)
 class PageGeometry:
     """Shape and dtype of one page's KV: ``(layers, 2, kv_heads, page_size, head_dim)``.
 
     The payload bytes of a page are this array in C order, K before V within a
     layer, so one page is one contiguous buffer in every tier.
+
+    ``kinds`` gives each attention layer's kind in model order (empty: all global).
+    A page's rows hold the global layers first, then the window layers (``rows``), so
+    its bytes are two segments (``segments``) that a restore reads apart: the global
+    segment of every page, the window segment only of the pages a window still sees
+    (``window_pages``).
+
+    Every window layer has the same window and keep. Layers of kind ``"state"`` are
+    no rows of a page: their state after a page is a snapshot (``snapshot_nbytes``
+    bytes, the layers' arrays in model order), stored apart under ``snapshot_key``.
     """
 
     num_layers: int
@@ -117,6 +164,61 @@ class PageGeometry:
     head_dim: int
     page_size: int
     dtype: str
+    kinds: tuple[LayerKind, ...] = ()
+
+    def __post_init__(self) -> None:
+        windows = {(k.window, k.keep) for k in self.kinds if k.name == "window"}
+        if len(windows) > 1 or len(self.rows) != self.num_layers:
+            raise ValueError(f"one window and keep for every window layer, one kind per layer: {self.kinds}")
+
+    @property
+    def rows(self) -> tuple[int, ...]:
+        """The attention layer (model order) of each row of a page."""
+        kinds = self.kinds or (GLOBAL,) * self.num_layers
+        return tuple(i for name in ("kv", "window") for i, k in enumerate(kinds) if k.name == name)
+
+    @property
+    def global_rows(self) -> int:
+        """Rows ``[0, global_rows)`` are global layers, the rest window layers."""
+        return sum(k.name == "kv" for k in self.kinds) if self.kinds else self.num_layers
+
+    @property
+    def window(self) -> LayerKind | None:
+        """The kind of the window layers; None without any."""
+        return next((k for k in self.kinds if k.name == "window"), None)
+
+    @property
+    def segments(self) -> tuple[int, ...]:
+        """Byte lengths of a page's segments: (global rows, window rows) when the model
+        has window layers, else () (one segment, the whole page)."""
+        if self.window is None:
+            return ()
+        row = self.nbytes // self.num_layers
+        return (self.global_rows * row, (self.num_layers - self.global_rows) * row)
+
+    def window_pages(self, pages: int) -> list[int]:
+        """The pages of a ``pages``-page prefix whose window rows its restore reads: those
+        holding its first ``keep`` tokens and its last ``window`` tokens."""
+        kind, size = self.window, self.page_size
+        if kind is None:
+            return list(range(pages))
+        sink = range(min(pages, -(-kind.keep // size)))
+        last = range(max(0, (pages * size - kind.window) // size), pages)
+        return sorted({*sink, *last})
+
+    @property
+    def state_layers(self) -> tuple[int, ...]:
+        """The model layers of kind ``"state"``, in model order."""
+        return tuple(i for i, k in enumerate(self.kinds) if k.name == "state")
+
+    @property
+    def snapshot_nbytes(self) -> int:
+        """Bytes of one snapshot of the state layers (0: the model has none)."""
+        return sum(k.nbytes for k in self.kinds)
+
+    def describe_layers(self) -> str:
+        """The layer kinds as the namespace digests them; empty when all are global."""
+        return ",".join(k.describe() for k in self.kinds) if any(k.name != "kv" for k in self.kinds) else ""
 
     @property
     def shape(self) -> tuple[int, int, int, int, int]:

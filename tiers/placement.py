@@ -65,8 +65,10 @@ class Placement:
         admission: L3Admission,
         ledger: LinkLedger,
         pins: Pins,
+        segments: tuple[int, ...] = (),
     ) -> None:
         self.l1, self.l2, self.disk = l1, l2, disk
+        self.segments = segments  # byte lengths of a page's separately checked segments (PageGeometry)
         self.ns_digest = ns_digest
         self.page_size = page_size
         self.admission = admission
@@ -113,7 +115,9 @@ class Placement:
         if not self.admission.admits(key):
             return False
         t0 = time.perf_counter()
-        queued = self.disk.put(key, self.ns_digest, page_tokens, data.data, wait=wait)  # the page's bytes, no copy
+        queued = self.disk.put(
+            key, self.ns_digest, page_tokens, data.data, wait=wait, segments=self.segments
+        )  # the page's bytes, no copy
         if queued:
             self.ledger.record(link, len(data), time.perf_counter() - t0)
         return queued

@@ -20,7 +20,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from contextlib import AbstractContextManager, ExitStack, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import mlx.core as mx
 import numpy as np
@@ -43,10 +43,26 @@ class RestoredPrefix:
     keys: list[PageKey]
     sources: list[Source]
     layers: list[tuple[mx.array, mx.array]]  # per layer K, V: (1, kv_heads, tokens, head_dim)
+    state: mx.array | None = None  # a hybrid model's state after the last page (``tiers.snapshots``)
+    partial_tokens: int = 0  # a hybrid model's: tokens of an L1 partial page after the pages, in ``layers``
 
     @property
     def num_pages(self) -> int:
         return len(self.keys)
+
+
+@dataclass(frozen=True)
+class PartialMatch:
+    """The start of an L1 page that a prompt shares (``TieredStore.match_partial``)."""
+
+    key: PageKey
+    kv: mx.array  # (layers, 2, kv_heads, tokens, head_dim): the shared tokens only
+    parent: bytes | None = None  # the key of the page before it
+    state: mx.array | None = None  # a hybrid model's state after them (the whole page is shared)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.kv.shape[3]
 
 
 @dataclass
@@ -163,15 +179,18 @@ class Restorer:
                 self.pins.release([p.key for p in pages])
                 raise
             digests = [a if a is not None else b for a, b in zip(pending.digests, joined.digests)]
-            good = self._cut(pages, self._first_bad(pages, digests))
+            bad = self._first_bad(pages, digests)
+            # a window model's restore read the window rows of its last pages only: cut
+            # short, it would need others', so it restores nothing (the caller recomputes)
+            good = self._cut(pages, bad if bad == len(pages) or self.geometry.window is None else 0)
+            window = set(self.geometry.window_pages(len(pages)))
             self.ledger.record_restore(
-                [(p.source, p.codec, p.stored) for p in good],
-                self.geometry.nbytes,
+                [(p.source, p.codec, *self._read(p, i in window)) for i, p in enumerate(good)],
                 pending.host_s,
                 pending.find_s + time.perf_counter() - t0,
                 self.throttle,
             )
-            self._keep_in_l1(good)
+            self._keep_in_l1([p for i, p in enumerate(good) if i in window or not p.raw_l3])
             kept = len(good) * self.geometry.page_size
             layers = (
                 joined.layers
@@ -179,6 +198,15 @@ class Restorer:
                 else [(k[:, :, :kept], v[:, :, :kept]) for k, v in joined.layers]
             )
             return RestoredPrefix([p.key for p in good], [p.source for p in good], layers)
+
+    def _read(self, page: _Page, whole: bool) -> tuple[int, int]:
+        """(bytes read where the page was found, raw bytes joined) of a restored page:
+        without its window rows (``whole`` False) a raw L3 record is read in part, and
+        only its global rows are joined."""
+        if whole or self.geometry.window is None:
+            return page.stored, self.geometry.nbytes
+        unread = self.geometry.segments[1]
+        return (page.stored - unread if page.raw_l3 else page.stored), self.geometry.nbytes - unread
 
     def _keep_in_l1(self, pages: list[_Page]) -> None:
         """Copy the restored pages that came from below L1 into L1 (module docstring:
@@ -198,7 +226,31 @@ class Restorer:
             if page.kv is not None:
                 page.data = self._shaped(kv_to_host(page.kv))
         hash_now = [p.raw_l3 and d is None for p, d in zip(pending.pages, pending.digests)]
-        return join_pages([p.host for p in pending.pages], self.geometry, hash_now)
+        if self.geometry.window is None:
+            return join_pages([p.host for p in pending.pages], self.geometry, hash_now)
+        return self._join_segments([p.host for p in pending.pages], hash_now)
+
+    def _join_segments(self, hosts: list[np.ndarray], hash_now: list[bool]) -> Joined:
+        """A window model's join: the global rows of every page, the window rows of the
+        pages its window sees (``PageGeometry.window_pages``), each segment hashed apart;
+        a page's digest is then a pair (global, window or None when not read)."""
+        g, split = self.geometry, self.geometry.global_rows
+        seen = g.window_pages(len(hosts))
+        parts = []
+        for rows, which in ((slice(0, split), range(len(hosts))), (slice(split, g.num_layers), seen)):
+            n = rows.stop - rows.start
+            part = replace(g, num_layers=n, kinds=())
+            parts.append(
+                join_pages([hosts[i][rows] for i in which], part, [hash_now[i] for i in which])
+                if n
+                else Joined([], [None] * len(which))
+            )
+        window_digest = dict(zip(seen, parts[1].digests))
+        digests: list[int | tuple[int | None, int | None] | None] = [
+            None if not hash_now[i] else (_whole(parts[0].digests[i]), _whole(window_digest.get(i)))
+            for i in range(len(hosts))
+        ]
+        return Joined(parts[0].layers + parts[1].layers, digests)
 
     def _snapshot(self) -> AbstractContextManager[Snapshot | None]:
         return self.disk.snapshot() if self.disk is not None else nullcontext()
@@ -288,7 +340,7 @@ class Restorer:
         in_parallel(hash_share, shares(raw, len(raw) * self.geometry.nbytes))
         return digests
 
-    def _first_bad(self, pages: list[_Page], digests: list[int | None]) -> int:
+    def _first_bad(self, pages: list[_Page], digests: list) -> int:
         """Index of the first raw L3 page whose bytes (hashed ahead, or as they were
         joined) fail its checksum (that record is rejected), else len(pages)."""
         for i, (page, digest) in enumerate(zip(pages, digests)):
@@ -311,3 +363,8 @@ class Restorer:
 
     def _shaped(self, data: np.ndarray | bytes | memoryview) -> np.ndarray:
         return np.frombuffer(data, self.geometry.storage_dtype).reshape(self.geometry.shape)
+
+
+def _whole(digest: int | tuple[int | None, int | None] | None) -> int | None:
+    """A digest of one segment's join (hashed whole: an int, or None when not hashed)."""
+    return digest if isinstance(digest, int) else None

@@ -20,7 +20,7 @@ import numpy as np
 
 from .counters import TierCounters
 from .layout import slot_arena
-from .page import PageGeometry, PageKey
+from .page import PageKey
 from .policy import EvictionPolicy
 
 Entry = TypeVar("Entry")
@@ -102,6 +102,7 @@ class DevicePage:
     tokens: tuple[int, ...]
     kv: mx.array
     parent: bytes | None = None
+    state: mx.array | None = None  # a hybrid model's partial page: the state after its tokens (uint8)
 
 
 class DeviceTier(Tier[DevicePage]):
@@ -153,12 +154,12 @@ class HostTier(Tier[HostPage]):
     def __init__(
         self,
         capacity: int,
-        geometry: PageGeometry,
+        slot_nbytes: int,
         page_nbytes: int | None = None,
         policy: EvictionPolicy | None = None,
     ) -> None:
-        super().__init__("L2", capacity, page_nbytes or geometry.nbytes, policy)
-        self.arena = slot_arena(self.max_pages, geometry.nbytes)
+        super().__init__("L2", capacity, page_nbytes or slot_nbytes, policy)
+        self.arena = slot_arena(self.max_pages, slot_nbytes)
         self.free_slots = list(range(self.max_pages - 1, -1, -1))
 
     def write(self, key: PageKey, tokens: tuple[int, ...], data: np.ndarray | bytes, cost: float = 1.0) -> None:

@@ -54,6 +54,9 @@ def _print_tables(counters: dict) -> None:
             f"data.mdb is {format_bytes(l3['file_bytes'])} on disk (`kvtier store compact` shrinks it). "
             "L1 and L2 capacities belong to each run (-)."
         )
+    if counters.get("snapshots"):
+        print("\nState snapshots of hybrid models (their L3 records count in L3 above):")
+        print(format_tier_table(counters["snapshots"]))
     if counters.get("engine"):
         print()
         print(format_engine_totals(counters["engine"]))

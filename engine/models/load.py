@@ -21,11 +21,11 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm import load as mlx_load
-from mlx_lm.models.cache import KVCache, make_prompt_cache
+from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
 from mlx_lm.utils import _download
 
 from kvtier.costmodel.profile import profile_key
-from kvtier.tiers.page import Namespace, PageGeometry
+from kvtier.tiers.page import GLOBAL, LayerKind, Namespace, PageGeometry
 
 from . import defaults
 from .gguf import GGUFError
@@ -50,30 +50,74 @@ class LoadedModel:
     fingerprint: str
 
     def geometry(self, page_size: int) -> PageGeometry:
-        """KV page geometry, read off a one-token forward pass."""
+        """KV page geometry, read off a one-token forward pass, with each layer's kind
+        (``layer_kind``; DESIGN §3a)."""
         cache = make_prompt_cache(self.model)
-        if not all(type(c) is KVCache for c in cache):
-            kinds = sorted({type(c).__name__ for c in cache})
-            raise ModelError(f"kvtier needs a plain KVCache per layer; this model uses {kinds}")
+        for c in cache:
+            layer_kind(c)  # refuse an unknown kind before any work
         self.model(mx.array([[0]]), cache=cache)
-        keys, values = cache[0].state[:2]
+        kinds = tuple(layer_kind(c) for c in cache)
+        narrowest = min((k.window for k in kinds if k.name == "window"), default=page_size)
+        if narrowest < page_size:
+            raise ModelError(f"page size {page_size} is larger than this model's sliding window ({narrowest} tokens)")
+        attention = [c for c, k in zip(cache, kinds) if k.name != "state"]
+        if not attention:
+            raise ModelError(
+                "kvtier needs at least one attention layer (a model of recurrent layers only has no pages)"
+            )
+        shapes = {(*c.state[0].shape[1::2], *c.state[1].shape[1::2]) for c in attention}  # heads, head dims
+        if len(shapes) > 1:
+            raise ModelError("kvtier needs the same KV heads and head dimension in every layer")
+        keys, values = attention[0].state[:2]
         if keys.shape[-1] != values.shape[-1]:
             raise ModelError("kvtier needs equal key and value head dimensions")
-        return PageGeometry(
-            num_layers=len(cache),
-            num_kv_heads=keys.shape[1],
-            head_dim=keys.shape[3],
-            page_size=page_size,
-            dtype=str(keys.dtype).removeprefix("mlx.core."),
-        )
+        try:
+            return PageGeometry(
+                num_layers=len(attention),
+                num_kv_heads=keys.shape[1],
+                head_dim=keys.shape[3],
+                page_size=page_size,
+                dtype=str(keys.dtype).removeprefix("mlx.core."),
+                kinds=kinds if any(k.name != "kv" for k in kinds) else (),
+            )
+        except ValueError as err:
+            raise ModelError(f"kvtier cannot page this model's layers: {err}") from None
 
     def namespace(self, geometry: PageGeometry, cache_salt: str = "") -> Namespace:
-        """The namespace of this model's pages (DESIGN §3)."""
-        return Namespace(self.fingerprint, geometry.dtype, geometry.page_size, cache_salt=cache_salt)
+        """The namespace of this model's pages (DESIGN §3), its layer kinds included."""
+        return Namespace(
+            self.fingerprint,
+            geometry.dtype,
+            geometry.page_size,
+            cache_salt=cache_salt,
+            layers=geometry.describe_layers(),
+        )
 
     def profile_key(self, geometry: PageGeometry) -> str:
         """Where this model's cost profile lives in a store (tenants share it)."""
         return profile_key(self.namespace(geometry).digest())
+
+
+def layer_kind(cache: object) -> LayerKind:
+    """The kind of one layer's mlx-lm cache (a state layer's arrays are known once a
+    token has passed); ModelError naming the cache class for one kvtier cannot restore
+    (yet: ``CacheList`` and the others; for good: a rotating cache that keeps its first
+    tokens, which mlx-lm's ``BatchGenerator`` drops when it batches the cache)."""
+    if type(cache) is KVCache:
+        return GLOBAL
+    if type(cache) is RotatingKVCache and cache.keep == 0:
+        return LayerKind("window", cache.max_size)
+    if type(cache) is ArraysCache:
+        held: list[Any] = list(cache.cache)  # mlx arrays once a token has passed
+        arrays = [(str(a.dtype).removeprefix("mlx.core."), tuple(a.shape)) for a in held if a is not None]
+        return LayerKind("state", arrays=tuple(arrays))
+    if type(cache) is RotatingKVCache:
+        raise ModelError(
+            f"kvtier cannot serve RotatingKVCache(keep={cache.keep}): mlx-lm's BatchGenerator drops the kept tokens"
+        )
+    raise ModelError(
+        f"kvtier cannot restore {type(cache).__name__} layers yet; it serves KVCache, RotatingKVCache and ArraysCache"
+    )
 
 
 def default_model_name() -> str:

@@ -38,6 +38,9 @@ class StatsCollector(Collector):
         stats = self._stats()
         yield from _table("tier", stats.get("tiers", {}), gauges=TIER_GAUGES)
         yield from _table("link", stats.get("links", {}), gauges=())
+        snapshots = stats.get("snapshots", {})  # a hybrid model's state snapshots
+        yield from _table("snapshot_tier", snapshots.get("tiers", {}), gauges=TIER_GAUGES)
+        yield from _table("snapshot_link", snapshots.get("links", {}), gauges=())
         if engine := stats.get("engine"):
             sources = CounterMetricFamily(
                 "kvtier_prompt_tokens", "prompt tokens by where they came from", labels=["source"]

@@ -20,6 +20,7 @@ from kvtier.tiers.l3.lmdb_store import DiskTier
 
 from .. import cli
 from .conftest import on_tiny_model
+from .kind_models import write_model
 
 pytestmark = pytest.mark.slow  # starts processes or loads the real model
 
@@ -131,39 +132,12 @@ def test_bad_input_is_one_line_exit_2_and_the_store_is_intact(store, tmp_path, a
 
 
 def test_unsupported_model_is_one_line_and_exit_2(tmp_path):
-    """A model with a rotating (sliding-window) cache: refused before any work."""
-    import mlx.core as mx
-    from mlx.utils import tree_flatten
-    from mlx_lm.models import llama
-
-    from kvtier.engine.models.defaults import ensure_default_model
-
-    config = {
-        "model_type": "llama",
-        "hidden_size": 64,
-        "num_hidden_layers": 2,
-        "intermediate_size": 128,
-        "num_attention_heads": 2,
-        "num_key_value_heads": 1,
-        "rms_norm_eps": 1e-5,
-        "vocab_size": 259,
-        "tie_word_embeddings": True,
-        "layer_types": ["sliding_attention", "full_attention"],
-        "sliding_window": 16,
-    }
-    model_dir = tmp_path / "rotating"
-    model_dir.mkdir()
-    mx.save_safetensors(
-        str(model_dir / "model.safetensors"),
-        dict(tree_flatten(llama.Model(llama.ModelArgs.from_dict(config)).parameters())),
-    )
-    (model_dir / "config.json").write_text(json.dumps(config))
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        (model_dir / name).write_bytes((ensure_default_model() / name).read_bytes())
+    """A model with a ``CacheList`` per layer: refused before any work, the kind named."""
+    model_dir = write_model(tmp_path / "falcon_h1", "falcon_h1")
     for argv in (["run", "--prompt", "hi"], ["calibrate"], ["bench", "restore"]):
         done = kvtier(*argv, "--model", str(model_dir), "--store", str(tmp_path / "s"), check=False)
         assert done.returncode == 2, done.stderr
-        assert "kvtier needs a plain KVCache per layer" in done.stderr and "RotatingKVCache" in done.stderr
+        assert "kvtier cannot restore CacheList layers yet" in done.stderr
         assert len(done.stderr.strip().splitlines()) == 1
 
 

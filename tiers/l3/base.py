@@ -196,11 +196,20 @@ class L3Store(ABC):
         self._hit(record)
         return raw
 
-    def accept(self, record: StoredRecord, digest: int) -> bool:
+    def accept(self, record: StoredRecord, digest: int | tuple[int | None, ...]) -> bool:
         """Whether a raw record's payload, hashed by the caller while it copied it (the
-        snapshot still open), matches its checksum; counted like ``verified``."""
-        if digest != record.header.checksum:  # find checked the length
-            self.reject(record.key, record.value, "checksum mismatch")
+        snapshot still open), matches its checksum; counted like ``verified``. A tuple
+        holds the digests of the payload's segments, None for a segment not read."""
+        try:
+            if isinstance(digest, int):
+                ok = digest == record.header.checksum  # find checked the length
+            else:
+                ok = all(d is None or d == record.segment_checksum(i) for i, d in enumerate(digest))
+            reason = "checksum mismatch"
+        except CorruptRecord as exc:
+            ok, reason = False, str(exc)
+        if not ok:
+            self.reject(record.key, record.value, reason)
             return False
         self._hit(record)
         return True
@@ -237,14 +246,16 @@ class L3Store(ABC):
         payload: bytes | memoryview,
         *,
         wait: bool = False,
+        segments: tuple[int, ...] = (),
     ) -> bool:
         """Queue a write-once page write; False (and counted) when the queue is full.
 
         ``wait=True`` waits for room instead of dropping (for flushes, off the request path).
+        ``segments``: byte lengths of the payload's separately checked segments.
         """
         if self.writer.queued(key) or self.contains(key):
             return True  # write-once: nothing to copy or write
-        pending = PendingPut(bytes(key), bytes(namespace_digest), token_bytes(tokens), bytes(payload))
+        pending = PendingPut(bytes(key), bytes(namespace_digest), token_bytes(tokens), bytes(payload), segments)
         if self._never_fits(len(payload)) or not self.writer.put(pending, wait=wait):  # never fits: nothing crosses
             self.count(writes_dropped=1)
             return False

@@ -5,7 +5,10 @@ is ``{"v": format version, "ns": namespace digest, "tok": token ids as <u4 bytes
 "codec": "raw" | "zstd" | "zstd-shuffle", "n": raw length, "xxh": xxh3_64 of the raw
 bytes}``, and a writer may add ``"pad"``: zero bytes that place the payload where its
 backend keeps it aligned (readers ignore keys they do not know); dtype and shape are
-implied by the namespace and the raw length. The payload is the raw bytes or a zstd
+implied by the namespace and the raw length. A page of a model with sliding-window
+layers adds ``"seg"``: ``[length, xxh3_64]`` of each segment of the raw bytes (global
+rows, window rows: ``tiers.page.PageGeometry.segments``), so that a restore reading one
+segment of a raw record checks it without reading the other. The payload is the raw bytes or a zstd
 frame (of the 2-byte planes for zstd-shuffle).
 
 A record is served only when its header names this format version, this namespace and
@@ -15,6 +18,7 @@ else raises ``CorruptRecord`` (the backend deletes such a record and counts it).
 
 from __future__ import annotations
 
+import itertools
 import struct
 import threading
 from collections.abc import Sequence
@@ -45,10 +49,13 @@ class RecordHeader:
     codec: str
     raw_len: int
     checksum: int
+    segments: tuple[tuple[int, int], ...] = ()  # (length, xxh3_64) of each segment; () when one
 
     def pack(self, pad: int = 0) -> bytes:
         """The header's bytes, ``pad`` bytes longer than without padding."""
-        fields = dict(zip(("v", "ns", "tok", "codec", "n", "xxh"), astuple(self)))
+        fields = dict(zip(("v", "ns", "tok", "codec", "n", "xxh"), astuple(self)[:6]))
+        if self.segments:
+            fields["seg"] = [list(s) for s in self.segments]
         if pad:
             fields["pad"] = bytes(pad - _PAD_FIELD)
         head = msgpack.packb(fields)
@@ -70,13 +77,16 @@ class RecordHeader:
         try:
             f = msgpack.unpackb(value[_LEN.size : end])
             values = (f["v"], f["ns"], f["tok"], f["codec"], f["n"], f["xxh"])
+            segments = tuple((int(n), int(x)) for n, x in f.get("seg", ()))
         except Exception as exc:  # msgpack raises many types on garbage
             raise CorruptRecord(f"header does not parse ({type(exc).__name__})") from None
         if tuple(map(type, values)) != (int, bytes, bytes, str, int, int):
             raise CorruptRecord("header field of the wrong type")
+        if segments and sum(n for n, _ in segments) != values[4]:
+            raise CorruptRecord("segments do not add up to the raw length")
         if f.get("pad", b"").strip(b"\0"):
             raise CorruptRecord("header padding is not zeros")
-        return cls(*values), end
+        return cls(*values, segments), end
 
 
 @dataclass
@@ -96,6 +106,12 @@ class StoredRecord:
     @property
     def compressed(self) -> bool:
         return self.header.codec != "raw"
+
+    def segment_checksum(self, index: int) -> int:
+        """xxh3_64 of raw segment ``index`` (CorruptRecord when the header has none)."""
+        if index >= len(self.header.segments):
+            raise CorruptRecord("record has no checksum for this segment")
+        return self.header.segments[index][1]
 
 
 def token_bytes(tokens: Sequence[int]) -> bytes:
@@ -134,13 +150,24 @@ def checked_record(
     return StoredRecord(bytes(key), header, value, value[offset:])
 
 
-def encode_record(namespace: bytes, tokens: bytes, raw: bytes, codec: str, level: int, at: int | None = None) -> bytes:
+def encode_record(
+    namespace: bytes,
+    tokens: bytes,
+    raw: bytes,
+    codec: str,
+    level: int,
+    at: int | None = None,
+    segments: Sequence[int] = (),
+) -> bytes:
     """The stored value of a page (``tokens`` as <u4 bytes). ``at``: where the backend
     places the value within a 4 KiB page, if it knows; a raw payload then starts at
     ``RAW_PAYLOAD_OFFSET`` modulo 64 (see ``tiers.layout.slot_arena``: copies from it into
-    mlx's arrays pair aligned loads with aligned stores)."""
+    mlx's arrays pair aligned loads with aligned stores). ``segments``: byte lengths
+    of the raw bytes' segments, each checksummed apart (module docstring)."""
     codec, body = encode_payload(codec, raw, level)
-    header = RecordHeader(FORMAT_VERSION, namespace, tokens, codec, len(raw), xxh3_64_intdigest(raw))
+    view, bounds = memoryview(raw), [0, *itertools.accumulate(segments)]
+    checks = tuple((b - a, xxh3_64_intdigest(view[a:b])) for a, b in zip(bounds, bounds[1:]))
+    header = RecordHeader(FORMAT_VERSION, namespace, tokens, codec, len(raw), xxh3_64_intdigest(raw), checks)
     packed = header.pack() if at is None or codec != "raw" else header.pack_aligned(at, 64, RAW_PAYLOAD_OFFSET)
     return b"".join((packed, body))
 

@@ -279,7 +279,8 @@ class RedisTier(L3Store):
         if not batch.puts:
             return
         records = [
-            (p.key, encode_record(p.namespace, p.tokens, p.payload, self._codec, self._level)) for p in batch.puts
+            (p.key, encode_record(p.namespace, p.tokens, p.payload, self._codec, self._level, segments=p.segments))
+            for p in batch.puts
         ]
 
         def write() -> list:

@@ -27,6 +27,7 @@ class PendingPut:
     namespace: bytes
     tokens: bytes
     payload: bytes
+    segments: tuple[int, ...] = ()  # byte lengths of the payload's segments (``record.encode_record``)
 
 
 @dataclass

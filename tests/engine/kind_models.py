@@ -1,0 +1,113 @@
+"""Small generated models whose mlx-lm caches are not a plain ``KVCache`` per layer.
+
+Each is written in the standard mlx-lm layout (``config.json``, ``model.safetensors``
+and the kvtier-tiny tokenizer files) and loaded through ``mlx_lm.load`` like any model
+directory. Weights are deterministic random (one RNG stream per parameter name), scaled
+so that outputs depend on the context. Sizes are tiny so each test runs in seconds:
+
+- ``gemma3_text``: sliding-window layers (``RotatingKVCache``, window 32) with a global
+  layer every second layer (``KVCache``);
+- ``lfm2``: a recurrent hybrid, short-convolution layers (``ArraysCache``: one state
+  array of the last ``conv_L_cache - 1`` inputs) between attention layers;
+- ``falcon_h1``: a ``CacheList`` (Mamba-2 state and KV) per layer, a kind kvtier does
+  not restore yet (its refusal names it).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import shutil
+import zlib
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+from mlx.utils import tree_flatten
+
+from kvtier.costmodel.models import ComputeModel
+from kvtier.costmodel.plan import Profile
+from kvtier.engine.engine import Engine
+from kvtier.engine.models.defaults import EOS_TOKEN_ID, ensure_default_model
+
+_VOCAB = 259  # the kvtier-tiny byte tokenizer: 256 bytes and 3 specials
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+CONFIGS = {
+    "gemma3_text": {
+        "model_type": "gemma3_text",
+        "hidden_size": 64,
+        "num_hidden_layers": 4,
+        "intermediate_size": 128,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "head_dim": 32,
+        "query_pre_attn_scalar": 32,
+        "sliding_window": 32,
+        "sliding_window_pattern": 2,
+        "vocab_size": _VOCAB,
+    },
+    "lfm2": {
+        "model_type": "lfm2",
+        "vocab_size": _VOCAB,
+        "hidden_size": 64,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "max_position_embeddings": 4096,
+        "norm_eps": 1e-5,
+        "conv_bias": False,
+        "conv_L_cache": 3,
+        "block_dim": 64,
+        "block_ff_dim": 128,
+        "block_multiple_of": 16,
+        "block_ffn_dim_multiplier": 1.0,
+        "block_auto_adjust_ff_dim": False,
+        "layer_types": ["conv", "full_attention", "conv", "full_attention"],
+    },
+    "falcon_h1": {
+        "model_type": "falcon_h1",
+        "vocab_size": _VOCAB,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "head_dim": 32,
+        "mamba_d_ssm": 64,
+        "mamba_d_state": 16,
+        "mamba_d_head": 16,
+        "mamba_n_heads": 4,
+        "mamba_chunk_size": 16,
+    },
+}
+
+
+def _weight(name: str, shape: tuple[int, ...]) -> np.ndarray:
+    rng = np.random.default_rng([7, zlib.crc32(name.encode())])
+    if "norm" in name:
+        return np.ones(shape, np.float32)
+    w = rng.standard_normal(shape).astype(np.float32)
+    return w if "embed" in name else w * np.float32(2.0 / np.sqrt(shape[-1]))
+
+
+def write_model(directory: Path, architecture: str) -> Path:
+    """Write the generated ``architecture`` model into ``directory``; returns it."""
+    config = {**CONFIGS[architecture], "eos_token_id": EOS_TOKEN_ID, "tie_word_embeddings": True}
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(config, indent=2))
+    for name in _TOKENIZER_FILES:
+        shutil.copy(ensure_default_model() / name, directory / name)
+    module = importlib.import_module(f"mlx_lm.models.{architecture}")
+    model = module.Model(module.ModelArgs.from_dict(config))
+    weights = {name: mx.array(_weight(name, tuple(p.shape))) for name, p in tree_flatten(model.parameters())}
+    mx.save_safetensors(str(directory / "model.safetensors"), weights, metadata={"format": "mlx"})
+    return directory
+
+
+def restoring_wins(engine: Engine) -> Engine:
+    """Prefill priced at 1 s a token, not learned online: every stored prefix is restored
+    (a tiny model computes so fast that a learned profile may rightly recompute)."""
+    engine.profile = Profile(Profile.defaults().links, ComputeModel([0.0, 1.0, 0.0]))
+    engine.profile.compute.observe = lambda *args, **kwargs: None
+    return engine

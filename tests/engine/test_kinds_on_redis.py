@@ -1,0 +1,46 @@
+"""A sliding-window and a recurrent-hybrid model restored from Redis after a restart:
+the window segments and the state snapshots go through the same record format."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvtier.engine.engine import Engine, EngineConfig
+from kvtier.engine.models.load import load_model
+from kvtier.engine.request import SamplingParams
+from kvtier.tiers.hierarchy import StoreConfig
+
+from ..redis_servers import needs_redis, redis_server  # noqa: F401
+from .conftest import mlx_lm_greedy, text_prompt
+from .kind_models import restoring_wins, write_model
+
+pytestmark = [pytest.mark.slow, needs_redis]
+
+PAGE = 16
+GREEDY = SamplingParams(max_tokens=8)
+
+
+@pytest.mark.parametrize("architecture", ["gemma3_text", "lfm2"])
+def test_restored_from_redis_after_a_restart(redis_server, tmp_path, architecture):  # noqa: F811
+    loaded = load_model(str(write_model(tmp_path / architecture, architecture)))
+    prompt = text_prompt(loaded, 150, seed=11)
+    expected = mlx_lm_greedy(loaded, prompt, GREEDY.max_tokens)
+
+    def engine() -> Engine:
+        store = StoreConfig(1 << 26, 1 << 26, store_dir=redis_server.url, snapshot_l2_bytes=1 << 20)
+        return restoring_wins(Engine(loaded, EngineConfig(page_size=PAGE, store=store, snapshot_spacing=2)))
+
+    first = engine()
+    (cold,) = first.generate([prompt], GREEDY)
+    first.close()
+    second = engine()
+    (restored,) = second.generate([prompt], GREEDY)
+    stats = second.stats()
+    second.close()
+    assert cold.output == expected and restored.output == expected
+    assert restored.sources() == {"L1": 0, "L2": 0, "L3": 144, "recomputed": 6}
+    assert stats["l3"]["backend"] == "redis" and stats["links"]["L3->L1"]["pages"] == 9
+    if architecture == "lfm2":
+        assert stats["snapshots"]["links"]["L3->L1"]["pages"] == 1
+    else:  # the window layers' rows of 2 of the 9 pages only
+        assert stats["links"]["L3->L1"]["bytes"] < 9 * second.geometry.nbytes

@@ -1,0 +1,130 @@
+"""Sliding-window models (mlx-lm ``RotatingKVCache`` layers beside global ones): restored
+from every tier with mlx-lm's own greedy output, and only the window read for them."""
+
+from __future__ import annotations
+
+import pytest
+from mlx_lm.models.cache import RotatingKVCache
+
+from kvtier.engine.engine import Engine, EngineConfig
+from kvtier.engine.models.load import ModelError, layer_kind, load_model
+from kvtier.engine.request import SamplingParams
+from kvtier.tiers.hierarchy import StoreConfig
+from kvtier.tiers.page import reusable_pages
+
+from .conftest import mlx_lm_greedy, text_prompt
+from .kind_models import CONFIGS, restoring_wins, write_model
+
+PAGE = 16
+WINDOW = CONFIGS["gemma3_text"]["sliding_window"]
+GREEDY = SamplingParams(max_tokens=8)
+
+
+@pytest.fixture(scope="module")
+def gemma(tmp_path_factory):
+    return load_model(str(write_model(tmp_path_factory.mktemp("models") / "gemma3_text", "gemma3_text")))
+
+
+def make_engine(loaded, store_dir, l1_bytes: int = 1 << 26, step: int = 2048, answers: bool = False) -> Engine:
+    store = StoreConfig(l1_bytes=l1_bytes, l2_bytes=1 << 26, store_dir=store_dir)
+    config = EngineConfig(page_size=PAGE, store=store, prefill_step_size=step, publish_answers=answers)
+    return restoring_wins(Engine(loaded, config))
+
+
+def run_one(engine: Engine, prompt: list[int]):
+    (request,) = engine.generate([prompt], GREEDY)
+    return request
+
+
+def window_read_bytes(engine: Engine, pages: int) -> int:
+    """Raw bytes a restore of ``pages`` pages reads: every page's global rows, and the
+    window rows of the last pages only, those that hold the window's tokens (the
+    prefix ends on a page boundary)."""
+    g = engine.geometry
+    row = 2 * g.num_kv_heads * PAGE * g.head_dim * 4  # float32 K and V of one layer
+    window_layers = sum(k.name == "window" for k in g.kinds)
+    window_pages = min(pages, WINDOW // PAGE)
+    return pages * (g.num_layers - window_layers) * row + window_pages * window_layers * row
+
+
+@pytest.mark.parametrize("step", [8, 2048])  # prefill chunks within a page, and the whole prompt at once
+def test_window_model_restored_from_l1_and_lmdb_equals_mlx_lm(gemma, tmp_path, step):
+    prompt = text_prompt(gemma, 150, seed=3)
+    expected = mlx_lm_greedy(gemma, prompt, GREEDY.max_tokens)
+    pages = reusable_pages(len(prompt), PAGE)
+    engine = make_engine(gemma, tmp_path, step=step)
+    assert engine.geometry.window is not None and engine.namespace.layers  # the kinds are in the namespace
+    cold, warm = run_one(engine, prompt), run_one(engine, prompt)
+    engine.close()
+    assert cold.output == expected and cold.sources()["recomputed"] == len(prompt)
+    assert warm.output == expected and warm.sources()["L1"] == len(prompt) - 1
+
+    engine = make_engine(gemma, tmp_path, step=step)  # a restart: LMDB has the pages
+    restored = run_one(engine, prompt)
+    read = engine.stats()["links"]["L3->L1"]
+    engine.close()
+    assert restored.output == expected
+    assert restored.sources() == {"L1": 0, "L2": 0, "L3": pages * PAGE, "recomputed": len(prompt) - pages * PAGE}
+    raw = window_read_bytes(engine, pages)
+    assert raw < pages * engine.geometry.nbytes  # the window layers of the early pages were not read
+    assert read["pages"] == pages and raw <= read["bytes"] < raw + pages * 1024  # each record's header on top
+
+
+def test_window_model_restored_from_l2_reads_only_the_window(gemma, tmp_path):
+    prompt = text_prompt(gemma, 120, seed=4)
+    expected = mlx_lm_greedy(gemma, prompt, GREEDY.max_tokens)
+    pages = reusable_pages(len(prompt), PAGE)
+    engine = make_engine(gemma, None, l1_bytes=1)  # L1 holds no page: every published page goes to L2
+    cold, warm = run_one(engine, prompt), run_one(engine, prompt)
+    joined = engine.stats()["links"]["L2->L1"]
+    engine.close()
+    assert cold.output == expected and warm.output == expected
+    assert warm.sources() == {"L1": 0, "L2": pages * PAGE, "L3": 0, "recomputed": len(prompt) - pages * PAGE}
+    assert joined["bytes"] == window_read_bytes(engine, pages) and joined["pages"] == pages
+
+
+def test_window_model_shared_start_restores_at_another_length(gemma, tmp_path):
+    """A second prompt sharing only the first pages restores a shorter prefix: its
+    window is other pages' window rows, read from LMDB after a restart."""
+    first = text_prompt(gemma, 160, seed=5)
+    second = first[:70] + text_prompt(gemma, 40, seed=6)
+    expected = mlx_lm_greedy(gemma, second, GREEDY.max_tokens)
+    engine = make_engine(gemma, tmp_path)
+    run_one(engine, first)
+    engine.close()
+    engine = make_engine(gemma, tmp_path)
+    request = run_one(engine, second)
+    engine.close()
+    assert request.output == expected and request.sources()["L3"] == 64  # 4 pages of the 70 shared tokens
+
+
+def test_next_chat_turn_restores_the_previous_prompt_and_answer(gemma):
+    """With answers published (a server's setting), the answer's pages are published as
+    they fill: by the end a window layer holds only its last tokens."""
+    first = text_prompt(gemma, 90, seed=7)
+    engine = make_engine(gemma, None, answers=True)
+    (turn,) = engine.generate([first], SamplingParams(max_tokens=40))
+    second = first + turn.output + text_prompt(gemma, 20, seed=8)
+    (next_turn,) = engine.generate([second], GREEDY)
+    engine.close()
+    assert turn.output == mlx_lm_greedy(gemma, first, 40)
+    assert next_turn.output == mlx_lm_greedy(gemma, second, GREEDY.max_tokens)
+    assert next_turn.sources()["L1"] == len(first) + len(turn.output)  # 8 pages and the partial page after them
+
+
+def test_a_restored_and_a_fresh_request_in_one_batch(gemma, tmp_path):
+    shared = text_prompt(gemma, 120, seed=9)
+    other = text_prompt(gemma, 70, seed=10)
+    engine = make_engine(gemma, tmp_path)
+    run_one(engine, shared)
+    restored, fresh = engine.generate([shared, other], GREEDY)
+    engine.close()
+    assert restored.output == mlx_lm_greedy(gemma, shared, GREEDY.max_tokens) and restored.sources()["L1"] == 119
+    assert fresh.output == mlx_lm_greedy(gemma, other, GREEDY.max_tokens) and fresh.sources()["recomputed"] == 70
+
+
+def test_what_cannot_be_served_is_refused_in_one_line_naming_it(gemma):
+    with pytest.raises(ModelError, match=r"^kvtier cannot serve RotatingKVCache\(keep=4\)"):
+        layer_kind(RotatingKVCache(max_size=64, keep=4))  # what make_prompt_cache(max_kv_size=...) builds
+    with pytest.raises(ModelError, match=r"^page size 64 is larger than this model's sliding window \(32 tokens\)$"):
+        gemma.geometry(64)
