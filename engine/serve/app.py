@@ -34,15 +34,18 @@ from ..engine import Engine
 from ..limits import InputError, context_length
 from ..request import Request, SamplingParams
 from ..text import OutputText
-from . import api, responses
+from . import api, render, responses
 from .api import APIError
 from .generation import Generation, cancel_on_disconnect
 from .prometheus import ServerMetrics
+from .prompt import Prompt
+from .prompt import render as render_prompt
 from .responses import Finished
+from .tools import ToolCallText
 
 log = logging.getLogger(__name__)
 
-ANTHROPIC_PATHS = ("/v1/messages",)
+ANTHROPIC_PATHS = ("/v1/messages", "/v1/messages/count_tokens")
 # The id of a server started without --model or --served-model-name: the same whichever
 # default model is installed (SmolLM2-135M-Instruct or kvtier-tiny), so the README's
 # examples and a client's settings work on either.
@@ -74,6 +77,7 @@ class KVTierServer:
                 Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
                 Route("/v1/completions", self.completions, methods=["POST"]),
                 Route("/v1/messages", self.messages, methods=["POST"]),
+                Route("/v1/messages/count_tokens", self.count_tokens, methods=["POST"]),
                 Route("/v1/models", self.models, methods=["GET"]),
                 Route("/v1/models/{model:path}", self.model, methods=["GET"]),
                 Route("/health", self.health, methods=["GET"]),
@@ -122,27 +126,43 @@ class KVTierServer:
         body = api.parse_body(await self._read(http), api.CompletionRequest)
         prompt = body.prompt
         tokens = await anyio.to_thread.run_sync(self.tokenizer.encode, prompt) if isinstance(prompt, str) else prompt
-        return await self._openai(http, body, list(tokens), chat=False)
+        return await self._openai(http, body, Prompt(list(tokens)), chat=False)
 
     async def chat_completions(self, http: HTTPRequest) -> Response:
         body = api.parse_body(await self._read(http), api.ChatCompletionRequest)
-        tokens = await anyio.to_thread.run_sync(self._render, body.template_messages(), body.tools)
-        return await self._openai(http, body, tokens, chat=True)
+        prompt = await anyio.to_thread.run_sync(
+            lambda: render_prompt(
+                self.tokenizer,
+                render.chat_messages(body),
+                render.chat_tools(body),
+                render.chat_tool_choice(body),
+                render.chat_has_tool_history(body),
+            )
+        )
+        return await self._openai(http, body, prompt, chat=True)
 
-    async def _openai(self, http: HTTPRequest, body, tokens: list[int], chat: bool) -> Response:
+    async def _openai(self, http: HTTPRequest, body, prompt: Prompt, chat: bool) -> Response:
         shape = responses.OpenAIShape(chat, self._model(body.model))
-        params = SamplingParams(body.max_tokens or 0, body.temperature, body.top_p, body.seed, **body.sampling())
-        gen = await self._submit(tokens, params, body.stop_strings(), "prompt" if not chat else "messages")
+        params = SamplingParams(
+            body.max_tokens or 0,
+            body.temperature,
+            body.top_p,
+            seed=body.seed,
+            forced=prompt.forced,
+            banned=prompt.banned,
+            **body.sampling(),
+        )
+        gen = await self._submit(prompt, params, body.stop_strings(), "prompt" if not chat else "messages", "call_")
         if not body.stream:
             return JSONResponse(shape.response(await self._collect(gen, http)))
 
         async def events() -> AsyncIterator[str]:
             yield shape.chunk("", first=True)
             held: list[responses.TokenChoice] = []  # of tokens whose text is held back (a stop string may start)
-            async for piece in gen.deltas():
+            async for piece, calls in gen.pieces():
                 held += gen.new_logprobs() or []
-                if piece:
-                    yield shape.chunk(piece, logprobs=held if params.logprobs is not None else None)
+                if piece or calls:
+                    yield shape.chunk(piece, logprobs=held if params.logprobs is not None else None, tool_calls=calls)
                     held = []
             try:
                 done = gen.finished()
@@ -161,22 +181,31 @@ class KVTierServer:
     async def messages(self, http: HTTPRequest) -> Response:
         body = api.parse_body(await self._read(http), api.MessagesRequest)
         shape = responses.AnthropicShape(self._model(body.model))
-        tokens = await anyio.to_thread.run_sync(self._render, body.template_messages(), body.tools)
-        gen = await self._submit(
-            tokens, SamplingParams(body.max_tokens, body.temperature, body.top_p), body.stop_sequences, "messages"
+        prompt = await anyio.to_thread.run_sync(self._anthropic_prompt, body)
+        params = SamplingParams(
+            body.max_tokens,
+            body.temperature,
+            body.top_p,
+            top_k=body.top_k or 0,
+            forced=prompt.forced,
+            banned=prompt.banned,
         )
+        gen = await self._submit(prompt, params, body.stop_sequences, "messages", "toolu_")
         if not body.stream:
             return JSONResponse(shape.response(await self._collect(gen, http)))
 
         async def events() -> AsyncIterator[str]:
             started = False
-            async for piece in gen.deltas():
+            async for piece, calls in gen.pieces():
                 if not started:  # the first token: the request was admitted, its sources are known
                     started = True
                     for event in shape.start_events(gen.prompt_usage()):
                         yield event
                 if piece:
                     yield shape.delta_event(piece)
+                for call in calls:
+                    for event in shape.tool_events(call):
+                        yield event
             try:
                 done = gen.finished()
             except APIError as err:
@@ -187,6 +216,22 @@ class KVTierServer:
                 yield event
 
         return self._sse(events(), gen.request)
+
+    async def count_tokens(self, http: HTTPRequest) -> Response:
+        """The prompt's token count, exactly as ``/v1/messages`` would render it."""
+        body = api.parse_body(await self._read(http), api.CountTokensRequest)
+        self._model(body.model)
+        prompt = await anyio.to_thread.run_sync(self._anthropic_prompt, body)
+        return JSONResponse({"input_tokens": len(prompt.tokens)})
+
+    def _anthropic_prompt(self, body: api.AnthropicPrompt) -> Prompt:
+        return render_prompt(
+            self.tokenizer,
+            render.anthropic_messages(body),
+            render.anthropic_tools(body),
+            render.anthropic_tool_choice(body),
+            render.anthropic_has_tool_history(body),
+        )
 
     # -- the rest of the API -----------------------------------------------------------
 
@@ -234,15 +279,12 @@ class KVTierServer:
             )
         return self.config.model_name
 
-    def _render(self, messages: list[dict], tools: list[dict] | None) -> list[int]:
-        """Chat messages through the model's chat template, ready for generation."""
-        try:
-            return list(self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True))
-        except Exception as err:  # jinja and template errors come in many types
-            raise api.invalid(f"the chat template cannot render these messages: {err}", "messages") from None
-
-    async def _submit(self, tokens: list[int], params: SamplingParams, stops: list[str], param: str) -> Generation:
-        """Check and submit; ``params.max_tokens`` 0 takes the server's default (capped by the context)."""
+    async def _submit(
+        self, prompt: Prompt, params: SamplingParams, stops: list[str], param: str, call_ids: str
+    ) -> Generation:
+        """Check and submit; ``params.max_tokens`` 0 takes the server's default (capped by the
+        context). ``call_ids`` starts the ids of the tool calls read from the answer."""
+        tokens = prompt.tokens
         if len(tokens) >= self.context:
             raise api.invalid(f"the prompt is {len(tokens)} tokens; this model's context is {self.context}", param)
         room = self.context - len(tokens)
@@ -266,8 +308,9 @@ class KVTierServer:
         except InputError as err:
             raise api.invalid(str(err), err.param or param) from None
         self._live[request.rid] = request
+        calls = ToolCallText(self.tokenizer, prompt.tools, call_ids) if prompt.reads_calls else None
         return Generation(
-            request, OutputText(self.tokenizer.detokenizer, stops), self.engine.config.page_size, self.tokenizer
+            request, OutputText(self.tokenizer.detokenizer, stops), self.engine.config.page_size, self.tokenizer, calls
         )
 
     async def _collect(self, gen: Generation, http: HTTPRequest) -> Finished:
@@ -275,7 +318,7 @@ class KVTierServer:
         try:
             async with anyio.create_task_group() as group:
                 group.start_soon(cancel_on_disconnect, http, gen.request)
-                async for _ in gen.deltas():
+                async for _ in gen.pieces():
                     pass
                 group.cancel_scope.cancel()
             return gen.finished()
