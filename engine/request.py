@@ -70,6 +70,7 @@ class Request:
     prefix_tokens: int = 0  # tokens in the cache handed to mlx-lm: restored, or computed while loading
     partial_tokens: int = 0  # of them, the shared start of an L1 page after the restored pages
     published: int = 0  # leading pages known to be in the store
+    matched_tokens: int = 0  # the longest stored match at admission: where the prompt left the cache
     prefilled: int = 0  # tokens mlx-lm has prefilled after the restored prefix
     l1_tokens_at_enqueue: int = 0  # prompt tokens in L1 when submitted
     l1_tokens_at_admission: int = 0  # ... and when admitted (pages may move meanwhile)
