@@ -36,6 +36,7 @@ from ..request import Request, SamplingParams
 from ..text import OutputText
 from . import api, render, responses
 from .api import APIError
+from .conversations import Conversations, log_loss
 from .generation import Generation, cancel_on_disconnect
 from .prometheus import ServerMetrics
 from .prompt import Prompt
@@ -71,6 +72,7 @@ class KVTierServer:
         self.context = context_length(engine.loaded) or 32768
         self.created = int(time.time())
         self._live: dict[int, Request] = {}  # by rid
+        self.conversations = Conversations(engine.config.page_size)
         self.metrics = ServerMetrics(engine.stats, self._gauges)
         self.app = Starlette(
             routes=[
@@ -134,6 +136,7 @@ class KVTierServer:
             lambda: render_prompt(
                 self.tokenizer,
                 render.chat_messages(body),
+                render.chat_origins(body),
                 render.chat_tools(body),
                 render.chat_tool_choice(body),
                 render.chat_has_tool_history(body),
@@ -153,6 +156,7 @@ class KVTierServer:
             **body.sampling(),
         )
         gen = await self._submit(prompt, params, body.stop_strings(), "prompt" if not chat else "messages", "call_")
+        gen.turn = (shape.id, body.prompt_cache_key or body.user or body.safety_identifier, None)
         if not body.stream:
             return JSONResponse(shape.response(await self._collect(gen, http)))
 
@@ -174,7 +178,7 @@ class KVTierServer:
             for chunk in shape.final_chunks(done, body.include_usage, tail):
                 yield chunk
 
-        return self._sse(events(), gen.request)
+        return self._sse(events(), gen)
 
     # -- Anthropic ------------------------------------------------------------------
 
@@ -191,6 +195,7 @@ class KVTierServer:
             banned=prompt.banned,
         )
         gen = await self._submit(prompt, params, body.stop_sequences, "messages", "toolu_")
+        gen.turn = (shape.id, (body.metadata or {}).get("user_id"), (body.diagnostics or {}).get("previous_message_id"))
         if not body.stream:
             return JSONResponse(shape.response(await self._collect(gen, http)))
 
@@ -215,7 +220,7 @@ class KVTierServer:
             for event in (shape.start_events(done.prompt) if not started else []) + shape.final_events(done):
                 yield event
 
-        return self._sse(events(), gen.request)
+        return self._sse(events(), gen)
 
     async def count_tokens(self, http: HTTPRequest) -> Response:
         """The prompt's token count, exactly as ``/v1/messages`` would render it."""
@@ -227,7 +232,7 @@ class KVTierServer:
     def _anthropic_prompt(self, body: api.AnthropicPrompt) -> Prompt:
         return render_prompt(
             self.tokenizer,
-            render.anthropic_messages(body),
+            *render.anthropic_messages(body),
             render.anthropic_tools(body),
             render.anthropic_tool_choice(body),
             render.anthropic_has_tool_history(body),
@@ -310,7 +315,12 @@ class KVTierServer:
         self._live[request.rid] = request
         calls = ToolCallText(self.tokenizer, prompt.tools, call_ids) if prompt.reads_calls else None
         return Generation(
-            request, OutputText(self.tokenizer.detokenizer, stops), self.engine.config.page_size, self.tokenizer, calls
+            request,
+            prompt,
+            OutputText(self.tokenizer.detokenizer, stops),
+            self.engine.config.page_size,
+            self.tokenizer,
+            calls,
         )
 
     async def _collect(self, gen: Generation, http: HTTPRequest) -> Finished:
@@ -323,22 +333,30 @@ class KVTierServer:
                 group.cancel_scope.cancel()
             return gen.finished()
         finally:
-            self._end(gen.request)
+            self._end(gen)
 
-    def _sse(self, events: AsyncIterator[str], request: Request) -> StreamingResponse:
+    def _sse(self, events: AsyncIterator[str], gen: Generation) -> StreamingResponse:
         """A server-sent event stream; however it ends (done, client gone, never started), ``_end`` runs."""
         return StreamingResponse(
             events,
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache"},
-            background=BackgroundTask(self._end, request),
+            background=BackgroundTask(self._end, gen),
         )
 
-    def _end(self, request: Request) -> None:
+    def _end(self, gen: Generation) -> None:
         """The server is done with a request: cancel it (nothing happens to a finished one),
-        forget it, and count its latencies once."""
+        forget it, count its latencies once, and remember the turn (saying first, at INFO,
+        if it recomputed more than a page of its conversation's previous turn)."""
+        request = gen.request
         request.cancel()
         self._live.pop(request.rid, None)
+        if request.finish_reason in ("stop", "length") and gen.turn is not None:
+            turn_id, key, previous_id = gen.turn
+            loss = self.conversations.loss(request.prompt, request.matched_tokens, key, previous_id)
+            if loss is not None:
+                log_loss(turn_id, loss, gen.divergence())
+            self.conversations.remember(turn_id, key, request.prompt + request.output)
         if request.t_first_token is not None:
             self.metrics.ttft.observe(request.t_first_token - request.t_submit)
         if request.t_admit is not None:

@@ -15,10 +15,12 @@ import anyio
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from starlette.requests import Request as HTTPRequest
 
+from ..divergence import divergence
 from ..request import Request
 from ..text import OutputText
 from . import responses
 from .api import APIError
+from .prompt import Prompt
 from .responses import Finished, PromptUsage
 from .tools import ToolCall, ToolCallText
 
@@ -30,12 +32,16 @@ class Generation:
     def __init__(
         self,
         request: Request,
+        prompt: Prompt,
         text: OutputText,
         page_size: int,
         tokenizer: TokenizerWrapper,
         calls: ToolCallText | None = None,
     ) -> None:
         self.request = request
+        self.prompt = prompt
+        self.turn: tuple[str, str | None, str | None] | None = None  # response id, conversation key, previous id
+        self._report: dict | None = None
         self.text = text
         self.calls = calls  # where the request has tools
         self.plain = ""  # the text handed out, tool calls left out
@@ -82,7 +88,16 @@ class Generation:
         """Where the prompt came from (known once the request was admitted)."""
         request = self.request
         plan = request.plan.to_dict() if request.plan else None
-        return PromptUsage(len(request.prompt), request.sources(), self.page_size, plan)
+        return PromptUsage(len(request.prompt), request.sources(), self.page_size, plan, self.divergence())
+
+    def divergence(self) -> dict:
+        """Where the prompt left the cache, and the request's message that holds that token
+        (worked out once, after admission)."""
+        if self._report is None:
+            report = divergence(self.request, self.tokenizer)
+            report["message"], report["role"] = self.prompt.message_at(self.tokenizer, report["token"])
+            self._report = report
+        return self._report
 
     def finished(self) -> Finished:
         """The outcome once ``deltas`` is exhausted; an engine failure is a 500."""

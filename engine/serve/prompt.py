@@ -16,6 +16,24 @@ class Prompt:
     tools: list[dict] | None = None  # as the template took them; the parser gets them too
     forced: list[int] = field(default_factory=list)  # SamplingParams.forced
     banned: list[list[int]] = field(default_factory=list)  # SamplingParams.banned
+    messages: list[dict] = field(default_factory=list)  # as the template took them
+    origins: list[tuple[int | None, str]] = field(default_factory=list)  # per message: the request's index, role
+
+    def message_at(self, tokenizer, token: int) -> tuple[int | None, str | None]:
+        """The request's message (index, role) that holds prompt token ``token``: the first
+        whose rendered prefix of the conversation reaches past it (a binary search over
+        renderings of the first k messages, as text). (None, None) for a plain prompt."""
+        if not self.messages:
+            return None, None
+        at = len(tokenizer.decode(self.tokens[:token]))
+        low, high = 0, len(self.messages) - 1
+        while low < high:  # the smallest k whose first k + 1 messages render past ``at``
+            mid = (low + high) // 2
+            if len(_text(tokenizer, self.messages[: mid + 1], self.tools)) > at:
+                high = mid
+            else:
+                low = mid + 1
+        return self.origins[low]
 
     @property
     def reads_calls(self) -> bool:
@@ -26,6 +44,7 @@ class Prompt:
 def render(
     tokenizer,
     messages: list[dict],
+    origins: list[tuple[int | None, str]],
     tools: list[dict] | None,
     choice: ToolChoice,
     tool_history: bool,
@@ -40,7 +59,14 @@ def render(
         after = _apply(tokenizer, [*messages, tool_calls.named_call_message(choice.name)], tools, False, tokenize=False)
         call_text = after[len(before) :] if after.startswith(before) else None
     forced, banned = tool_calls.constraints(tokenizer, choice, tools, call_text)
-    return Prompt(tokens, tools, forced, banned)
+    return Prompt(tokens, tools, forced, banned, messages, origins)
+
+
+def _text(tokenizer, messages: list[dict], tools: list[dict] | None) -> str:
+    try:
+        return tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=False, tokenize=False)
+    except Exception:  # a template may refuse a conversation cut short (e.g. no user turn yet)
+        return ""
 
 
 def _apply(tokenizer, messages: list[dict], tools: list[dict] | None, generation: bool, tokenize: bool = True):

@@ -36,6 +36,7 @@ def joined(content: str | list[TextPart] | None) -> str:
 
 
 def chat_messages(body: ChatCompletionRequest) -> list[dict]:
+    """The messages, each with its ``origin`` (see :func:`origins`)."""
     messages = []
     for i, message in enumerate(body.messages):
         rendered = message.model_dump(exclude_none=True)
@@ -47,6 +48,11 @@ def chat_messages(body: ChatCompletionRequest) -> list[dict]:
             ]
         messages.append(rendered)
     return messages
+
+
+def chat_origins(body: ChatCompletionRequest) -> list[tuple[int | None, str]]:
+    """Per template message, the index and role of the request's message it came from."""
+    return [(i, message.role) for i, message in enumerate(body.messages)]
 
 
 def chat_tools(body: ChatCompletionRequest) -> list[dict] | None:
@@ -79,13 +85,18 @@ def _call(call_id: str, name: str, arguments: object) -> dict:
 # -- Anthropic -----------------------------------------------------------------------
 
 
-def anthropic_messages(body: AnthropicPrompt) -> list[dict]:
+def anthropic_messages(body: AnthropicPrompt) -> tuple[list[dict], list[tuple[int | None, str]]]:
     """The system prompt, then each message: an assistant's ``tool_use`` blocks become its
-    ``tool_calls``, a user's ``tool_result`` blocks ``tool`` messages, in the order sent."""
+    ``tool_calls``, a user's ``tool_result`` blocks ``tool`` messages, in the order sent;
+    and per template message, the index and role of the request's message it came from
+    (the system prompt's index is None: it is not one of the ``messages``)."""
     messages = [{"role": "system", "content": joined(body.system)}] if body.system else []
-    for message in body.messages:
-        messages += _anthropic_message(message)
-    return messages
+    origins: list[tuple[int | None, str]] = [(None, "system")] * len(messages)
+    for i, message in enumerate(body.messages):
+        rendered = _anthropic_message(message)
+        messages += rendered
+        origins += [(i, message.role)] * len(rendered)
+    return messages, origins
 
 
 def _anthropic_message(message: AnthropicMessage) -> list[dict]:

@@ -32,6 +32,7 @@ class PromptUsage:
     sources: dict[str, int]  # L1, L2, L3, recomputed: sums to ``tokens``
     page_size: int
     plan: dict | None  # RestorePlan.to_dict(); None without a store
+    divergence: dict | None = None  # where the prompt left the cache (engine.divergence, with its message)
 
     @property
     def restored(self) -> int:
@@ -68,7 +69,7 @@ def usage(done: Finished) -> dict:
         "completion_tokens": done.completion_tokens,
         "total_tokens": prompt.tokens + done.completion_tokens,
         "prompt_tokens_details": {"cached_tokens": prompt.restored, "sources": prompt.sources},
-        "kvtier": {"page_size": prompt.page_size, "plan": prompt.plan},
+        "kvtier": {"page_size": prompt.page_size, "plan": prompt.plan, "divergence": prompt.divergence},
     }
 
 
@@ -79,7 +80,12 @@ def anthropic_usage(prompt: PromptUsage, output_tokens: int) -> dict:
         "cache_read_input_tokens": prompt.restored,
         "cache_creation_input_tokens": 0,
         "output_tokens": output_tokens,
-        "kvtier": {"sources": prompt.sources, "page_size": prompt.page_size, "plan": prompt.plan},
+        "kvtier": {
+            "sources": prompt.sources,
+            "page_size": prompt.page_size,
+            "plan": prompt.plan,
+            "divergence": prompt.divergence,
+        },
     }
 
 

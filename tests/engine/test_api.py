@@ -117,8 +117,9 @@ def test_chat_and_messages_bodies_become_template_messages():
         ).encode(),
         api.MessagesRequest,
     )
-    rendered = render.anthropic_messages(messages)
+    rendered, origins = render.anthropic_messages(messages)
     assert [m["role"] for m in rendered] == ["system", "user", "assistant", "tool"]
+    assert origins == [(None, "system"), (0, "user"), (1, "assistant"), (2, "user")]  # the request's own indexes
     assert rendered[2]["tool_calls"][0]["function"] == {"name": "ls", "arguments": {}}
     assert rendered[3] == {"role": "tool", "tool_call_id": "t1", "content": "x"}
     with pytest.raises(api.APIError):

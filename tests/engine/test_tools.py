@@ -293,3 +293,39 @@ def test_a_template_without_tools_is_a_400_naming_the_reason(loaded):
         assert response.status_code == 400
         assert response.json()["error"]["param"] == "messages.0.tool_calls.0.function.arguments"
     server.close()
+
+
+# -- where the prompt left the cache ---------------------------------------------------------
+
+
+def test_the_divergence_report_names_the_message_that_changed(claude, oai, script, caplog):
+    """Turn two edits the first user message (as a client that rewrites history does): the
+    report points into it, by index and role, with the request's own text either side,
+    and the server says at INFO what the conversation lost."""
+    script(None)
+    system = "You are a coding agent with tools. " * 3
+    history = [
+        {"role": "user", "content": "read the file src/app.py and fix the failing test " * 2},
+        {"role": "assistant", "content": "Done: the test passes now."},
+        {"role": "user", "content": "now run the whole suite and tell me what fails"},
+    ]
+    request = {"model": TOOLS_MODEL, "max_tokens": 2, "system": system, "metadata": {"user_id": "session-1"}}
+    claude.messages.create(**request, messages=history)
+    edited = [{**history[0], "content": history[0]["content"].replace("src/app.py", "src/cli.py")}, *history[1:]]
+    with caplog.at_level(logging.INFO, logger="kvtier.engine.serve.conversations"):
+        usage = claude.messages.create(**request, messages=edited).usage
+    report = usage.model_extra["kvtier"]["divergence"]
+    assert (report["message"], report["role"]) == (0, "user")
+    assert "src/" in report["before"] + report["after"] and "cli.py" not in report["before"]
+    assert report["token"] == usage.cache_read_input_tokens < report["prompt_tokens"] - PAGE
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert "message 0 (user)" in line and "differs from the previous turn" in line
+
+    same = claude.messages.create(**request, messages=edited).usage.model_extra["kvtier"]["divergence"]
+    assert same["role"] == "user" and same["message"] == 2  # all but the last page came from the store
+    changed_system = oai.chat.completions.create(
+        model=TOOLS_MODEL,
+        max_tokens=2,
+        messages=[{"role": "system", "content": "x" + system}, {"role": "user", "content": "hi"}],
+    )
+    assert changed_system.usage.model_extra["kvtier"]["divergence"]["role"] == "system"
