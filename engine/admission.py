@@ -69,7 +69,9 @@ class Admission:
         set at its first hold and never extended (``hold_deadline``)."""
         leader, count = self.scheduler.in_flight(request.keys, len(matched))
         now = time.perf_counter()
-        if not count or (request.wait_deadline is not None and now >= request.wait_deadline):
+        if leader is None or (
+            request.wait_deadline is not None and now >= request.wait_deadline
+        ):  # count is 0 without one
             return False
         lead = next(r for r in self.running.values() if r.rid == leader)
         size = self.config.page_size
@@ -85,8 +87,9 @@ class Admission:
         )
         if not plan.wait:
             return False
-        request.wait_deadline = hold_deadline(now, plan.deadline_s, request.wait_deadline)
+        deadline = hold_deadline(now, plan.deadline_s, request.wait_deadline)
+        request.wait_deadline = deadline
         request.waited_tokens = max(request.waited_tokens, count * size)
         request.t_held = now
-        self.scheduler.hold_for_prefix(request, leader, request.keys[len(matched) + count - 1], request.wait_deadline)
+        self.scheduler.hold_for_prefix(request, leader, request.keys[len(matched) + count - 1], deadline)
         return True

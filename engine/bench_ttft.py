@@ -181,7 +181,7 @@ class _Round:
         nbytes = loaded.geometry(page_size).nbytes
         self.room = {n: (reusable_pages(n, page_size) + 1) * nbytes for n in prompts}  # one prompt's pages
 
-    def recompute_then_l1(self, store: Path) -> dict:
+    def recompute_then_l1(self, store: Path | str) -> dict:
         """Each prompt computed, then run again from L1; the pages end in ``store``."""
         measured = {}
         with self._engine(StoreConfig(sum(self.room.values()), 0, None, store)) as engine:

@@ -34,7 +34,8 @@ _failures: list[str] = []  # why each candidate did not load, for the hint
 def wheel_library() -> Path | None:
     """The cmeel-openblas wheel's ``libopenblas.so.0``, if that wheel is installed."""
     try:
-        path = Path(metadata.distribution(WHEEL).locate_file(_WHEEL_LIBRARY))
+        # str(): typeshed's locate_file gives a SimplePath, not an os.PathLike (it is a Path)
+        path = Path(str(metadata.distribution(WHEEL).locate_file(_WHEEL_LIBRARY)))
     except metadata.PackageNotFoundError:
         return None
     return path if path.is_file() else None

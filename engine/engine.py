@@ -101,7 +101,9 @@ class Engine:
         self._cancel_all = False  # set by stop(cancel=True); the stepping thread cancels
         self._closed = False
         # the parts that work on the store (none without one)
-        self.admission = self.publisher = self.prefix_caches = None
+        self.admission: Admission | None = None
+        self.publisher: Publisher | None = None
+        self.prefix_caches: PrefixCaches | None = None
         if self.store is not None:
             self.admission = Admission(
                 self.store, self.scheduler, self.config, self.geometry, self._running, self._prefix_flight
@@ -114,7 +116,7 @@ class Engine:
     def _load_profile(self) -> Profile:
         """The calibrated cost model of this machine and model, else conservative defaults."""
         saved = self.store.get_meta(self.loaded.profile_key(self.geometry)) if self.store is not None else None
-        if saved:
+        if isinstance(saved, dict) and saved:
             return Profile.from_dict(saved)
         log.info("no calibrated cost model for this machine and model: using defaults (run `kvtier calibrate`)")
         return Profile.defaults()
@@ -213,8 +215,8 @@ class Engine:
             for response in prompt_responses:
                 self._guarded(self._running[response.uid], self.publisher.on_prefill, response)
         for response in generation_responses:
-            if (request := self._running.get(response.uid)) is not None:  # not failed in this step
-                self._guarded(request, self._on_token, response)
+            if (running := self._running.get(response.uid)) is not None:  # not failed in this step
+                self._guarded(running, self._on_token, response)
 
     def _fail_batch(self, exc: Exception) -> None:
         """A fault in the batch as a whole (its state is unknown): every request in it fails."""
@@ -233,17 +235,19 @@ class Engine:
     def _admit(self, request: Request) -> None:
         """Plan, bring in the chosen prefix, hand it to mlx-lm; or hold the request to wait
         for pages another request is computing."""
-        cache = None
+        cache: list | None = None
         if request.t_held is not None:
             request.wait_s += time.perf_counter() - request.t_held
             request.t_held = None
         if self.store is not None:
+            assert self.admission is not None and self.prefix_caches is not None  # built with the store
             t0 = time.perf_counter()
             matched = self.admission.plan(request, self.profile)
             if matched is None:
                 return  # held
             links_before = self.store.stats()["links"]
             cache = self.prefix_caches.build(request, len(matched))
+            assert request.restored is not None  # set by build, if only to nothing restored
             observe_links(self.profile, self.config.store.throttle, links_before, self.store.stats()["links"])
             request.published = request.prefix_tokens // self.config.page_size
             restored = request.restored.num_pages * self.config.page_size + request.partial_tokens
@@ -255,7 +259,8 @@ class Engine:
         (request.uid,) = self.generator.insert(
             [request.prompt[done:]],
             max_tokens=[request.params.max_tokens],
-            caches=[cache],
+            # a None cache is a fresh one (mlx-lm's insert_segments), though its hint says List[List[Any]]
+            caches=[cache],  # type: ignore[list-item]
             all_tokens=[request.prompt[:done]],
             samplers=[sampler(request.params)],
             logits_processors=[logits_processors(request.params)],
@@ -284,9 +289,13 @@ class Engine:
         its pins released, out of its flight, counted, its stream ended."""
         if request.done:
             return
-        if self._running.pop(request.uid, None) is not None and reason in (CANCELLED, ERROR):
+        if (
+            request.uid is not None
+            and self._running.pop(request.uid, None) is not None
+            and reason in (CANCELLED, ERROR)
+        ):
             self.generator.remove([request.uid])
-        if request.pinned:
+        if request.pinned and self.store is not None:  # pins are the store's
             pinned, request.pinned = request.pinned, []
             self.store.release(pinned)
         if reason in (CANCELLED, ERROR):
@@ -338,6 +347,7 @@ class Engine:
                 "last_run", {"model": self.loaded.name, "windowed": stats["windowed"], "costmodel": stats["costmodel"]}
             )
             self.store.close(extra_counters={"engine": self.totals.to_dict()})
+        if self.prefix_caches is not None:
             self.prefix_caches.close()
         self.generator.close()
 

@@ -46,9 +46,12 @@ def check_prompt(loaded: LoadedModel, tokens: Sequence[int], params: SamplingPar
             f"prompt of {len(tokens)} tokens plus max_tokens {params.max_tokens} exceeds "
             f"the model's context of {context} tokens"
         )
+    # A model whose config names no vocab_size (mlx-lm's vision-language ones nest it)
+    # still refuses negative ids.
+    vocabulary = f"the vocabulary (0..{vocab - 1})" if vocab else "the vocabulary"
     bad = [t for t in tokens if t < 0 or (vocab and t >= vocab)]
     if bad:
-        raise InputError(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
+        raise InputError(f"token id {bad[0]} is outside {vocabulary}")
     bad = [t for t in params.logit_bias or {} if t < 0 or (vocab and t >= vocab)]
     if bad:  # mlx-lm would fail the whole batch on it
-        raise InputError(f"logit_bias token id {bad[0]} is outside the vocabulary (0..{vocab - 1})", "logit_bias")
+        raise InputError(f"logit_bias token id {bad[0]} is outside {vocabulary}", "logit_bias")

@@ -45,6 +45,7 @@ class PrefixCaches:
         pages are then joined and appended to the computed ones.
         """
         plan, size, keys = request.plan, self.config.page_size, request.keys
+        assert plan is not None, "restoring a request admission did not plan"
         if not plan.overlap_pages:
             request.restored = self.store.restore(keys[: plan.restore_pages], request.prompt)
             request.pinned = list(request.restored.keys)

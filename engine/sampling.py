@@ -4,6 +4,7 @@ log-probabilities reported with each output token."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import cast
 
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_top_k, apply_top_p, make_logits_processors, make_sampler
@@ -78,7 +79,7 @@ def _banning(sequences: list[list[int]]) -> Callable[[mx.array, mx.array], mx.ar
     def ban(context: mx.array, logits: mx.array) -> mx.array:
         nonlocal step
         if step:
-            output.append(int(context[-1].item()))
+            output.append(cast(int, context[-1].item()))
         step += 1
         ruled_out = [seq[-1] for seq in sequences if len(output) >= len(seq) - 1 and _ends_with(output, seq[:-1])]
         if not ruled_out:
@@ -97,10 +98,13 @@ def _ends_with(tokens: list[int], tail: list[int]) -> bool:
 def token_logprob(logprobs: mx.array, token: int, top: int) -> TokenLogprob:
     """The chosen token's log-probability and the ``top`` best at its position, from the
     vector mlx-lm sampled from."""
-    chosen = logprobs[token].item()
+    # mlx types item() as any scalar and tolist() as a list or a scalar; a float vector
+    # gives a float, and a 1-D array a flat list.
+    chosen = cast(float, logprobs[token].item())
     if not top:
         return TokenLogprob(chosen, [])
     ids = mx.argpartition(-logprobs, kth=top - 1)[:top]
     order = mx.argsort(-logprobs[ids])
     ids = ids[order]
-    return TokenLogprob(chosen, list(zip(ids.tolist(), logprobs[ids].tolist())))
+    best = zip(cast(list[int], ids.tolist()), cast(list[float], logprobs[ids].tolist()))
+    return TokenLogprob(chosen, list(best))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
+from collections.abc import Sequence
 from itertools import chain, islice
 
 from kvtier.tiers.page import PageKey
@@ -85,7 +86,7 @@ class Scheduler:
             self._held[request.rid] = request
             self.prefix.hold(request.rid, leader, awaited, deadline)
 
-    def published(self, rid: int, keys: list[PageKey]) -> None:
+    def published(self, rid: int, keys: Sequence[PageKey]) -> None:
         """A request published ``keys`` (may release prefix followers)."""
         with self._lock:
             self._release(self.prefix.published(rid, keys))

@@ -316,7 +316,9 @@ class TieredStore:
             if best is None:
                 return None
             self.l1.counters.hit_tokens += shared
-            return PartialMatch(best, self.l1.get(best).kv[:, :, :, :shared])
+            match = self.l1.get(best)  # marked most recently used
+            assert match is not None, "following() lists pages in L1 (under the same lock)"
+            return PartialMatch(best, match.kv[:, :, :, :shared])
 
     # -- lifecycle and numbers -------------------------------------------------
 

@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import BinaryIO, TypeVar, cast
 
 import mlx.core as mx
 import numpy as np
@@ -32,6 +33,10 @@ _WORKERS = max(1, min(4, os.cpu_count() or 1))
 _MIN_SHARE = 4 << 20
 _MAX_BUFFER = 64 << 20  # bytes of one restored array (a group of layers)
 _SLACK = 4096  # bytes a joined array's buffer has beyond its payload, to place it (see _JoinedPages)
+# numpy declares ndarray's buffer protocol (``__buffer__``) for Python 3.12 on only, so
+# the hashers and memoryviews here take an array's ``.data``: the same bytes, no copy.
+
+_T = TypeVar("_T")
 
 
 _joined = False
@@ -84,7 +89,7 @@ def join_pages(hosts: list[np.ndarray], geometry: PageGeometry, digest: Sequence
     hashers = [xxh3_64() if i < len(digest) and digest[i] else None for i in range(len(hosts))]
     layer_bytes = len(hosts) * g.nbytes // g.num_layers
     per_group = max(1, min(g.num_layers, _MAX_BUFFER // layer_bytes))
-    layers = []
+    layers: list[tuple[mx.array, mx.array]] = []
     for first in range(0, g.num_layers, per_group):
         group = range(first, min(first + per_group, g.num_layers))
         kv = _join_group(hosts, g, group, hashers)
@@ -102,14 +107,16 @@ def _join_group(
     if len(hosts) == 1 and len(layers) == geometry.num_layers:  # a page is its own join: one copy
         return _copied(hosts[0], hashers[0])
     joined = _JoinedPages(hosts, geometry, layers, hashers)
-    flat = mx.load(joined, format="npy")
+    # mlx reads any object with readinto, seek and tell (its hint says a binary file); a
+    # .npy file is one array (its hint gives every kind load returns)
+    flat = cast(mx.array, mx.load(cast(BinaryIO, joined), format="npy"))
     mx.eval(flat)
     first = joined.start // joined.dtype.itemsize
     kv = flat[first : first + joined.payload // joined.dtype.itemsize].reshape(joined.shape)  # a view
     if not joined.hashed:  # mlx read in pieces: hash these layers now, in order
         for host, hasher in zip(joined.hosts, hashers):
             if hasher is not None:
-                hasher.update(host)
+                hasher.update(host.data)
     return kv
 
 
@@ -118,13 +125,13 @@ def _copied(host: np.ndarray, hasher: xxh3_64 | None) -> mx.array:
     the GIL while it copies and xxhash lets it go, so the hash is started first."""
     if hasher is None or _WORKERS == 1:
         if hasher is not None:
-            hasher.update(host)
+            hasher.update(host.data)
         return mx.array(host)
     started = threading.Event()
 
     def feed() -> None:
         started.set()
-        hasher.update(host)
+        hasher.update(host.data)
 
     hashing = _executor().submit(feed)
     started.wait()
@@ -211,10 +218,10 @@ class _JoinedPages:
             joined = np.frombuffer(out[self.start : self.start + self.payload], self.dtype).reshape(self.shape)
             size = self.shape[3] // len(self.hosts)
 
-            def fill(pages: range) -> None:
+            def fill(pages: Sequence[int]) -> None:
                 for i in pages:
-                    if self.hashers[i] is not None:
-                        self.hashers[i].update(self.hosts[i])
+                    if (hasher := self.hashers[i]) is not None:
+                        hasher.update(self.hosts[i].data)
                     joined[:, :, :, i * size : (i + 1) * size] = self.hosts[i]
 
             in_parallel(fill, shares(range(len(self.hosts)), self.payload))
@@ -230,7 +237,7 @@ class _JoinedPages:
             row, within = divmod(offset + done, row_bytes)
             page, at = divmod(within, self.run)
             n = min(self.run - at, len(out) - done)
-            out[done : done + n] = runs[page][row, at : at + n]
+            out[done : done + n] = runs[page][row, at : at + n].data
             done += n
 
 
@@ -238,14 +245,14 @@ _pool: ThreadPoolExecutor | None = None
 _setup = threading.Lock()
 
 
-def _chunks(items: Sequence, n: int) -> list:
+def _chunks(items: Sequence[_T], n: int) -> list[Sequence[_T]]:
     """``items`` cut into at most ``n`` contiguous, non-empty, near-equal runs."""
     n = max(1, min(n, len(items)))
     bounds = [len(items) * i // n for i in range(n + 1)]
     return [items[a:b] for a, b in zip(bounds, bounds[1:])]
 
 
-def shares(items: Sequence, nbytes: int) -> list:
+def shares(items: Sequence[_T], nbytes: int) -> list[Sequence[_T]]:
     """``items`` cut into one run per worker, each worth at least ``_MIN_SHARE`` of ``nbytes``."""
     return _chunks(items, min(_WORKERS, max(1, nbytes // _MIN_SHARE)))
 
@@ -258,7 +265,7 @@ def _executor() -> ThreadPoolExecutor:
     return _pool
 
 
-def in_parallel(work: Callable[[object], None], parts: list) -> None:
+def in_parallel(work: Callable[[_T], None], parts: Sequence[_T]) -> None:
     """``work(part)`` for every part: the first on this thread, the others on the shared
     pool; returns when all are done (raising the first error)."""
     futures = [_executor().submit(work, part) for part in parts[1:]]

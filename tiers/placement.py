@@ -103,7 +103,7 @@ class Placement:
             self.l2.counters.writes_dropped += 1
 
     def write_l3(
-        self, key: PageKey, page_tokens: tuple[int, ...], data: np.ndarray, link: str, wait: bool = False
+        self, key: PageKey, page_tokens: tuple[int, ...], data: np.ndarray, link: Link, wait: bool = False
     ) -> bool:
         """Queue a page for L3 unless it is already there; True if L3 has or will have it."""
         if self.disk is None:
@@ -113,7 +113,7 @@ class Placement:
         if not self.admission.admits(key):
             return False
         t0 = time.perf_counter()
-        queued = self.disk.put(key, self.ns_digest, page_tokens, data, wait=wait)
+        queued = self.disk.put(key, self.ns_digest, page_tokens, data.data, wait=wait)  # the page's bytes, no copy
         if queued:
             self.ledger.record(link, len(data), time.perf_counter() - t0)
         return queued

@@ -63,6 +63,12 @@ class _Page:
     parent: bytes | None = None  # the key of the page before it
 
     @property
+    def host(self) -> np.ndarray:
+        """Its bytes on the host, which every page of a run has by its join."""
+        assert self.data is not None, "a page read before its bytes were on the host"
+        return self.data
+
+    @property
     def compressed(self) -> bool:
         return self.record is not None and self.record.compressed
 
@@ -135,7 +141,7 @@ class Restorer:
                 t1 = time.perf_counter()
                 read_s = snap.read_s if snap is not None else 0.0  # a remote L3's round trips, inside _plan
                 pages = self.decode_compressed(pages)
-                digests = self._hash_raw_l3(pages) if ahead else [None] * len(pages)
+                digests: list[int | None] = self._hash_raw_l3(pages) if ahead else [None] * len(pages)
                 l3_bytes = sum(p.stored for p in pages)
                 host_s = self.throttle.wait("L3", l3_bytes, read_s + time.perf_counter() - t1) if l3_bytes else 0.0
             except BaseException:
@@ -180,7 +186,7 @@ class Restorer:
         for page in pages:
             if page.source is Source.L1 or page.key in self.l1 or not self.placement.make_room(self.l1):
                 continue  # no room when every L1 page is pinned: the page stays where it was
-            kv = mx.array(page.data)
+            kv = mx.array(page.host)
             kv = kv.view(mx.bfloat16) if self.geometry.dtype == "bfloat16" else kv
             cost = self.l2.policy.cost_of(page.key) if page.key in self.l2 else 1.0
             self.l1.add(page.key, DevicePage(page.tokens, kv, page.parent), cost)
@@ -192,7 +198,7 @@ class Restorer:
             if page.kv is not None:
                 page.data = self._shaped(kv_to_host(page.kv))
         hash_now = [p.raw_l3 and d is None for p, d in zip(pending.pages, pending.digests)]
-        return join_pages([p.data for p in pending.pages], self.geometry, hash_now)
+        return join_pages([p.host for p in pending.pages], self.geometry, hash_now)
 
     def _snapshot(self) -> AbstractContextManager[Snapshot | None]:
         return self.disk.snapshot() if self.disk is not None else nullcontext()
@@ -218,10 +224,9 @@ class Restorer:
             page = self._pin_resident(key, own)
             if page is None and snap is not None:
                 record = snap.find(key, self.ns_digest, own, self.geometry.nbytes)
-                page = record and _Page(
-                    key, own, Source.L3, record=record, data=None if record.compressed else self._shaped(record.payload)
-                )
-                if page is not None:
+                if record is not None:
+                    data = None if record.compressed else self._shaped(record.payload)
+                    page = _Page(key, own, Source.L3, record=record, data=data)
                     self.pins.pin(key)
             if page is None:
                 break
@@ -241,7 +246,7 @@ class Restorer:
                 self.pins.pin(key)
                 tier.counters.hit_pages += 1
                 tier.counters.hit_tokens += self.geometry.page_size
-                if tier is self.l1:  # its bytes are read at the join, on the joining thread
+                if isinstance(entry, DevicePage):  # L1: its bytes are read at the join, on the joining thread
                     return _Page(key, own, Source.L1, kv=entry.kv)
                 return _Page(key, own, Source.L2, self._shaped(self.l2.read(key)))
         return None
@@ -261,11 +266,12 @@ class Restorer:
                     self.l2.give_back(page.slot)
         return self._cut(pages, next((i for i, p in enumerate(pages) if p.compressed and p.data is None), len(pages)))
 
-    def _decode_pages(self, pages: list[_Page]) -> None:
+    def _decode_pages(self, pages: Sequence[_Page]) -> None:
         """One thread's share of the decodes, in order; stops at its first failure."""
         for page in pages:
             out = None if page.slot is None else self.l2.arena[page.slot]
-            raw = self.disk.verified(page.record, out)
+            disk, record = self._l3(page)
+            raw = disk.verified(record, out)
             if raw is None:
                 return
             page.data = self._shaped(raw)
@@ -275,9 +281,9 @@ class Restorer:
         digests: list[int | None] = [None] * len(pages)
         raw = [i for i, p in enumerate(pages) if p.raw_l3]
 
-        def hash_share(share: list[int]) -> None:
+        def hash_share(share: Sequence[int]) -> None:
             for i in share:
-                digests[i] = xxh3_64_intdigest(pages[i].data)
+                digests[i] = xxh3_64_intdigest(pages[i].host.data)  # .data: tiers.join says why
 
         in_parallel(hash_share, shares(raw, len(raw) * self.geometry.nbytes))
         return digests
@@ -286,14 +292,22 @@ class Restorer:
         """Index of the first raw L3 page whose bytes (hashed ahead, or as they were
         joined) fail its checksum (that record is rejected), else len(pages)."""
         for i, (page, digest) in enumerate(zip(pages, digests)):
-            if digest is not None and not self.disk.accept(page.record, digest):
+            if digest is None:
+                continue
+            disk, record = self._l3(page)
+            if not disk.accept(record, digest):
                 return i
         return len(pages)
+
+    def _l3(self, page: _Page) -> tuple[L3Store, StoredRecord]:
+        """The store an L3 page came from, and its record (a run holds L3 pages only with an L3)."""
+        assert self.disk is not None and page.record is not None, "an L3 page without an L3 or a record"
+        return self.disk, page.record
 
     def _cut(self, pages: list[_Page], n: int) -> list[_Page]:
         """``pages[:n]``; the pages after it are unpinned."""
         self.pins.release([p.key for p in pages[n:]])
         return pages[:n]
 
-    def _shaped(self, data: np.ndarray | bytes) -> np.ndarray:
+    def _shaped(self, data: np.ndarray | bytes | memoryview) -> np.ndarray:
         return np.frombuffer(data, self.geometry.storage_dtype).reshape(self.geometry.shape)

@@ -8,11 +8,15 @@ import os
 import shutil
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kvtier.tiers.text import format_bytes
 
 from ..blas import blas_in_use, openblas_hint
 from ..models.paths import default_store_dir
+
+if TYPE_CHECKING:
+    from tqdm import tqdm
 
 
 class UsageError(Exception):
@@ -112,7 +116,8 @@ class ProgressBar:
     """A tqdm bar on stderr that appears only once there is progress to show."""
 
     def __init__(self, desc: str) -> None:
-        self.desc, self.bar = desc, None
+        self.desc = desc
+        self.bar: tqdm | None = None
 
     def update(self, done: int, total: int) -> None:
         from tqdm import tqdm

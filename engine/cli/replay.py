@@ -72,4 +72,4 @@ def _model_geometry(args: argparse.Namespace):
         raise UsageError(str(err)) from None
     saved = disk.get_meta(loaded.profile_key(geometry))
     disk.close()
-    return geometry.bytes_per_token, Profile.from_dict(saved) if saved else None
+    return geometry.bytes_per_token, Profile.from_dict(saved) if isinstance(saved, dict) and saved else None

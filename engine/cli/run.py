@@ -95,8 +95,9 @@ def _generate(args: argparse.Namespace, engine, tokenizer, prompts: list[list[in
     try:
         for batch in [[p] for p in prompts] if args.sequential else [prompts]:
             submitted = [engine.submit(p, params) for p in batch]
-            for request in submitted if printer else []:
-                printer.add(request)
+            if printer is not None:
+                for request in submitted:
+                    printer.add(request)
             requests += submitted
             engine.run()
         ended = True

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
+from typing import NoReturn
 
 from .args import store_arg
 from .common import UsageError
 
 
 class Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line, not usage + message
+    def error(self, message: str) -> NoReturn:  # one line, not usage + message
         raise UsageError(message)
 
 

@@ -104,7 +104,7 @@ def packaged_gguf() -> Path | None:
         return None
     for file in dist.files or []:
         if file.name == _REAL_MODEL_GGUF:
-            path = Path(dist.locate_file(file))
+            path = Path(str(dist.locate_file(file)))  # str(): typeshed's SimplePath is no os.PathLike
             return path if path.is_file() else None
     return None
 
@@ -178,9 +178,11 @@ def _write_weights(directory: Path) -> None:
     from mlx_lm.models.qwen2 import Model, ModelArgs
 
     model = Model(ModelArgs.from_dict(CONFIG))
+    parameters: dict[str, mx.array] = {}
+    tree_flatten(model.parameters(), destination=parameters)  # by dotted name
     weights = {
         name: mx.array(_init_weight(name, tuple(p.shape))).astype(getattr(mx, _DTYPE))
-        for name, p in sorted(tree_flatten(model.parameters()))
+        for name, p in sorted(parameters.items())
     }
     mx.save_safetensors(str(directory / "model.safetensors"), weights, metadata={"format": "mlx"})
 

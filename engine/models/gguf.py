@@ -40,7 +40,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from .paths import kvtier_home
 
@@ -223,13 +223,14 @@ def _read(source: Path) -> tuple[dict[str, Any], dict[str, Any]]:
         raise GGUFError(f"{source} is not a GGUF file")
     try:
         # by its magic, not its name: Ollama keeps GGUFs as blobs named sha256-<digest>
-        tensors, metadata = mx.load(str(source), format="gguf", return_metadata=True)
+        loaded = mx.load(str(source), format="gguf", return_metadata=True)
     except (RuntimeError, ValueError, KeyError) as err:  # mlx: truncated file, unknown tensor type, ...
         reason = _one_line(err)
         if "to_f16" in reason or isinstance(err, KeyError):
             reason = f"it holds a tensor type mlx cannot read ({reason})"
         raise GGUFError(f"cannot load {source.name}: {reason}") from None
-    return tensors, metadata
+    # mlx's stub gives every kind load returns; with return_metadata it is (tensors, metadata)
+    return cast(tuple[dict[str, Any], dict[str, Any]], loaded)
 
 
 def _architecture(metadata: dict[str, Any]) -> Architecture:
@@ -406,7 +407,7 @@ def _tokenizer(meta: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
     tok = Tokenizer(
         models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, ignore_merges=split == _LLAMA3_SPLIT)
     )
-    steps = [pre_tokenizers.Digits(individual_digits=True)] if single_digits else []
+    steps: list[pre_tokenizers.PreTokenizer] = [pre_tokenizers.Digits(individual_digits=True)] if single_digits else []
     if split is not None:
         steps.append(pre_tokenizers.Split(Regex(split), behavior="isolated"))
     steps.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=split is None))
@@ -425,8 +426,8 @@ def _tokenizer(meta: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
         return None if value is None else tokens[int(value.item())]
 
     add_bos = bool(meta["tokenizer.ggml.add_bos_token"].item()) if "tokenizer.ggml.add_bos_token" in meta else False
-    if add_bos and token("bos") is not None:
-        bos = token("bos")
+    bos = token("bos") if add_bos else None
+    if bos is not None:
         tok.post_processor = processors.TemplateProcessing(
             single=f"{bos}:0 $A:0", pair=f"{bos}:0 $A:0 {bos}:1 $B:1", special_tokens=[(bos, tokens.index(bos))]
         )

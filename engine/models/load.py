@@ -112,7 +112,8 @@ def load_model(name: str | None = None, progress: Callable[[int, int], None] | N
     if not (path / "config.json").exists():
         raise ModelError(f"{path} has no config.json; not an mlx-lm model directory")
     try:
-        model, tokenizer = mlx_load(str(path))
+        # [:2]: mlx-lm's hint also allows the (model, tokenizer, config) of return_config=True
+        model, tokenizer = mlx_load(str(path))[:2]
     except Exception as err:
         raise ModelError(f"cannot load model from {path}: {err}") from None
     return LoadedModel(_loadable_reference(name, path), path, label, model, tokenizer, model_fingerprint(path))
@@ -120,8 +121,9 @@ def load_model(name: str | None = None, progress: Callable[[int, int], None] | N
 
 def _loadable_reference(name: str | None, path: Path) -> str:
     """What ``mlx_lm.load`` accepts as it is: the hub id the user gave, else the directory."""
-    hub_id = name is not None and not Path(name).expanduser().is_dir() and _HUB_ID.match(name)
-    return name if hub_id else str(path.resolve())
+    if name is not None and not Path(name).expanduser().is_dir() and _HUB_ID.match(name):
+        return name
+    return str(path.resolve())
 
 
 def model_fingerprint(path: Path) -> str:

@@ -8,7 +8,8 @@ into tokens and sampling settings and runs them.
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any, Literal
+from abc import abstractmethod
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 from pydantic_core import PydanticCustomError
@@ -81,11 +82,23 @@ def _text_only(*kinds: str):
     return BeforeValidator(check)
 
 
+class _Request(_Body):
+    """A whole request body: ``parse_body`` validates it, then ``checked`` refuses what
+    pydantic's field checks cannot say (settings kvtier does not implement)."""
+
+    @abstractmethod
+    def checked(self: _R) -> _R:
+        """This body, or the 400 that names the first setting kvtier refuses."""
+
+
+_R = TypeVar("_R", bound=_Request)
+
+
 class StreamOptions(_Body):
     include_usage: bool = False
 
 
-class _OpenAISampling(_Body):
+class _OpenAISampling(_Request):
     model: str | None = None
     max_tokens: int | None = Field(None, gt=0)
     temperature: float = Field(1.0, ge=0.0)
@@ -112,11 +125,15 @@ class _OpenAISampling(_Body):
             raise invalid("stop strings must not be empty", "stop")
         return stops
 
-    def checked(self) -> _OpenAISampling:
+    def checked(self: _S) -> _S:
         refuse_unless(self.n == 1, "n", "more than one choice (n = 1 only)")
         self.stop_strings()
         self.token_bias()
         return self
+
+    @abstractmethod
+    def top_logprobs_count(self) -> int | None:
+        """Alternatives to report with each token's log-probability (None: no log-probabilities)."""
 
     def token_bias(self) -> dict[int, float] | None:
         """``logit_bias`` by token id; its keys are token ids written as text, as OpenAI's."""
@@ -141,6 +158,9 @@ class _OpenAISampling(_Body):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+
+_S = TypeVar("_S", bound=_OpenAISampling)
 
 
 class CompletionRequest(_OpenAISampling):
@@ -290,7 +310,7 @@ class AnthropicToolChoice(_Body):
     disable_parallel_tool_use: bool | None = None  # accepted and ignored, as OpenAI's parallel_tool_calls
 
 
-class AnthropicPrompt(_Body):
+class AnthropicPrompt(_Request):
     """What makes an Anthropic prompt: the Messages body and count_tokens share it."""
 
     model: str | None = None
@@ -306,11 +326,14 @@ class AnthropicPrompt(_Body):
     betas: list[str] | None = None
     diagnostics: dict | None = None
 
-    def checked(self):
+    def checked(self: _P) -> _P:
         refuse_unless(self.thinking in (None, {"type": "disabled"}), "thinking", "extended thinking")
         if self.tool_choice is not None and self.tool_choice.type == "tool" and not self.tool_choice.name:
             raise invalid('tool_choice: {"type": "tool"} needs a name', "tool_choice.name")
         return self
+
+
+_P = TypeVar("_P", bound=AnthropicPrompt)
 
 
 class CountTokensRequest(AnthropicPrompt):
@@ -347,7 +370,7 @@ def _field_path(loc: tuple) -> str:
     return ".".join(str(part) for part in loc if isinstance(part, int) or part in _FIELDS)
 
 
-def parse_body(raw: bytes, model: type[_Body]) -> Any:
+def parse_body(raw: bytes, model: type[_R]) -> _R:
     """A checked request body, or the 400 that says what is wrong with it (one line)."""
     try:
         data = json.loads(raw)
@@ -363,7 +386,7 @@ def parse_body(raw: bytes, model: type[_Body]) -> Any:
         first = next((e for kind in ("unsupported", "extra_forbidden") for e in errors if e["type"] == kind), errors[0])
         if first["type"] == "extra_forbidden":
             raise unsupported(
-                ".".join(filter(None, (_field_path(first["loc"][:-1]), first["loc"][-1]))), "this field"
+                ".".join(filter(None, (_field_path(first["loc"][:-1]), str(first["loc"][-1])))), "this field"
             ) from None
         param = _field_path(first["loc"]) or None
         raise invalid(f"{param}: {first['msg']}" if param else first["msg"], param) from None

@@ -5,6 +5,7 @@ run for the drain timeout, then those left are cancelled, so each ends as the AP
 
 from __future__ import annotations
 
+import math
 import threading
 
 import uvicorn
@@ -13,6 +14,7 @@ from .app import KVTierServer
 
 # After the drain timeout the requests left are cancelled and end at the engine's next
 # step; uvicorn kills what is still open this much later (it logs each as a traceback).
+# uvicorn takes whole seconds: its backstop is rounded up, never earlier than this.
 _DRAIN_GRACE_S = 10.0
 
 
@@ -29,7 +31,10 @@ class DrainingServer(uvicorn.Server):
     def __init__(self, server: KVTierServer, drain_timeout: float, log_level: str) -> None:
         super().__init__(
             uvicorn.Config(
-                server.app, lifespan="on", log_level=log_level, timeout_graceful_shutdown=drain_timeout + _DRAIN_GRACE_S
+                server.app,
+                lifespan="on",
+                log_level=log_level,
+                timeout_graceful_shutdown=math.ceil(drain_timeout + _DRAIN_GRACE_S),
             )
         )
         self._cancel_later = threading.Timer(drain_timeout, server.cancel_live)

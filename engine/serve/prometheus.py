@@ -67,7 +67,7 @@ def format_stats(stats: dict) -> str:
 
 def _table(label: str, rows: dict[str, dict], gauges: tuple[str, ...]) -> Iterator[Metric]:
     """One family per field: ``kvtier_tier_pages{tier="L1"}``, ``kvtier_link_bytes_total{link="L3->L1"}``."""
-    families: dict[str, Metric] = {}
+    families: dict[str, GaugeMetricFamily | CounterMetricFamily] = {}
     for row, fields in rows.items():
         for name, value in fields.items():
             if name not in families:

@@ -156,13 +156,15 @@ class OpenAIShape:
         finish_reason: str | None = None,
         first: bool = False,
         logprobs: list[TokenChoice] | None = None,
-        tool_calls: list[ToolCall] = (),
+        tool_calls: list[ToolCall] | None = None,
     ) -> str:
         """One chunk; ``logprobs`` are those of the tokens whose text it brings. A tool call
         comes whole in one ``delta.tool_calls`` entry (OpenAI's clients join the pieces of
         one index, so a single piece is a complete call to them)."""
         if self.chat:
-            delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
+            delta: dict[str, Any] = {"role": "assistant", "content": text} if first else {}
+            if text and not first:
+                delta["content"] = text
             if tool_calls:
                 delta["tool_calls"] = [call.openai(self._calls + i) for i, call in enumerate(tool_calls)]
                 self._calls += len(tool_calls)

@@ -86,11 +86,12 @@ def constraints(
         return start, []
     if choice.name not in {tool["function"]["name"] for tool in tools}:
         raise invalid(f"tool_choice: names {choice.name!r}, which is not among the tools", "tool_choice")
-    begin = call_text.find(tokenizer.tool_call_start) if call_text else -1
-    at = call_text.find(choice.name, begin) if begin >= 0 else -1
+    name, text = choice.name or "", call_text or ""
+    begin = text.find(tokenizer.tool_call_start)
+    at = text.find(name, begin) if begin >= 0 else -1
     if at < 0:
         raise invalid("tool_choice: this model's chat template does not show how a named call begins", "tool_choice")
-    return list(tokenizer.encode(call_text[: at + len(choice.name)], add_special_tokens=False)), []
+    return list(tokenizer.encode(text[: at + len(name)], add_special_tokens=False)), []
 
 
 def named_call_message(name: str) -> dict:
@@ -134,7 +135,7 @@ class ToolCallText:
         return out, calls
 
     def _take(self, segments: list[tuple[str, str]]) -> tuple[str, list[ToolCall]]:
-        out, calls = "", []
+        out, calls = "", list[ToolCall]()
         for state, text in segments:
             if state == "tool":
                 self._in_call = True

@@ -3,11 +3,13 @@
 import dataclasses
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
 from kvtier.engine.engine import Engine, EngineConfig, InputError
+from kvtier.engine.limits import check_prompt
 from kvtier.engine.request import SamplingParams
 from kvtier.tiers.hierarchy import StoreConfig
 from kvtier.tiers.page import page_keys, reusable_pages
@@ -160,3 +162,14 @@ def test_no_offload_recomputes_everything(loaded):
 def test_bad_prompts_are_refused(loaded, prompt):
     with pytest.raises(InputError):
         make_engine(loaded).submit(prompt)
+
+
+def test_negative_ids_are_refused_without_a_vocab_size(loaded):
+    """A model whose config names no vocab_size (mlx-lm's vision-language ones nest it
+    in text_config) still gets its one-line InputError for a negative id."""
+    bare = dataclasses.replace(loaded, model=nn.Module())
+    with pytest.raises(InputError, match=r"^token id -1 is outside the vocabulary$"):
+        check_prompt(bare, [1, -1], GREEDY)
+    with pytest.raises(InputError, match=r"^logit_bias token id -3 is outside the vocabulary$") as caught:
+        check_prompt(bare, [1], dataclasses.replace(GREEDY, logit_bias={-3: 1.0}))
+    assert caught.value.param == "logit_bias"

@@ -27,6 +27,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 
@@ -93,6 +94,9 @@ class Snapshot(ABC):
         except CorruptRecord as exc:
             store.reject(key, value, str(exc))
             return None
+
+
+_Store = TypeVar("_Store", bound="L3Store")  # a backend, as its own class
 
 
 class L3Store(ABC):
@@ -219,8 +223,7 @@ class L3Store(ABC):
         """
         with self.snapshot() as snap:
             record = snap.find(key, namespace_digest, tokens, raw_nbytes)
-            raw = None if record is None else self.verified(record, out)
-            if raw is None:
+            if record is None or (raw := self.verified(record, out)) is None:
                 return None
             return (bytes(raw) if isinstance(raw, memoryview) else raw), record.stored
 
@@ -337,7 +340,7 @@ class L3Store(ABC):
         if not already:
             self._close_backend()
 
-    def __enter__(self) -> L3Store:
+    def __enter__(self: _Store) -> _Store:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -48,7 +48,7 @@ _DBS = (b"pages", b"lru", b"order", b"counters", b"namespaces")
 class _LmdbSnapshot(Snapshot):
     """Lookups inside one LMDB read transaction: values are views into the map."""
 
-    def __init__(self, disk: DiskTier, txn: lmdb.Transaction | None) -> None:
+    def __init__(self, disk: DiskTier, txn: lmdb.Transaction[memoryview] | None) -> None:  # buffers=True
         super().__init__(disk)
         self.txn = txn
 

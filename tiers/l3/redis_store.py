@@ -33,7 +33,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from functools import partial
-from typing import TypeVar
+from typing import Any, TypeVar, cast
 from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
 
 import msgpack
@@ -65,7 +65,7 @@ def _connect(url: str) -> tuple[redis.Redis | RedisCluster, bytes]:
     parts = urlsplit(url)
     query = dict(parse_qsl(parts.query))
     prefix = query.pop("prefix", "kvtier:").encode()
-    options = {
+    options: dict[str, Any] = {  # keyword arguments of either client
         "socket_timeout": float(query.pop("socket_timeout", _TIMEOUT_S)),
         "socket_connect_timeout": float(query.pop("socket_connect_timeout", _TIMEOUT_S)),
         "retry": Retry(NoBackoff(), 0),
@@ -203,7 +203,7 @@ class RedisTier(L3Store):
             config = self._client.config_get("maxmemory*")
         except redis.ResponseError:  # a managed server may refuse CONFIG: nothing to check
             return
-        cap, policy = int(config.get("maxmemory", 0)), config.get("maxmemory-policy", "?")
+        cap, policy = int(config.get("maxmemory") or 0), config.get("maxmemory-policy", "?")
         if asked is not None:
             log.info(
                 "store %s: the Redis server's maxmemory (%s) is its cap; the %s asked for is ignored",
@@ -248,8 +248,11 @@ class RedisTier(L3Store):
     def mget(self, keys: list[bytes]) -> list[bytes | None]:
         """The stored values of ``keys`` in one round trip (None: absent or unreadable)."""
         names = [self._page(k) for k in keys]
-        mget = self._client.mget_nonatomic if self._cluster else self._client.mget
-        return self._call("read", lambda: mget(names), [None] * len(keys))
+        client = self._client
+        mget = client.mget_nonatomic if isinstance(client, RedisCluster) else client.mget
+        # redis-py types a reply for its sync and async clients alike (ResponseT); this client
+        # is sync and sends bytes
+        return self._call("read", lambda: cast("list[bytes | None]", mget(names)), [None] * len(keys))
 
     def _exists(self, key: bytes) -> bool:
         return bool(self._call("lookup", lambda: self._client.exists(self._page(key)), 0))
@@ -261,7 +264,7 @@ class RedisTier(L3Store):
                 pipe.exists(self._page(key))
             return pipe.execute()
 
-        found = self._call("lookup", run, []) if keys else []
+        found: list = self._call("lookup", run, []) if keys else []
         doomed = [self.doomed(k) for k in keys]
         return next((i for i, (n, d) in enumerate(zip(found, doomed)) if not n or d), len(found))
 
@@ -286,7 +289,8 @@ class RedisTier(L3Store):
 
     def _commit(self, batch: Batch) -> None:
         for key, fingerprint in batch.deletes.items():
-            self._call("delete", partial(self._delete_if_same, keys=[self._page(key)], args=[fingerprint]), 0)
+            sha1 = str(fingerprint)  # this backend's fingerprints are SHA-1 hex digests (_fingerprint)
+            self._call("delete", partial(self._delete_if_same, keys=[self._page(key)], args=[sha1]), 0)
         if not batch.puts:
             return
         records = [
