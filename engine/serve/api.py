@@ -244,6 +244,7 @@ class ChatCompletionRequest(_OpenAISampling):
     tools: list[FunctionTool] | None = None
     tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None  # accepted and ignored: the template renders the tools as they are
+    cache_control: CacheControl | None = None  # kvtier's extension: hold the whole prompt, as Anthropic's
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     response_format: dict | None = None
@@ -319,6 +320,7 @@ class AnthropicPrompt(_Request):
     tools: list[AnthropicTool] | None = None
     tool_choice: AnthropicToolChoice | None = None
     thinking: dict | None = None
+    cache_control: CacheControl | None = None  # a breakpoint after the last block
     # Accepted and ignored: Claude Code sends them on every request. context_management
     # asks Anthropic to clear old tool results past a context threshold; kvtier renders
     # the whole conversation (a prompt past the context is a 400), so nothing is cleared.

@@ -30,6 +30,8 @@ from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from kvtier.tiers.page import page_keys
+
 from ..engine import Engine
 from ..limits import InputError, context_length
 from ..request import Request, SamplingParams
@@ -38,6 +40,7 @@ from . import api, render, responses
 from .api import APIError
 from .conversations import Conversations, log_loss
 from .generation import Generation, cancel_on_disconnect
+from .holds import Holds
 from .prometheus import ServerMetrics
 from .prompt import Prompt
 from .prompt import render as render_prompt
@@ -60,6 +63,7 @@ class ServerConfig:
     max_waiting: int = 64  # requests queued for a batch slot; past it, 429
     default_max_tokens: int = 512  # when a request names none (capped by the context)
     max_body_bytes: int = 8 << 20  # larger bodies answer 413
+    tool_warm_s: float = 120.0  # an answer that ends in a tool call is held this long (0: not held)
 
 
 class KVTierServer:
@@ -73,6 +77,8 @@ class KVTierServer:
         self.created = int(time.time())
         self._live: dict[int, Request] = {}  # by rid
         self.conversations = Conversations(engine.config.page_size)
+        store = engine.store
+        self.holds = Holds(store, store.view().l1.max_pages // 2 if store is not None else 0)
         self.metrics = ServerMetrics(engine.stats, self._gauges)
         self.app = Starlette(
             routes=[
@@ -142,6 +148,7 @@ class KVTierServer:
                 render.chat_tools(body),
                 render.chat_tool_choice(body),
                 render.chat_has_tool_history(body),
+                render.chat_breakpoints(body),
             )
         )
         return await self._openai(http, body, prompt, chat=True)
@@ -171,7 +178,7 @@ class KVTierServer:
                     yield shape.chunk(piece, logprobs=held if params.logprobs is not None else None, tool_calls=calls)
                     held = []
             try:
-                done = gen.finished()
+                done = await self._finished(gen)
             except APIError as err:
                 for chunk in shape.error_chunks(err):
                     yield chunk
@@ -214,7 +221,7 @@ class KVTierServer:
                     for event in shape.tool_events(call):
                         yield event
             try:
-                done = gen.finished()
+                done = await self._finished(gen)
             except APIError as err:
                 for event in shape.error_events(err):
                     yield event
@@ -232,12 +239,15 @@ class KVTierServer:
         return JSONResponse({"input_tokens": len(prompt.tokens)})
 
     def _anthropic_prompt(self, body: api.AnthropicPrompt) -> Prompt:
+        messages, origins = render.anthropic_messages(body)
         return render_prompt(
             self.tokenizer,
-            *render.anthropic_messages(body),
+            messages,
+            origins,
             render.anthropic_tools(body),
             render.anthropic_tool_choice(body),
             render.anthropic_has_tool_history(body),
+            render.anthropic_breakpoints(body, origins),
         )
 
     # -- the rest of the API -----------------------------------------------------------
@@ -310,6 +320,7 @@ class KVTierServer:
                 headers={"Retry-After": str(RETRY_AFTER_S)},
             )
         params.max_tokens = params.max_tokens or min(self.config.default_max_tokens, room)
+        await anyio.to_thread.run_sync(self.holds.sweep)
         try:
             request = await anyio.to_thread.run_sync(self.engine.submit, tokens, params)
         except InputError as err:
@@ -333,9 +344,31 @@ class KVTierServer:
                 async for _ in gen.pieces():
                     pass
                 group.cancel_scope.cancel()
-            return gen.finished()
+            return await self._finished(gen)
         finally:
             self._end(gen)
+
+    async def _finished(self, gen: Generation) -> Finished:
+        """The outcome, with the pages it holds in the fast tiers (``holds``)."""
+        done = gen.finished()
+        done.held = await anyio.to_thread.run_sync(self._hold, gen, done)
+        return done
+
+    def _hold(self, gen: Generation, done: Finished) -> dict[str, int] | None:
+        """Hold the prompt up to its cache_control breakpoints for their TTLs, and an answer
+        that ends in a tool call (prompt and answer) for ``tool_warm_s``: the tokens held,
+        by why; None when the request asked for neither."""
+        request, page = gen.request, self.engine.config.page_size
+        held: dict[str, int] = {}
+        if gen.prompt.breakpoints:
+            marks = gen.prompt.breakpoints
+            held["cache_control"] = page * max(
+                self.holds.hold("cache_control", request.keys[: n // page], ttl) for n, ttl in marks
+            )
+        if done.finish_reason == "tool_calls" and self.config.tool_warm_s > 0:
+            keys = page_keys(self.engine.namespace, request.prompt + request.output)
+            held["tool_wait"] = self.holds.hold("tool_wait", keys, self.config.tool_warm_s) * page
+        return held or None
 
     def _sse(self, events: AsyncIterator[str], gen: Generation) -> StreamingResponse:
         """A server-sent event stream; however it ends (done, client gone, never started), ``_end`` runs."""

@@ -88,7 +88,10 @@ class Generation:
         """Where the prompt came from (known once the request was admitted)."""
         request = self.request
         plan = request.plan.to_dict() if request.plan else None
-        return PromptUsage(len(request.prompt), request.sources(), self.page_size, plan, self.divergence())
+        usage = PromptUsage(len(request.prompt), request.sources(), self.page_size, plan, self.divergence())
+        stored = self.prompt.cached_prefix // self.page_size * self.page_size  # full pages up to the breakpoint
+        usage.cache_creation = max(0, stored - usage.restored)
+        return usage
 
     def divergence(self) -> dict:
         """Where the prompt left the cache, and the request's message that holds that token

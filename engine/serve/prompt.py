@@ -18,6 +18,12 @@ class Prompt:
     banned: list[list[int]] = field(default_factory=list)  # SamplingParams.banned
     messages: list[dict] = field(default_factory=list)  # as the template took them
     origins: list[tuple[int | None, str]] = field(default_factory=list)  # per message: the request's index, role
+    breakpoints: list[tuple[int, float]] = field(default_factory=list)  # cache_control: (tokens up to it, TTL s)
+
+    @property
+    def cached_prefix(self) -> int:
+        """Tokens up to the last cache_control breakpoint (0: none)."""
+        return max((tokens for tokens, _ in self.breakpoints), default=0)
 
     def message_at(self, tokenizer, token: int) -> tuple[int | None, str | None]:
         """The request's message (index, role) that holds prompt token ``token``: the first
@@ -48,8 +54,10 @@ def render(
     tools: list[dict] | None,
     choice: ToolChoice,
     tool_history: bool,
+    marks: list[tuple[int, float]],
 ) -> Prompt:
-    """The prompt, or a 400: a template that cannot take tools (or render these messages)."""
+    """The prompt, or a 400: a template that cannot take tools (or render these messages).
+    ``marks`` are the cache_control breakpoints as (the template message they end, TTL)."""
     tool_calls.check_tools(tokenizer, tools, tool_history, "tools" if tools else "messages")
     tokens = list(_apply(tokenizer, messages, tools, True))
     call_text = None
@@ -59,7 +67,13 @@ def render(
         after = _apply(tokenizer, [*messages, tool_calls.named_call_message(choice.name)], tools, False, tokenize=False)
         call_text = after[len(before) :] if after.startswith(before) else None
     forced, banned = tool_calls.constraints(tokenizer, choice, tools, call_text)
-    return Prompt(tokens, tools, forced, banned, messages, origins)
+    breakpoints = [(min(len(tokens), _length(tokenizer, messages[: j + 1], tools)), ttl) for j, ttl in marks]
+    return Prompt(tokens, tools, forced, banned, messages, origins, breakpoints)
+
+
+def _length(tokenizer, messages: list[dict], tools: list[dict] | None) -> int:
+    """Tokens of the first messages' rendering (the prompt's start, up to their end)."""
+    return len(tokenizer.encode(_text(tokenizer, messages, tools), add_special_tokens=False))
 
 
 def _text(tokenizer, messages: list[dict], tools: list[dict] | None) -> str:

@@ -15,12 +15,14 @@ import json
 from .api import (
     AnthropicMessage,
     AnthropicPrompt,
+    CacheControl,
     ChatCompletionRequest,
     TextPart,
     ToolResult,
     ToolUse,
     invalid,
 )
+from .holds import TTLS
 from .tools import AUTO, NONE, REQUIRED, ToolChoice
 
 ERROR_PREFIX = "Error: "  # before an Anthropic tool_result marked is_error, which templates cannot show
@@ -64,6 +66,23 @@ def chat_tool_choice(body: ChatCompletionRequest) -> ToolChoice:
     if choice is None or isinstance(choice, str):
         return ToolChoice(choice or AUTO)
     return ToolChoice("function", choice.function.name)
+
+
+def chat_breakpoints(body: ChatCompletionRequest) -> list[tuple[int, float]]:
+    """``cache_control`` on a message's text parts, or on the body (the whole prompt), as
+    (the template message it ends, its TTL in seconds)."""
+    marks = [
+        (i, _ttl(part.cache_control))
+        for i, message in enumerate(body.messages)
+        if isinstance(message.content, list)
+        for part in message.content
+        if part.cache_control is not None
+    ]
+    return marks + ([(len(body.messages) - 1, _ttl(body.cache_control))] if body.cache_control else [])
+
+
+def _ttl(control: CacheControl) -> float:
+    return TTLS[control.ttl or "5m"]
 
 
 def chat_has_tool_history(body: ChatCompletionRequest) -> bool:
@@ -119,6 +138,21 @@ def _anthropic_message(message: AnthropicMessage) -> list[dict]:
         else:
             raise invalid("messages: a user message cannot hold tool_use blocks", "messages")
     return out
+
+
+def anthropic_breakpoints(body: AnthropicPrompt, origins: list[tuple[int | None, str]]) -> list[tuple[int, float]]:
+    """``cache_control`` on tools, system blocks, message blocks or the body, as (the
+    template message it ends, its TTL in seconds). Tools render inside the first
+    message's turn in templates that take them, so their breakpoint ends that turn."""
+    marks = [(0, _ttl(t.cache_control)) for t in body.tools or [] if t.cache_control is not None]
+    if isinstance(body.system, list):
+        marks += [(0, _ttl(b.cache_control)) for b in body.system if b.cache_control is not None]
+    for i, message in enumerate(body.messages):
+        if isinstance(message.content, list):
+            last = max((j for j, (index, _) in enumerate(origins) if index == i), default=None)
+            if last is not None:
+                marks += [(last, _ttl(b.cache_control)) for b in message.content if b.cache_control is not None]
+    return marks + ([(len(origins) - 1, _ttl(body.cache_control))] if body.cache_control else [])
 
 
 def anthropic_tools(body: AnthropicPrompt) -> list[dict] | None:

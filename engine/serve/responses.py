@@ -4,7 +4,9 @@ Anthropic events, from a request's outcome, a :class:`Finished`.
 Usage reports where every prompt token came from: ``prompt_tokens_details.sources``
 (``L1``, ``L2``, ``L3``, ``recomputed``) sums to ``prompt_tokens`` and ``cached_tokens``
 is the restored part, ``L1 + L2 + L3``. Anthropic's ``cache_read_input_tokens`` is the
-same restored count and ``input_tokens`` the rest, so the two never count a token twice.
+same restored count, ``cache_creation_input_tokens`` the tokens computed (and stored) up
+to the request's last ``cache_control`` breakpoint, and ``input_tokens`` the rest, so
+no token counts twice.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ class PromptUsage:
     page_size: int
     plan: dict | None  # RestorePlan.to_dict(); None without a store
     divergence: dict | None = None  # where the prompt left the cache (engine.divergence, with its message)
+    cache_creation: int = 0  # recomputed tokens up to the last cache_control breakpoint
 
     @property
     def restored(self) -> int:
@@ -59,6 +62,7 @@ class Finished:
     prompt: PromptUsage
     logprobs: list[TokenChoice] | None = None  # when the request asked for them
     tool_calls: list[ToolCall] = field(default_factory=list)  # parsed; ``text`` is what is left
+    held: dict[str, int] | None = None  # tokens now held in the fast tiers, by why (``holds``)
 
 
 def usage(done: Finished) -> dict:
@@ -69,23 +73,31 @@ def usage(done: Finished) -> dict:
         "completion_tokens": done.completion_tokens,
         "total_tokens": prompt.tokens + done.completion_tokens,
         "prompt_tokens_details": {"cached_tokens": prompt.restored, "sources": prompt.sources},
-        "kvtier": {"page_size": prompt.page_size, "plan": prompt.plan, "divergence": prompt.divergence},
+        "kvtier": _kvtier(done.prompt, done.held),
     }
 
 
-def anthropic_usage(prompt: PromptUsage, output_tokens: int) -> dict:
-    """``cache_read_input_tokens`` are the restored tokens, ``input_tokens`` the rest."""
+def _kvtier(prompt: PromptUsage, held: dict[str, int] | None, **extra: Any) -> dict:
+    """kvtier's own usage: the plan, where the prompt left the cache, what is held."""
+    usage = {
+        **extra,
+        "page_size": prompt.page_size,
+        "plan": prompt.plan,
+        "divergence": prompt.divergence,
+        "cache_creation_tokens": prompt.cache_creation,
+    }
+    return usage if held is None else {**usage, "held": held}
+
+
+def anthropic_usage(prompt: PromptUsage, output_tokens: int, held: dict[str, int] | None = None) -> dict:
+    """``cache_read_input_tokens`` are the restored tokens, ``cache_creation_input_tokens``
+    those computed up to the last breakpoint, ``input_tokens`` the rest."""
     return {
-        "input_tokens": prompt.tokens - prompt.restored,
+        "input_tokens": prompt.tokens - prompt.restored - prompt.cache_creation,
         "cache_read_input_tokens": prompt.restored,
-        "cache_creation_input_tokens": 0,
+        "cache_creation_input_tokens": prompt.cache_creation,
         "output_tokens": output_tokens,
-        "kvtier": {
-            "sources": prompt.sources,
-            "page_size": prompt.page_size,
-            "plan": prompt.plan,
-            "divergence": prompt.divergence,
-        },
+        "kvtier": _kvtier(prompt, held, sources=prompt.sources),
     }
 
 
@@ -229,7 +241,7 @@ class AnthropicShape:
             text + [call.anthropic() for call in done.tool_calls],
             _stop_reason(done),
             done.stop_string,
-            anthropic_usage(done.prompt, done.completion_tokens),
+            anthropic_usage(done.prompt, done.completion_tokens, done.held),
         )
 
     def start_events(self, prompt: PromptUsage) -> list[str]:
@@ -274,7 +286,7 @@ class AnthropicShape:
                 {
                     "type": "message_delta",
                     "delta": delta,
-                    "usage": anthropic_usage(done.prompt, done.completion_tokens),
+                    "usage": anthropic_usage(done.prompt, done.completion_tokens, done.held),
                 },
                 "message_delta",
             ),

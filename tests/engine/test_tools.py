@@ -329,3 +329,82 @@ def test_the_divergence_report_names_the_message_that_changed(claude, oai, scrip
         messages=[{"role": "system", "content": "x" + system}, {"role": "user", "content": "hi"}],
     )
     assert changed_system.usage.model_extra["kvtier"]["divergence"]["role"] == "system"
+
+
+# -- pages held in the fast tiers ----------------------------------------------------------
+
+SMALL_L1, SMALL_L2 = 160, 8  # pages: the pressure below evicts everything not held
+
+
+@pytest.fixture(scope="module")
+def small(served):
+    """A server on a store of a few pages (no L3), with the same scripted engine."""
+    loaded = served[0].engine.loaded
+    page_bytes = loaded.geometry(PAGE).nbytes
+    store = StoreConfig(l1_bytes=SMALL_L1 * page_bytes, l2_bytes=SMALL_L2 * page_bytes, store_dir=None)
+    engine = ScriptedEngine(loaded, EngineConfig(page_size=PAGE, store=store, publish_answers=True))
+    server = KVTierServer(engine, ServerConfig(TOOLS_MODEL))
+    server.start()
+    with TestClient(server.app) as http:
+        client = anthropic.Anthropic(base_url="http://testserver", api_key="none", http_client=http, max_retries=0)
+        yield server, client
+    server.close()
+
+
+def _pressure(client, rounds: int = 4) -> None:
+    """Prompts of their own, enough to fill L1 and L2 several times over."""
+    for i in range(rounds):
+        text = f"unrelated traffic {i} " * 60  # 80 pages
+        client.messages.create(model=TOOLS_MODEL, max_tokens=1, messages=[{"role": "user", "content": text}])
+
+
+def test_cache_control_holds_the_prefix_through_pressure(small):
+    server, client = small
+    system = "A long agent system prompt that every turn shares. " * 2  # 6 pages of 16
+    for cached in (False, True):
+        block = {"type": "text", "text": f"{cached} {system}"}
+        if cached:
+            block["cache_control"] = {"type": "ephemeral", "ttl": "1h"}
+        request = {"model": TOOLS_MODEL, "max_tokens": 1, "system": [block]}
+        first = client.messages.create(**request, messages=[{"role": "user", "content": "turn one"}]).usage
+        _pressure(client)
+        again = client.messages.create(**request, messages=[{"role": "user", "content": "turn two"}]).usage
+        if not cached:
+            assert first.cache_creation_input_tokens == 0 and again.cache_read_input_tokens <= 2 * PAGE  # its start
+            continue
+        held = first.model_extra["kvtier"]["held"]["cache_control"]
+        assert held >= len(system) // PAGE * PAGE - PAGE  # the prefix's full pages (the template adds a few tokens)
+        assert first.cache_creation_input_tokens == held - first.cache_read_input_tokens  # the shared first page
+        assert again.cache_read_input_tokens >= held and again.cache_creation_input_tokens == 0
+        total = again.input_tokens + again.cache_read_input_tokens + again.cache_creation_input_tokens
+        assert total == again.model_extra["kvtier"]["divergence"]["prompt_tokens"]  # no token counted twice
+    assert server.holds.pages() <= SMALL_L1 // 2  # never more than the cap
+
+
+def test_an_answer_that_calls_a_tool_stays_warm_while_the_tool_runs(small):
+    server, client = small
+    request = {"model": TOOLS_MODEL, "max_tokens": 120, "tools": [ANTHROPIC_WEATHER]}
+    asked = [{"role": "user", "content": "weather in Paris? " * 3}]
+    cold_read = None
+    for warm in (0.0, 60.0):
+        server.config.tool_warm_s, server.engine.script = warm, CALL
+        try:
+            message = client.messages.create(**request, messages=[{"role": "user", "content": f"{warm}"}, *asked])
+        finally:
+            server.engine.script = None
+        (block,) = message.content
+        _pressure(client)
+        answered = [
+            {"role": "user", "content": f"{warm}"},
+            *asked,
+            {"role": "assistant", "content": [block.model_dump()]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": block.id, "content": "18 C"}]},
+        ]
+        usage = client.messages.create(**{**request, "max_tokens": 1}, messages=answered).usage
+        turn_one = message.usage.input_tokens + message.usage.cache_read_input_tokens + message.usage.output_tokens
+        if warm:
+            assert message.usage.model_extra["kvtier"]["held"]["tool_wait"] == turn_one // PAGE * PAGE
+            assert usage.cache_read_input_tokens >= turn_one // PAGE * PAGE > cold_read + 10 * PAGE
+        else:
+            cold_read = usage.cache_read_input_tokens  # the template's start, which the pressure shares
+            assert "held" not in message.usage.model_extra["kvtier"]
