@@ -326,6 +326,7 @@ class AnthropicPrompt(_Request):
     # the whole conversation (a prompt past the context is a 400), so nothing is cleared.
     context_management: dict | None = None
     betas: list[str] | None = None
+    # {"previous_message_id": id or null}: the response says why the cache missed (conversations)
     diagnostics: dict | None = None
 
     def checked(self: _P) -> _P:

@@ -38,7 +38,7 @@ from ..request import Request, SamplingParams
 from ..text import OutputText
 from . import api, render, responses
 from .api import APIError
-from .conversations import Conversations, log_loss
+from .conversations import Conversations, log_loss, miss_reason
 from .generation import Generation, cancel_on_disconnect
 from .holds import Holds
 from .prometheus import ServerMetrics
@@ -205,6 +205,7 @@ class KVTierServer:
         )
         gen = await self._submit(prompt, params, body.stop_sequences, "messages", "toolu_")
         gen.turn = (shape.id, (body.metadata or {}).get("user_id"), (body.diagnostics or {}).get("previous_message_id"))
+        gen.diagnose = body.diagnostics is not None
         if not body.stream:
             return JSONResponse(shape.response(await self._collect(gen, http)))
 
@@ -352,7 +353,25 @@ class KVTierServer:
         """The outcome, with the pages it holds in the fast tiers (``holds``)."""
         done = gen.finished()
         done.held = await anyio.to_thread.run_sync(self._hold, gen, done)
+        await anyio.to_thread.run_sync(self._diagnose, gen, done)
         return done
+
+    def _diagnose(self, gen: Generation, done: Finished) -> None:
+        """Compare the request with its conversation's previous turn: an INFO line if it
+        recomputed more than a page of it, and Anthropic's ``cache_miss_reason`` when the
+        request asked for ``diagnostics``."""
+        if gen.turn is None:
+            return
+        turn_id, key, previous_id = gen.turn
+        request = gen.request
+        if gen.diagnose and previous_id is None:
+            return  # Anthropic's first turn: nothing before it to compare with
+        loss = self.conversations.loss(request.prompt, request.matched_tokens, key, previous_id)
+        if loss is not None:
+            log_loss(turn_id, loss, gen.divergence())
+        if gen.diagnose:
+            reason = miss_reason(loss, self.conversations.known(previous_id), gen.divergence())
+            done.diagnostics = None if reason is None else {"cache_miss_reason": reason}
 
     def _hold(self, gen: Generation, done: Finished) -> dict[str, int] | None:
         """Hold the prompt up to its cache_control breakpoints for their TTLs, and an answer
@@ -381,16 +400,12 @@ class KVTierServer:
 
     def _end(self, gen: Generation) -> None:
         """The server is done with a request: cancel it (nothing happens to a finished one),
-        forget it, count its latencies once, and remember the turn (saying first, at INFO,
-        if it recomputed more than a page of its conversation's previous turn)."""
+        forget it, count its latencies once, and remember the turn it answered."""
         request = gen.request
         request.cancel()
         self._live.pop(request.rid, None)
         if request.finish_reason in ("stop", "length") and gen.turn is not None:
-            turn_id, key, previous_id = gen.turn
-            loss = self.conversations.loss(request.prompt, request.matched_tokens, key, previous_id)
-            if loss is not None:
-                log_loss(turn_id, loss, gen.divergence())
+            turn_id, key, _ = gen.turn
             self.conversations.remember(turn_id, key, request.prompt + request.output)
         if request.t_first_token is not None:
             self.metrics.ttft.observe(request.t_first_token - request.t_submit)

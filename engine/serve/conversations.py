@@ -50,6 +50,11 @@ class Conversations:
             while len(self._turns) > self.keep:
                 self._turns.popitem(last=False)
 
+    def known(self, turn_id: str | None) -> bool:
+        """Whether ``turn_id`` is a remembered turn (None: none was named, so yes)."""
+        with self._lock:
+            return turn_id is None or turn_id in self._turns
+
     def loss(self, prompt: list[int], matched: int, key: str | None, previous_id: str | None) -> Loss | None:
         """What ``prompt``, whose stored match ended at ``matched``, recomputes of its
         conversation's previous turn, if more than a page (else None)."""
@@ -79,6 +84,20 @@ def _common(a: np.ndarray, b: np.ndarray) -> int:
     n = min(len(a), len(b))
     differ = np.flatnonzero(a[:n] != b[:n])
     return int(differ[0]) if len(differ) else n
+
+
+def miss_reason(loss: Loss | None, known: bool, report: dict) -> dict | None:
+    """Anthropic's ``cache_miss_reason`` (None: no miss): where the prompt changed, by the
+    role holding the divergence; pages evicted though unchanged are ``unavailable`` (the
+    request changed nothing; ``usage.kvtier`` says more)."""
+    if not known:
+        return {"type": "previous_message_not_found"}
+    if loss is None:
+        return None
+    if loss.common > report["token"]:
+        return {"type": "unavailable"}
+    kind = "system_changed" if report["role"] == "system" else "messages_changed"
+    return {"type": kind, "cache_missed_input_tokens": loss.tokens}
 
 
 def log_loss(request_id: str, loss: Loss, report: dict) -> None:

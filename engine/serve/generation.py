@@ -41,6 +41,7 @@ class Generation:
         self.request = request
         self.prompt = prompt
         self.turn: tuple[str, str | None, str | None] | None = None  # response id, conversation key, previous id
+        self.diagnose = False  # the request asked for Anthropic's diagnostics
         self._report: dict | None = None
         self.text = text
         self.calls = calls  # where the request has tools

@@ -63,6 +63,7 @@ class Finished:
     logprobs: list[TokenChoice] | None = None  # when the request asked for them
     tool_calls: list[ToolCall] = field(default_factory=list)  # parsed; ``text`` is what is left
     held: dict[str, int] | None = None  # tokens now held in the fast tiers, by why (``holds``)
+    diagnostics: dict | None = None  # Anthropic's, when asked for and the prompt missed
 
 
 def usage(done: Finished) -> dict:
@@ -237,12 +238,13 @@ class AnthropicShape:
 
     def response(self, done: Finished) -> dict:
         text = [{"type": "text", "text": done.text}] if done.text or not done.tool_calls else []
-        return self._message(
+        message = self._message(
             text + [call.anthropic() for call in done.tool_calls],
             _stop_reason(done),
             done.stop_string,
             anthropic_usage(done.prompt, done.completion_tokens, done.held),
         )
+        return message if done.diagnostics is None else {**message, "diagnostics": done.diagnostics}
 
     def start_events(self, prompt: PromptUsage) -> list[str]:
         """``message_start`` (with the prompt's cache split) and the first text block's start."""

@@ -408,3 +408,18 @@ def test_an_answer_that_calls_a_tool_stays_warm_while_the_tool_runs(small):
         else:
             cold_read = usage.cache_read_input_tokens  # the template's start, which the pressure shares
             assert "held" not in message.usage.model_extra["kvtier"]
+
+
+def test_anthropic_diagnostics_say_why_the_cache_missed(claude, script):
+    script(None)
+    system = "You are a coding agent with tools and a long system prompt. " * 3
+    ask = {"model": TOOLS_MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "list the files"}]}
+    first = claude.messages.create(**ask, system=system, diagnostics={"previous_message_id": None})
+    assert first.diagnostics is None  # nothing to compare with, nothing missed
+    same = claude.messages.create(**ask, system=system, diagnostics={"previous_message_id": first.id})
+    assert same.diagnostics is None
+    changed = claude.messages.create(**ask, system="Today. " + system, diagnostics={"previous_message_id": same.id})
+    reason = changed.diagnostics.cache_miss_reason
+    assert reason.type == "system_changed" and reason.cache_missed_input_tokens > PAGE
+    unknown = claude.messages.create(**ask, system=system, diagnostics={"previous_message_id": "msg_unknown"})
+    assert unknown.diagnostics.cache_miss_reason.type == "previous_message_not_found"
