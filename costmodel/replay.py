@@ -1,13 +1,10 @@
 """Trace replay (DESIGN §8c): which hit ratio and prefill time given caps and a policy give.
 
-A Mooncake trace (one JSON object a line: ``timestamp`` ms, ``input_length``,
-``output_length``, ``hash_ids`` of 512-token blocks, the last one possibly partial)
-is replayed against the real ``TieredStore``: its L1/L2/L3 code paths, caps, pins,
-eviction, spill, write-once and admission, on a store of its own.
+A Mooncake trace (``costmodel.trace``) is replayed against the real ``TieredStore``: its
+L1/L2/L3 code paths, caps, pins, eviction, spill, write-once and admission, on a store
+of its own. Beside each replay the report gives what no store could beat
+(``costmodel.bounds``); ``costmodel.replay_report`` prints and plots it.
 
-- Block ``h`` becomes 512 synthetic token ids derived from ``h`` (equal ids, equal
-  tokens), so the page keys chain exactly as a real prompt's do. Only the request's
-  reusable full pages (``(input_length - 1) // page_size``) are keyed, as in the engine.
 - Payloads are a few bytes, but every cap counts each page as
   ``kv_bytes_per_token * page_size`` bytes (``StoreConfig.page_bytes``), and link
   bytes are link pages times that size.
@@ -17,16 +14,10 @@ eviction, spill, write-once and admission, on a store of its own.
   ``output_length`` tokens, one step of the compute model each. Only prompt pages
   are published: a trace has no ids for the pages of an answer.
 - The L3 writer is settled after every request, so a replay is deterministic.
-
-The infinite-cache bound: per request, the longest prefix of its reusable pages
-that earlier requests published, summed over the trace and divided by all prompt
-tokens (what unbounded tiers would reuse).
 """
 
 from __future__ import annotations
 
-import heapq
-import json
 import os
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
@@ -37,137 +28,16 @@ import mlx.core as mx
 import numpy as np
 
 from kvtier.tiers.hierarchy import StoreConfig, TieredStore
-from kvtier.tiers.page import Namespace, PageGeometry, PageKey, Source, page_keys, reusable_pages
+from kvtier.tiers.page import Namespace, PageGeometry, PageKey, Source
 from kvtier.tiers.policy import DEFAULT_POLICY
 
+from .bounds import BELADY, belady, compute_saved, infinite_cache
 from .models import ComputeModel
 from .plan import plan_restore
 from .profile import Profile
+from .trace import BLOCK_TOKENS, SyntheticPrompts, TraceRequest, page_names
 
-BLOCK_TOKENS = 512
-BELADY = "belady"  # not a store policy: the offline bound for the same total capacity
 SOURCES = tuple(s.value for s in Source)
-
-
-class TraceError(ValueError):
-    """A trace line that is not a Mooncake request (one clear line)."""
-
-
-@dataclass(frozen=True)
-class TraceRequest:
-    arrival_s: float
-    input_length: int
-    output_length: int
-    hash_ids: tuple[int, ...]
-
-
-def read_trace(path: Path) -> list[TraceRequest]:
-    """The requests of a Mooncake trace file, in file order; TraceError on a bad line."""
-    requests = []
-    try:
-        lines = Path(path).read_text().splitlines()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise TraceError(f"cannot read trace {path}: {getattr(exc, 'strerror', None) or exc}") from None
-    for number, line in enumerate(lines, 1):
-        if line.strip():
-            requests.append(_parse(line, f"{path}:{number}"))
-    if not requests:
-        raise TraceError(f"trace {path} has no requests")
-    return requests
-
-
-def _parse(line: str, where: str) -> TraceRequest:
-    try:
-        d = json.loads(line)
-        stamp, n, out, ids = d["timestamp"], d["input_length"], d["output_length"], d["hash_ids"]
-    except (ValueError, TypeError, KeyError) as exc:
-        raise TraceError(f"{where}: not a trace request ({type(exc).__name__}: {exc})") from None
-    if (
-        not all(isinstance(v, int) and not isinstance(v, bool) for v in (n, out, *ids))
-        or not isinstance(stamp, (int, float))
-        or n < 1
-        or out < 0
-    ):
-        raise TraceError(f"{where}: timestamp, input_length >= 1, output_length >= 0 and hash_ids must be numbers")
-    if len(ids) != -(-n // BLOCK_TOKENS):
-        raise TraceError(
-            f"{where}: {len(ids)} hash_ids for {n} tokens (expected ceil({n}/{BLOCK_TOKENS}) = {-(-n // BLOCK_TOKENS)})"
-        )
-    return TraceRequest(stamp / 1000.0, n, out, tuple(ids))
-
-
-class SyntheticPrompts:
-    """Token ids and page keys of trace requests: block ``h`` is the 512 ids
-    ``d*512 .. d*512+511``, ``d`` the rank of ``h`` among the ids seen so far."""
-
-    def __init__(self, namespace: Namespace) -> None:
-        if BLOCK_TOKENS % namespace.page_size:
-            raise ValueError(f"page size {namespace.page_size} does not divide {BLOCK_TOKENS}")
-        self.namespace = namespace
-        self.page_size = namespace.page_size
-        self.dense: dict[int, int] = {}
-        self._offsets = np.arange(BLOCK_TOKENS, dtype=np.uint32)
-
-    def pages(self, request: TraceRequest) -> tuple[list[PageKey], list[int]]:
-        """Keys of the request's reusable full pages and the tokens they hold."""
-        n_pages = reusable_pages(request.input_length, self.page_size)
-        blocks = -(-n_pages * self.page_size // BLOCK_TOKENS)
-        dense = np.array(
-            [self.dense.setdefault(h, len(self.dense)) for h in request.hash_ids[:blocks]], dtype=np.uint32
-        )
-        tokens = (dense[:, None] * BLOCK_TOKENS + self._offsets).reshape(-1)[: n_pages * self.page_size]
-        return page_keys(self.namespace, tokens), tokens.tolist()
-
-
-def page_names(request: TraceRequest, page_size: int) -> list[tuple[int, int]]:
-    """Its reusable pages as (hash id of the block, page within the block): a block's
-    hash id names its whole prefix, so equal names are equal pages."""
-    per_block = BLOCK_TOKENS // page_size
-    return [
-        (request.hash_ids[i // per_block], i % per_block)
-        for i in range(reusable_pages(request.input_length, page_size))
-    ]
-
-
-def infinite_cache(trace: Sequence[TraceRequest], page_size: int) -> list[int]:
-    """Reused tokens per request with unbounded tiers: the longest prefix of its
-    reusable pages that earlier requests published."""
-    published: set[tuple[int, int]] = set()
-    reused = []
-    for request in trace:
-        pages = page_names(request, page_size)
-        hits = next((i for i, page in enumerate(pages) if page not in published), len(pages))
-        reused.append(hits * page_size)
-        published.update(pages)
-    return reused
-
-
-def belady(trace: Sequence[TraceRequest], page_size: int, capacity_pages: int) -> list[int]:
-    """Reused tokens per request for one cache of ``capacity_pages`` that always
-    evicts the page used again farthest in the future (Belady's offline choice, from
-    the trace's future; a page never used again is not kept). A prefix's pages are
-    used together, so a page's next use is never later than the next use of the
-    pages after it: the farthest is a chain's tail, and the reused prefix stays whole."""
-    names = [page_names(r, page_size) for r in trace]
-    never = len(trace)
-    next_use: list[list[int]] = [[] for _ in trace]
-    upcoming: dict[tuple[int, int], int] = {}
-    for index in range(len(trace) - 1, -1, -1):
-        next_use[index] = [upcoming.get(name, never) for name in names[index]]
-        upcoming.update((name, index) for name in names[index])
-    cached: dict[tuple[int, int], int] = {}  # page -> its next use
-    farthest: list[tuple[int, tuple[int, int]]] = []  # max-heap of (-next use, page); stale entries skipped
-    reused = []
-    for index, pages in enumerate(names):
-        reused.append(next((i for i, page in enumerate(pages) if page not in cached), len(pages)) * page_size)
-        for page, use in zip(pages, next_use[index]):
-            cached[page] = use
-            heapq.heappush(farthest, (-use, page))
-        while len(cached) > capacity_pages or (farthest and -farthest[0][0] == never):
-            use, page = heapq.heappop(farthest)
-            if cached.get(page) == -use:
-                del cached[page]
-    return reused
 
 
 def decode_seconds(compute: ComputeModel, context: int, tokens: int) -> float:
@@ -378,13 +248,6 @@ def replay(
     }
 
 
-def compute_saved(trace: Sequence[TraceRequest], reused: Sequence[int], profile: Profile) -> float:
-    """Prefill seconds saved by reusing ``reused`` tokens of each request, restores free
-    (what a bound can claim)."""
-    compute = profile.compute.predict
-    return sum(compute(r.input_length, 0) - compute(r.input_length - k, k) for r, k in zip(trace, reused))
-
-
 def _belady_row(trace: Sequence[TraceRequest], config: ReplayConfig, profile: Profile, prompt_tokens: int) -> dict:
     """Belady's reuse for the config's L1 + L2 + L3 as one cache (no store, no timing)."""
     capacity = (config.l1_bytes + config.l2_bytes + config.l3_bytes) // config.page_bytes
@@ -414,64 +277,3 @@ def configs_for(
         for a in admits
         if p != BELADY or a == admits[0]
     ]
-
-
-def format_report(report: dict) -> str:
-    """The report as a text table: one row per replay, the bound first."""
-    gib = 1 << 30
-    bound = report["infinite_cache"]
-    lines = [
-        f"{report['requests']} requests, {report['prompt_tokens']} prompt tokens, page {report['page_size']} "
-        f"tokens = {report['page_bytes'] / (1 << 20):.1f} MiB, cost model: {report['profile']}",
-        f"infinite cache: reused {bound['reused_ratio']:.1%}, prefill saved {bound['prefill_seconds_saved']:.0f} s",
-        "",
-        f"{'policy':<18} {'L1':>6} {'L2':>6} {'L3':>6} {'reused':>7} {'L1 tok':>10} {'L2 tok':>10} "
-        f"{'L3 tok':>10} {'saved s':>9} {'ttft p50':>9} {'p90':>9} {'p99':>9} {'L3 GiB w':>9} "
-        f"{'L3 amp':>6} {'ev L1':>7} {'ev L2':>7} {'ev L3':>7}",
-    ]
-    for p in report["policies"]:
-        if p["policy"] == BELADY:
-            note = "(offline, one cache)"
-            lines.append(
-                f"{p['policy']:<18} {p['l1_bytes'] / gib:>5.0f}G {p['l2_bytes'] / gib:>5.0f}G "
-                f"{p['l3_bytes'] / gib:>5.0f}G {p['reused_ratio']:>7.1%} {note:>32} "
-                f"{p['prefill_seconds_saved']:>9.0f}"
-            )
-            continue
-        src, ev = p["sources"], p["evictions"]
-        lines.append(
-            f"{p['policy']:<18} {p['l1_bytes'] / gib:>5.0f}G {p['l2_bytes'] / gib:>5.0f}G {p['l3_bytes'] / gib:>5.0f}G "
-            f"{p['reused_ratio']:>7.1%} {src['L1']:>10} {src['L2']:>10} {src['L3']:>10} "
-            f"{p['prefill_seconds_saved']:>9.0f} {p['ttft_p50_s']:>9.2f} {p['ttft_p90_s']:>9.2f} "
-            f"{p['ttft_p99_s']:>9.2f} {p['l3_bytes_written'] / gib:>9.1f} {p['l3_write_amplification']:>6.2f} "
-            f"{ev.get('L1', 0):>7} {ev.get('L2', 0):>7} {ev.get('L3', 0):>7}"
-        )
-    return "\n".join(lines)
-
-
-def plot_report(report: dict, path: Path) -> None:
-    """Reused ratio and predicted TTFT p50 against L2 size, one line per policy."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (reuse, ttft) = plt.subplots(1, 2, figsize=(10, 4))
-    for label in dict.fromkeys(p["policy"] for p in report["policies"]):
-        rows = sorted((p for p in report["policies"] if p["policy"] == label), key=lambda p: p["l2_bytes"])
-        sizes = [p["l2_bytes"] / (1 << 30) for p in rows]
-        reuse.plot(
-            sizes,
-            [p["reused_ratio"] for p in rows],
-            marker="o",
-            label=label,
-            linestyle="--" if label == BELADY else "-",
-        )
-        if label != BELADY:
-            ttft.plot(sizes, [p["ttft_p50_s"] for p in rows], marker="o", label=label)
-    reuse.axhline(report["infinite_cache"]["reused_ratio"], color="k", linestyle=":", label="infinite cache")
-    reuse.set(xscale="log", xlabel="L2 GiB", ylabel="reused token ratio", title="reuse")
-    ttft.set(xscale="log", xlabel="L2 GiB", ylabel="predicted TTFT p50 (s)", title="time to first token")
-    reuse.legend()
-    fig.tight_layout()
-    fig.savefig(path)

@@ -130,7 +130,7 @@ class TieredStore:
         self.admission = L3Admission(config.l3_admit)
         self.disk = _open_disk(config)
         if self.disk is not None:
-            self.disk.describe_namespace(
+            self.disk.tables.describe_namespace(
                 self.ns_digest,
                 {
                     "model": config.label or namespace.model_fingerprint[:12],
@@ -258,12 +258,12 @@ class TieredStore:
     def get_meta(self, name: str) -> object | None:
         """A value the store keeps beside its pages (a cost profile, the last run); None
         without L3."""
-        return self.disk.get_meta(name) if self.disk is not None else None
+        return self.disk.tables.get_meta(name) if self.disk is not None else None
 
     def put_meta(self, name: str, value: object) -> None:
         """Keep ``value`` in L3 under ``name``; nothing without L3 (no run outlives it)."""
         if self.disk is not None:
-            self.disk.put_meta(name, value)
+            self.disk.tables.put_meta(name, value)
 
     def read_through_l3(self, keys: Sequence[PageKey]) -> int:
         """Read and hash L3's records of ``keys``, keeping nothing: the floor under a
@@ -366,7 +366,7 @@ class TieredStore:
             self.flush()
             delta = self._cumulative()
             add_into(delta, extra_counters or {})
-            self.disk.add_persistent_counters(delta)
+            self.disk.tables.add_persistent_counters(delta)
             self.disk.close()
             self._closed = True
 

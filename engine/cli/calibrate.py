@@ -20,7 +20,7 @@ def calibrate_into(loaded, geometry, store_dir: Path, quick: bool = False, desc:
         with tqdm(total=steps(quick=quick), desc=desc, unit="sample", file=sys.stderr) as bar:
             profile = calibrate(loaded.model, geometry, store_dir, bar.update, quick=quick)
         with open_l3(store_dir) as disk:
-            disk.put_meta(loaded.profile_key(geometry), profile.to_dict())
+            disk.tables.put_meta(loaded.profile_key(geometry), profile.to_dict())
     except (OSError, StoreError) as err:
         raise UsageError(f"cannot calibrate with store {store_dir}: {err}") from None
     return profile
@@ -34,7 +34,7 @@ def calibrate_on_first_use(loaded, geometry, store_dir: Path) -> None:
     if not no_data(store_dir):
         try:
             with open_l3(store_dir, readonly=True) as disk:
-                if disk.get_meta(loaded.profile_key(geometry)) is not None:
+                if disk.tables.get_meta(loaded.profile_key(geometry)) is not None:
                     return
         except StoreError:
             return  # the engine warns and runs without L3

@@ -14,13 +14,16 @@ def cmd_replay(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from kvtier.costmodel import replay as rp
+    from kvtier.costmodel.bounds import BELADY
     from kvtier.costmodel.plan import Profile
+    from kvtier.costmodel.replay_report import format_report, plot_report
+    from kvtier.costmodel.trace import BLOCK_TOKENS, TraceError, read_trace
 
-    _check_replay_args(args, rp.BLOCK_TOKENS)
+    _check_replay_args(args, BLOCK_TOKENS)
     try:
-        trace = rp.read_trace(args.trace)
+        trace = read_trace(args.trace)
         profile = Profile.from_dict(json.loads(args.profile.read_text())) if args.profile else None
-    except rp.TraceError as err:
+    except TraceError as err:
         raise UsageError(str(err)) from None
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise UsageError(f"cannot read profile {args.profile}: {err}") from None
@@ -32,12 +35,12 @@ def cmd_replay(args: argparse.Namespace) -> int:
         bytes_per_token, args.page_size, args.l1_bytes, args.l2_bytes, args.l3_bytes, speed=args.speed
     )
     configs = rp.configs_for(base, args.policy, args.l3_admit, args.sweep or ())
-    replays = sum(c.policy != rp.BELADY for c in configs)
+    replays = sum(c.policy != BELADY for c in configs)
     with tqdm(total=len(trace) * replays, desc="replaying", unit="req", file=sys.stderr) as bar:
         report = rp.replay(trace, configs, profile or Profile.defaults(), lambda: bar.update())
     if args.plot is not None:
-        rp.plot_report(report, args.plot)
-    print(json.dumps(report) if args.json else rp.format_report(report))
+        plot_report(report, args.plot)
+    print(json.dumps(report) if args.json else format_report(report))
     return 0
 
 
@@ -70,6 +73,6 @@ def _model_geometry(args: argparse.Namespace):
         disk = open_l3(store_dir, readonly=True)
     except StoreError as err:
         raise UsageError(str(err)) from None
-    saved = disk.get_meta(loaded.profile_key(geometry))
+    saved = disk.tables.get_meta(loaded.profile_key(geometry))
     disk.close()
     return geometry.bytes_per_token, Profile.from_dict(saved) if isinstance(saved, dict) and saved else None

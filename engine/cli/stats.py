@@ -14,13 +14,13 @@ from .report import format_engine_totals, format_last_run, format_tier_table
 def cmd_stats(args: argparse.Namespace) -> int:
     if args.reset:
         with open_store(args.store) as disk:
-            disk.reset_counters()
-            disk.put_meta("last_run", {})
+            disk.tables.reset_counters()
+            disk.tables.put_meta("last_run", {})
             print(f"counters of {disk.location} reset")
         return 0
     with open_store(args.store, readonly=True) as disk:
-        counters = disk.persistent_counters()
-        counters["last_run"] = disk.get_meta("last_run") or {}
+        counters = disk.tables.persistent_counters()
+        counters["last_run"] = disk.tables.get_meta("last_run") or {}
         counters.setdefault("tiers", {}).setdefault("L3", {}).update(
             capacity=disk.counters.capacity,
             bytes_used=disk.counters.bytes_used,

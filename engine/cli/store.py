@@ -26,7 +26,7 @@ def _store_ls(args: argparse.Namespace) -> int:
     with open_store(args.store, readonly=True) as disk:
         rows = [
             {"namespace": digest.hex(), **row.pop("about"), **row}
-            for digest, row in disk.namespaces().items()
+            for digest, row in disk.tables.namespaces().items()
             if row["pages"]
         ]
         listing = {
@@ -58,7 +58,7 @@ def _store_clear(args: argparse.Namespace) -> int:
 
 
 def _namespace(disk, prefix: str) -> bytes:
-    matches = [d for d in disk.namespaces() if d.hex().startswith(prefix.lower())]
+    matches = [d for d in disk.tables.namespaces() if d.hex().startswith(prefix.lower())]
     if len(matches) != 1:
         raise UsageError(
             f"--namespace {prefix} matches {len(matches)} namespaces of {disk.location} (see `kvtier store ls`)"

@@ -1,8 +1,6 @@
 """Restore-or-recompute decisions through the engine, flipping for the right reason."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 
@@ -13,6 +11,7 @@ from kvtier.engine.request import SamplingParams
 from kvtier.tiers.hierarchy import StoreConfig
 from kvtier.tiers.page import reusable_pages
 
+from .. import cli
 from ..engine.conftest import loaded, mlx_lm_greedy, on_tiny_model, text_prompt  # noqa: F401  (fixture)
 
 PAGE = 64
@@ -102,9 +101,7 @@ def test_restores_refine_the_link_model_and_record_errors(loaded):
 @pytest.mark.slow  # a calibrate subprocess, then a run
 def test_calibrate_saves_a_profile_that_runs_use(tmp_path):
     def kvtier(*args):
-        done = subprocess.run(
-            [sys.executable, "-m", "kvtier.engine.cli", *on_tiny_model(args)], capture_output=True, text=True
-        )
+        done = cli.run(on_tiny_model(args))
         assert done.returncode == 0, done.stderr
         return done.stdout
 

@@ -2,21 +2,19 @@
 
 import json
 import subprocess
-import sys
 
 import pytest
 
 from kvtier.costmodel import bandwidth
 
+from .. import cli
 from ..engine.conftest import on_tiny_model
 
 pytestmark = pytest.mark.slow  # starts processes or loads the real model
 
 
 def kvtier(*args: str) -> subprocess.CompletedProcess:
-    done = subprocess.run(
-        [sys.executable, "-m", "kvtier.engine.cli", *on_tiny_model(args)], capture_output=True, text=True, timeout=300
-    )
+    done = cli.run(on_tiny_model(args))
     assert done.returncode == 0, done.stderr
     return done
 

@@ -1,16 +1,20 @@
-"""Trace replay (costmodel/replay.py): hand-made traces whose numbers are counted by
+"""Trace replay (costmodel/replay.py, on traces read by costmodel/trace.py, beside the
+bounds of costmodel/bounds.py): hand-made traces whose numbers are counted by
 hand, the bound on the shared Mooncake trace against an independent count, and
 `kvtier replay` as a user runs it."""
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from kvtier.costmodel import bounds as bd
 from kvtier.costmodel import replay as rp
+from kvtier.costmodel import trace as tr
 from kvtier.costmodel.profile import Profile
+
+from .. import cli
 
 KV_PER_TOKEN = 12288
 PAGE_BYTES = 512 * KV_PER_TOKEN  # 6 MiB
@@ -40,9 +44,9 @@ def run(trace, page_size=512, **config) -> rp.ReplayResult:
 
 
 def test_infinite_cache_bound_of_a_hand_made_trace(tmp_path):
-    trace = rp.read_trace(trace_file(tmp_path, HAND))
-    assert rp.infinite_cache(trace, 512) == HAND_BOUND
-    assert rp.infinite_cache(trace, 256) == [0, 1024, 768, 0]  # pages of 256: 4, 6, 3 and 2 reusable
+    trace = tr.read_trace(trace_file(tmp_path, HAND))
+    assert bd.infinite_cache(trace, 512) == HAND_BOUND
+    assert bd.infinite_cache(trace, 256) == [0, 1024, 768, 0]  # pages of 256: 4, 6, 3 and 2 reusable
     result = run(trace, l1_bytes=1 << 40)  # unbounded tiers reach the bound exactly
     assert result.reused == HAND_BOUND
     assert result.sources == {"L1": 1536, "L2": 0, "L3": 0, "recomputed": HAND_PROMPT - 1536}
@@ -55,9 +59,9 @@ def test_lru_hits_with_two_l1_pages(tmp_path):
     """L1 holds two pages, nothing below. r0 publishes 1, 2; r1 uses 1; r2 publishes 7,
     evicting 2 (least recently used; FIFO would evict 1); r3 finds 1, misses 2 and
     publishes it, evicting 7 (1 is pinned)."""
-    trace = rp.read_trace(trace_file(tmp_path, LRU_TRACE))
+    trace = tr.read_trace(trace_file(tmp_path, LRU_TRACE))
     result = run(trace, l1_bytes=2 * PAGE_BYTES, l2_bytes=0, l3_bytes=0, policy="lru")
-    assert rp.infinite_cache(trace, 512) == [0, 512, 0, 1024]
+    assert bd.infinite_cache(trace, 512) == [0, 512, 0, 1024]
     assert result.reused == [0, 512, 0, 512]
     assert result.evictions["L1"] == 2
     assert result.peak_bytes["L1"] == 2 * PAGE_BYTES
@@ -69,7 +73,7 @@ REPEAT = [(1100, 5, [1, 2, 3])] * 3  # two reusable pages, asked three times
 def test_spill_to_l3_is_written_once(tmp_path):
     """L1 holds one page, no L2: r0's page 1 goes to L3 when page 2 arrives; r1 and r2
     restore page 1 from L3 and page 2 from L1 and publish nothing: one page written."""
-    trace = rp.read_trace(trace_file(tmp_path, REPEAT))
+    trace = tr.read_trace(trace_file(tmp_path, REPEAT))
     result = run(trace, l1_bytes=PAGE_BYTES, l2_bytes=0, l3_bytes=8 * PAGE_BYTES)
     report = result.report(distinct_pages=2)
     assert result.reused == [0, 1024, 1024]
@@ -83,7 +87,7 @@ def test_spill_to_l3_is_written_once(tmp_path):
 def test_second_use_admission_writes_after_the_second_sighting(tmp_path):
     """r0: page 1 leaves L1 seen once: not written. r1 misses, recomputes 1 (seen twice)
     and 2 (seen twice): page 2 leaves L1 first, then page 1, admitted. r2 reuses both."""
-    trace = rp.read_trace(trace_file(tmp_path, REPEAT))
+    trace = tr.read_trace(trace_file(tmp_path, REPEAT))
     result = run(trace, l1_bytes=PAGE_BYTES, l2_bytes=0, l3_bytes=8 * PAGE_BYTES, l3_admit="second-use")
     assert result.reused == [0, 0, 1024]
     assert result.l3_pages_written == 1
@@ -109,8 +113,8 @@ def test_decode_seconds_is_the_sum_of_one_token_steps():
 def test_a_bad_trace_line_is_one_clear_error(tmp_path, line, message):
     path = tmp_path / "bad.jsonl"
     path.write_text(line + "\n")
-    with pytest.raises(rp.TraceError, match=message):
-        rp.read_trace(path)
+    with pytest.raises(tr.TraceError, match=message):
+        tr.read_trace(path)
 
 
 def shared_trace() -> Path | None:
@@ -136,14 +140,14 @@ def test_bound_on_the_shared_trace_equals_an_independent_count():
             hits += 1
         reused += 512 * hits
         seen.update(r["hash_ids"][:usable])
-    assert sum(rp.infinite_cache(rp.read_trace(SHARED), 512)) == reused
+    assert sum(bd.infinite_cache(tr.read_trace(SHARED), 512)) == reused
 
 
 @needs_shared
 @pytest.mark.parametrize("policy, admit", [("lru", "always"), ("cost", "always"), ("cost", "second-use")])
 def test_policies_stay_under_the_bound_and_the_caps(policy, admit):
-    trace = rp.read_trace(SHARED)[:150]
-    bound = rp.infinite_cache(trace, 128)
+    trace = tr.read_trace(SHARED)[:150]
+    bound = bd.infinite_cache(trace, 128)
     result = run(
         trace,
         page_size=128,
@@ -160,9 +164,7 @@ def test_policies_stay_under_the_bound_and_the_caps(policy, admit):
 
 
 def kvtier(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "kvtier.engine.cli", *args], capture_output=True, text=True, timeout=300
-    )
+    return cli.run(args)
 
 
 def test_cli_replay_json_reports_bound_and_each_policy(tmp_path):
@@ -228,8 +230,8 @@ def test_cli_replay_plots_a_sweep(tmp_path):
 def test_belady_keeps_the_page_used_soonest(tmp_path):
     """Two pages of room: r1's page 5 is used again later than pages 1, 2, so it goes;
     r2 reuses 1, 2 (then never used again, they go); r3 misses 5. Three pages: all reuse."""
-    trace = rp.read_trace(trace_file(tmp_path, [(1100, 1, [1, 2, 3]), (600, 1, [5, 6])] * 2))
-    assert rp.belady(trace, 512, 2) == [0, 0, 1024, 0]
-    assert rp.belady(trace, 512, 3) == [0, 0, 1024, 512] == rp.infinite_cache(trace, 512)
+    trace = tr.read_trace(trace_file(tmp_path, [(1100, 1, [1, 2, 3]), (600, 1, [5, 6])] * 2))
+    assert bd.belady(trace, 512, 2) == [0, 0, 1024, 0]
+    assert bd.belady(trace, 512, 3) == [0, 0, 1024, 512] == bd.infinite_cache(trace, 512)
     lru = run(trace, l1_bytes=2 * PAGE_BYTES, l2_bytes=0, l3_bytes=0, policy="lru")
     assert lru.reused == [0, 0, 0, 0]  # page 5 evicted page 1

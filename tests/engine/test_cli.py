@@ -3,10 +3,10 @@
 import json
 import re
 import subprocess
-import sys
 
 import pytest
 
+from .. import cli
 from ..redis_servers import needs_redis, redis_server  # noqa: F401
 from .conftest import on_tiny_model
 
@@ -17,9 +17,7 @@ PAGE = 128
 
 
 def kvtier(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    done = subprocess.run(
-        [sys.executable, "-m", "kvtier.engine.cli", *on_tiny_model(args)], capture_output=True, text=True, timeout=300
-    )
+    done = cli.run(on_tiny_model(args))
     if check:
         assert done.returncode == 0, done.stderr
     return done

@@ -30,7 +30,8 @@ from kvtier.tiers.l3.lmdb_store import DiskTier
 from kvtier.tiers.l3.record import FORMAT_VERSION, RecordHeader, decode_record
 from kvtier.tiers.page import page_keys, reusable_pages
 
-from ..tiers.test_disk import _raw_env
+from .. import cli
+from ..tiers.lmdb_files import raw_env
 from ..tiers.test_reliability import assert_consistent, damage_record
 from .conftest import on_tiny_model, text_prompt
 
@@ -74,14 +75,8 @@ REUSABLE = [reusable_pages(len(p), PAGE) for p in PROMPTS]  # pages a prompt res
 STORED = [len(p) // PAGE for p in PROMPTS]  # pages a run stores: every full page, the last one too
 
 
-def kvtier(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "kvtier.engine.cli", *on_tiny_model(args)],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=REPO,
-    )
+def kvtier(*args: str) -> subprocess.CompletedProcess:
+    return cli.run(on_tiny_model(args), cwd=REPO)
 
 
 def run_args(store: Path | None, *extra: str, prompts: list[str] = PROMPTS) -> list[str]:
@@ -124,7 +119,7 @@ def seed_profile(store: Path, loaded) -> None:
     profile.compute = ComputeModel([0.02, 0.002, 3e-6])
     profile.calibrated = True
     tier = DiskTier(store, 32 << 30)
-    tier.put_meta(loaded.profile_key(loaded.geometry(PAGE)), profile.to_dict())
+    tier.tables.put_meta(loaded.profile_key(loaded.geometry(PAGE)), profile.to_dict())
     tier.close()
 
 
@@ -159,7 +154,7 @@ def verify_records(store: Path, capacity: int = 32 << 30) -> int:
     every record passes its own header and checksum. The number of records."""
     DiskTier(store, capacity).close()
     s = assert_consistent(store, capacity)
-    with _raw_env(store) as (env, pages, _):
+    with raw_env(store) as (env, pages, _):
         with env.begin(buffers=True) as txn:
             for _, value in txn.cursor(db=pages):
                 header, _ = RecordHeader.unpack(value)
@@ -169,7 +164,7 @@ def verify_records(store: Path, capacity: int = 32 << 30) -> int:
 
 def snapshot(store: Path) -> dict:
     """Every record's bytes and the meta gauges (the store must be closed)."""
-    with _raw_env(store) as (env, pages, meta):
+    with raw_env(store) as (env, pages, meta):
         with env.begin() as txn:
             records = {bytes(k): bytes(v) for k, v in txn.cursor(db=pages)}
             gauges = {name: txn.get(name, db=meta) for name in (b"bytes_used", b"pages", b"format_version")}
@@ -233,7 +228,7 @@ def prompt_page_keys(prompts: list[str], loaded, reusable: bool = True) -> list[
 
 def leading_stored_pages(store: Path, prompts: list[str], loaded) -> int:
     """Over the prompts: how many leading pages of each are in the store (closed)."""
-    with _raw_env(store) as (env, pages, _):
+    with raw_env(store) as (env, pages, _):
         with env.begin() as txn:
             stored = {bytes(k) for k, _ in txn.cursor(db=pages)}
     total = 0
@@ -279,7 +274,7 @@ def _records_by_page(store: Path, loaded) -> dict[tuple[int, int], bytes]:
         for j in range(STORED[p]):
             want[np.asarray(tokens[j * PAGE : (j + 1) * PAGE], "<u4").tobytes()] = (p, j)
     found = {}
-    with _raw_env(store) as (env, pages, _):
+    with raw_env(store) as (env, pages, _):
         with env.begin() as txn:
             for k, value in txn.cursor(db=pages):
                 header, _ = RecordHeader.unpack(memoryview(value))
@@ -295,7 +290,7 @@ def test_corrupt_records_are_detected_deleted_and_recomputed(tmp_path, baseline,
     # One damaged page per prompt (a restore stops at the first bad page, so later ones
     # would wait for the next run), headers in two prompts and payloads in the other two.
     damaged = {p: rng.randrange(REUSABLE[p]) for p in range(len(PROMPTS))}
-    with _raw_env(store) as (env, pages, _):
+    with raw_env(store) as (env, pages, _):
         with env.begin(write=True) as txn:
             for p, j in damaged.items():
                 k = records[(p, j)]
@@ -342,7 +337,7 @@ def test_store_file_damaged_beyond_lmdb_checks_runs_without_l3(tmp_path, baselin
 
 def test_other_format_version_is_never_served(tmp_path, baseline, written):
     store = copy_of(written, tmp_path)
-    with _raw_env(store) as (env, _, meta):
+    with raw_env(store) as (env, _, meta):
         with env.begin(write=True) as txn:
             txn.put(b"format_version", msgpack.packb(FORMAT_VERSION + 1), db=meta)
     before = snapshot(store)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import mlx.core as mx
@@ -21,6 +20,8 @@ import pytest
 from kvtier.engine.models.defaults import ensure_real_model, packaged_gguf
 from kvtier.engine.models.gguf import IMPORTS_INDEX, MARKER, GGUFError, default_import_dir, import_gguf
 from kvtier.engine.models.paths import kvtier_home
+
+from .. import cli
 
 pytestmark = pytest.mark.slow  # starts processes or loads the real model
 
@@ -104,9 +105,7 @@ def llama_dir(llama_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Pat
 
 
 def kvtier(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "kvtier.engine.cli", *args], capture_output=True, text=True, timeout=300, env=env
-    )
+    return cli.run(args, env=env)
 
 
 def test_llama_loads_in_mlx_lm_with_the_gguf_tensors_and_tokenizer(llama_gguf: Path, llama_dir: Path) -> None:

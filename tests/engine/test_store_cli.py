@@ -1,5 +1,6 @@
 """The CLI as a newcomer meets it (issue 12): limits, one-line errors with the store
-intact, store management, Ctrl-C, streaming, help. A fresh process per command."""
+intact, store management, Ctrl-C, streaming, help. Commands run in this process
+(``tests/cli.py``) except where a test is about the process (signals, stdin's fd)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import pytest
 from kvtier.costmodel.plan import Profile
 from kvtier.tiers.l3.lmdb_store import DiskTier
 
+from .. import cli
 from .conftest import on_tiny_model
 
 pytestmark = pytest.mark.slow  # starts processes or loads the real model
@@ -27,14 +29,7 @@ PROMPT = "the system prompt of an agent with tools " * 3  # ~120 tokens: 7 pages
 def kvtier(
     *args: str, check: bool = True, stdin: str | None = None, env: dict | None = None
 ) -> subprocess.CompletedProcess:
-    done = subprocess.run(
-        [sys.executable, "-m", "kvtier.engine.cli", *on_tiny_model(args)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        input=stdin,
-        env=env,
-    )
+    done = cli.run(on_tiny_model(args), stdin=stdin, env=env)
     if check:
         assert done.returncode == 0, done.stderr
     return done
@@ -52,7 +47,7 @@ def store_state(store: Path) -> tuple:
             disk.counters.pages,
             disk.counters.bytes_used,
             disk.counters.capacity,
-            disk.namespaces(),
+            disk.tables.namespaces(),
             (store / "data.mdb").read_bytes(),
         )
 

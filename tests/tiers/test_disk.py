@@ -1,13 +1,12 @@
 """L3 (DiskTier): one test per invariant in the DiskTier docstring, plus the failure table.
 
-py-lmdb refuses to open one environment twice in a process, so tests that edit
-records directly either close the tier first (``_raw_env``) or go through the
-tier's own handle (``_poke``).
+Tests that read or edit records directly open the store's files with the ``lmdb``
+package (``tests.tiers.lmdb_files``: the layout is the store format), the tier closed,
+or read the tier's ``census`` view while it is open.
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import random
 import subprocess
@@ -16,7 +15,6 @@ import threading
 import time
 from pathlib import Path
 
-import lmdb
 import msgpack
 import numpy as np
 import pytest
@@ -28,6 +26,8 @@ from kvtier.tiers.l3.base import StoreError
 from kvtier.tiers.l3.lmdb_admin import compact_store
 from kvtier.tiers.l3.lmdb_store import DiskTier
 from kvtier.tiers.l3.record import FORMAT_VERSION, RAW_PAYLOAD_OFFSET, CorruptRecord, RecordHeader, decode_record
+
+from .lmdb_files import raw_env, write_lock
 
 REPO = Path(__file__).resolve().parents[2]
 NS = b"N" * 16
@@ -44,18 +44,9 @@ def payload(i: int, nbytes: int = 4096) -> bytes:
     return (values.view(np.uint32) >> 16).astype(np.uint16).tobytes()
 
 
-@contextlib.contextmanager
-def _raw_env(path: Path):
-    env = lmdb.open(str(path), max_dbs=8, map_size=1 << 30)
-    try:
-        yield env, env.open_db(b"pages"), env.open_db(b"meta")
-    finally:
-        env.close()
-
-
 def _scan(path: Path) -> dict:
     """What is really stored, read with lmdb directly (the tier must be closed)."""
-    with _raw_env(path) as (env, pages, meta):
+    with raw_env(path) as (env, pages, meta):
         with env.begin() as txn:
             sizes = {bytes(k): len(v) for k, v in txn.cursor(db=pages)}
             lru = {bytes(k) for k, _ in txn.cursor(db=env.open_db(b"lru", txn=txn))}
@@ -74,15 +65,15 @@ def _assert_consistent(path: Path, capacity: int) -> dict:
     return s
 
 
-def _poke(tier: DiskTier, k: bytes, value: bytes) -> None:
-    """Store a raw value behind the tier's back (through its own env handle), meta kept in step."""
-    with tier._env.begin(write=True) as txn:
-        old = txn.get(k, db=tier._pages)
-        txn.put(k, value, db=tier._pages)
-        used = msgpack.unpackb(txn.get(b"bytes_used", db=tier._meta) or msgpack.packb(0))
-        pages = msgpack.unpackb(txn.get(b"pages", db=tier._meta) or msgpack.packb(0))
-        txn.put(b"bytes_used", msgpack.packb(used + len(value) - len(old or b"")), db=tier._meta)
-        txn.put(b"pages", msgpack.packb(pages + (old is None)), db=tier._meta)
+def _poke(store: Path, k: bytes, value: bytes) -> None:
+    """Store a raw value behind the tier's back (the store closed), meta kept in step."""
+    with raw_env(store) as (env, pages, meta), env.begin(write=True) as txn:
+        old = txn.get(k, db=pages)
+        txn.put(k, value, db=pages)
+        used = msgpack.unpackb(txn.get(b"bytes_used", db=meta) or msgpack.packb(0))
+        count = msgpack.unpackb(txn.get(b"pages", db=meta) or msgpack.packb(0))
+        txn.put(b"bytes_used", msgpack.packb(used + len(value) - len(old or b"")), db=meta)
+        txn.put(b"pages", msgpack.packb(count + (old is None)), db=meta)
 
 
 @pytest.fixture
@@ -195,19 +186,17 @@ def test_record_larger_than_capacity_is_dropped(store: Path) -> None:
     tier.close()
 
 
+@pytest.mark.slow  # another process holds the write lock
 def test_full_queue_drops_and_counts(store: Path) -> None:
     tier = DiskTier(store, 1 << 20, queue_pages=1)
-    blocker = tier._env.begin(write=True)  # the writer blocks on LMDB's write lock
-    try:
+    with write_lock(store):  # the writer blocks on LMDB's write lock
         assert tier.put(key(0), NS, TOKENS, payload(0))
         deadline = time.monotonic() + 5
-        while not tier._in_flight and time.monotonic() < deadline:
+        while not tier.writer.state().committing and time.monotonic() < deadline:
             time.sleep(0.001)
         assert tier.put(key(1), NS, TOKENS, payload(1))  # fills the one-page queue
         assert not tier.put(key(2), NS, TOKENS, payload(2))
         assert not tier.put(key(3), NS, TOKENS, payload(3))
-    finally:
-        blocker.abort()
     tier.flush()
     assert tier.counters.writes_dropped == 2
     assert [tier.contains(key(i)) for i in range(4)] == [True, True, False, False]
@@ -233,7 +222,7 @@ def _store_records(store: Path, n: int, codec: str) -> dict[int, int]:
     for i in range(n):
         tier.put(key(i), NS, TOKENS, payload(i))
     tier.close()
-    with _raw_env(store) as (env, pages, _):
+    with raw_env(store) as (env, pages, _):
         with env.begin() as txn:
             return {i: len(txn.get(key(i), db=pages)) for i in range(n)}
 
@@ -241,7 +230,7 @@ def _store_records(store: Path, n: int, codec: str) -> dict[int, int]:
 @pytest.mark.parametrize("codec", ["raw", "zstd"])
 def test_corrupt_header_or_payload_is_a_miss_deleted_and_counted(store: Path, codec: str) -> None:
     sizes = _store_records(store, 1, codec)
-    with _raw_env(store) as (env, pages, _):
+    with raw_env(store) as (env, pages, _):
         with env.begin() as txn:
             value = txn.get(key(0), db=pages)
     header_len = 4 + int.from_bytes(value[:4], "little")
@@ -252,7 +241,7 @@ def test_corrupt_header_or_payload_is_a_miss_deleted_and_counted(store: Path, co
     positions += rng.sample(range(header_len, sizes[0]), 8)
     n = len(positions)
     _store_records(store, n, codec)
-    with _raw_env(store) as (env, pages, _):
+    with raw_env(store) as (env, pages, _):
         with env.begin(write=True) as txn:
             for i, pos in enumerate(positions):
                 damaged = bytearray(txn.get(key(i), db=pages))
@@ -293,8 +282,9 @@ def test_a_raw_payload_of_the_wrong_length_is_refused_at_every_layer(store: Path
     for out in (None, np.empty(4096, np.uint8)):
         with pytest.raises(CorruptRecord):
             decode_record(memoryview(value), NS, tokens, 4096, out)
+    DiskTier(store, 1 << 20).close()
+    _poke(store, key(0), value)
     tier = DiskTier(store, 1 << 20)
-    _poke(tier, key(0), value)
     with tier.snapshot() as snap:
         assert snap.find(key(0), NS, TOKENS, 4096) is None
     assert tier.counters.checksum_failures == 1
@@ -326,25 +316,24 @@ RECORD_VALUES = st.one_of(
 
 
 def test_arbitrary_record_values_never_raise(store: Path) -> None:
-    tier = DiskTier(store, 1 << 20)
+    DiskTier(store, 1 << 20).close()
 
     @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
     @given(value=RECORD_VALUES)
     def check(value: bytes) -> None:
-        _poke(tier, key(0), value)
-        assert tier.get(key(0), NS, TOKENS, 64) is None
-        tier.flush()  # the delete commits before the next poke rewrites the record under it
+        _poke(store, key(0), value)
+        with DiskTier(store, 1 << 20) as tier:  # close commits the delete before the next poke
+            assert tier.get(key(0), NS, TOKENS, 64) is None
 
     check()
-    tier.flush()
-    assert not tier.contains(key(0))
-    tier.close()
+    with DiskTier(store, 1 << 20) as tier:
+        assert not tier.contains(key(0))
     _assert_consistent(store, 1 << 20)
 
 
 def test_other_format_version_is_refused_with_one_clear_line(store: Path) -> None:
     DiskTier(store, 1 << 20).close()
-    with _raw_env(store) as (env, _, meta):
+    with raw_env(store) as (env, _, meta):
         with env.begin(write=True) as txn:
             txn.put(b"format_version", msgpack.packb(FORMAT_VERSION + 98), db=meta)
     with pytest.raises(StoreError) as err:
@@ -354,7 +343,7 @@ def test_other_format_version_is_refused_with_one_clear_line(store: Path) -> Non
         f"store at {store} has format version {FORMAT_VERSION + 98}, this kvtier reads version {FORMAT_VERSION}"
     )
     # the refused store was closed again: this process can open it raw
-    with _raw_env(store):
+    with raw_env(store):
         pass
 
 
@@ -375,14 +364,14 @@ def test_damaged_environment_is_a_store_error(store: Path) -> None:
 
 def test_persistent_counters_and_meta_survive_reopen(store: Path) -> None:
     tier = DiskTier(store, 1 << 20)
-    assert tier.persistent_counters() == {} and tier.get_meta("profile") is None
-    tier.add_persistent_counters({"L3": {"inserts": 2}, "tokens": 5})
-    tier.put_meta("profile", {"links": {"L3->L2": [1e-4, 2.5e9]}})
+    assert tier.tables.persistent_counters() == {} and tier.tables.get_meta("profile") is None
+    tier.tables.add_persistent_counters({"L3": {"inserts": 2}, "tokens": 5})
+    tier.tables.put_meta("profile", {"links": {"L3->L2": [1e-4, 2.5e9]}})
     tier.close()
     tier = DiskTier(store, 1 << 20)
-    tier.add_persistent_counters({"L3": {"inserts": 3, "evictions": 1}, "seconds": 0.5})
-    assert tier.persistent_counters() == {"L3": {"inserts": 5, "evictions": 1}, "tokens": 5, "seconds": 0.5}
-    assert tier.get_meta("profile") == {"links": {"L3->L2": [1e-4, 2.5e9]}}
+    tier.tables.add_persistent_counters({"L3": {"inserts": 3, "evictions": 1}, "seconds": 0.5})
+    assert tier.tables.persistent_counters() == {"L3": {"inserts": 5, "evictions": 1}, "tokens": 5, "seconds": 0.5}
+    assert tier.tables.get_meta("profile") == {"links": {"L3->L2": [1e-4, 2.5e9]}}
     tier.close()
 
 
@@ -423,7 +412,7 @@ def test_reads_and_caller_writes_run_while_the_writer_works(store: Path) -> None
         t.start()
     for i in range(100):
         tier.put(key(i), NS, TOKENS, payload(i))
-        tier.add_persistent_counters({"n": 1})
+        tier.tables.add_persistent_counters({"n": 1})
     for t in threads:
         t.join()
     tier.close()
@@ -501,17 +490,11 @@ def test_read_through_touches_every_stored_byte(tmp_path, monkeypatch):
     hashed = []
     monkeypatch.setattr(disk_module, "xxh3_64_intdigest", lambda data: hashed.append(bytes(data)) or 0)
     assert disk.read_through([key(0), b"missing-key-0000", key(1)]) == disk.counters.bytes_used
-    with _raw_env_of(disk) as stored:
-        assert hashed == [stored[key(0)], stored[key(1)]]
-        assert all(record.endswith(payload(i, 1000)) for i, record in enumerate(hashed))
     disk.close()
-
-
-@contextlib.contextmanager
-def _raw_env_of(tier: DiskTier):
-    """The stored values, read through the tier's own env handle."""
-    with tier._env.begin(db=tier._pages) as txn:
-        yield {bytes(k): bytes(v) for k, v in txn.cursor()}
+    with raw_env(tmp_path) as (env, pages, _), env.begin(db=pages) as txn:
+        stored = {bytes(k): bytes(v) for k, v in txn.cursor()}
+    assert hashed == [stored[key(0)], stored[key(1)]]
+    assert all(record.endswith(payload(i, 1000)) for i, record in enumerate(hashed))
 
 
 # --- the store's own cap, namespaces, read-only opens and management (issues 11 and 12) ---
@@ -547,17 +530,17 @@ def test_resize_evicts_least_recently_used_down_to_the_new_cap(store: Path) -> N
 def test_namespaces_are_counted_with_the_records_and_clear_takes_one(store: Path) -> None:
     other = b"O" * 16
     tier = DiskTier(store, 1 << 20)
-    tier.describe_namespace(NS, {"model": "m", "page_size": 8})
+    tier.tables.describe_namespace(NS, {"model": "m", "page_size": 8})
     for i in range(5):
         tier.put(key(i), NS if i < 3 else other, TOKENS, payload(i))
     tier.flush()
-    rows = tier.namespaces()
+    rows = tier.tables.namespaces()
     assert (rows[NS]["pages"], rows[NS]["tokens"], rows[other]["pages"]) == (3, 24, 2)
     assert rows[NS]["bytes"] + rows[other]["bytes"] == tier.counters.bytes_used
     assert rows[NS]["about"] == {"model": "m", "page_size": 8} and rows[NS]["last_use"] > 0
     assert tier.clear({other}) == (2, rows[other]["bytes"])
     assert tier.get(key(3), other, TOKENS, 4096) is None and tier.get(key(0), NS, TOKENS, 4096) is not None
-    assert tier.namespaces()[other]["pages"] == 0 and tier.counters.pages == 3
+    assert tier.tables.namespaces()[other]["pages"] == 0 and tier.counters.pages == 3
     assert tier.clear()[0] == 3 and tier.counters.bytes_used == 0
     tier.close()
     _assert_consistent(store, 1 << 20)
@@ -565,10 +548,10 @@ def test_namespaces_are_counted_with_the_records_and_clear_takes_one(store: Path
 
 def test_a_store_holding_only_other_namespaces_says_so(store: Path, caplog) -> None:
     tier = DiskTier(store, 1 << 20)
-    tier.describe_namespace(NS, {"model": "a", "page_size": 16})
+    tier.tables.describe_namespace(NS, {"model": "a", "page_size": 16})
     tier.put(key(0), NS, TOKENS, payload(0))
     tier.flush()
-    tier.describe_namespace(b"O" * 16, {"model": "a", "page_size": 32})
+    tier.tables.describe_namespace(b"O" * 16, {"model": "a", "page_size": 32})
     tier.close()
     warnings = [r.getMessage() for r in caplog.records if "holds no pages for this model" in r.getMessage()]
     assert len(warnings) == 1 and "page size 32" in warnings[0] and "page size 16" in warnings[0]
@@ -577,12 +560,12 @@ def test_a_store_holding_only_other_namespaces_says_so(store: Path, caplog) -> N
 def test_read_only_open_reads_and_never_writes(store: Path) -> None:
     tier = DiskTier(store, 1 << 20)
     tier.put(key(1), NS, TOKENS, payload(1))
-    tier.add_persistent_counters({"requests": 1})
+    tier.tables.add_persistent_counters({"requests": 1})
     tier.close()
     before = (store / "data.mdb").read_bytes()
     reader = DiskTier(store, readonly=True)
     assert reader.get(key(1), NS, TOKENS, 4096)[0] == payload(1)
-    assert reader.persistent_counters() == {"requests": 1} and reader.counters.pages == 1
+    assert reader.tables.persistent_counters() == {"requests": 1} and reader.counters.pages == 1
     assert reader.put(key(2), NS, TOKENS, payload(2)) is False
     reader.close()
     reader.close()
@@ -594,9 +577,9 @@ def test_read_only_open_reads_and_never_writes(store: Path) -> None:
 
 def test_reset_counters(store: Path) -> None:
     tier = DiskTier(store, 1 << 20)
-    tier.add_persistent_counters({"requests": 3})
-    tier.reset_counters()
-    assert tier.persistent_counters() == {}
+    tier.tables.add_persistent_counters({"requests": 3})
+    tier.tables.reset_counters()
+    assert tier.tables.persistent_counters() == {}
     tier.close()
 
 
@@ -649,12 +632,12 @@ def test_a_store_from_before_the_namespaces_table_is_counted_on_open(store: Path
     for i in range(3):
         tier.put(key(i), NS, TOKENS, payload(i))
     tier.close()
-    with _raw_env(store) as (env, _, _meta):
+    with raw_env(store) as (env, _, _meta):
         with env.begin(write=True) as txn:
             txn.drop(env.open_db(b"namespaces", txn=txn), delete=True)
     with DiskTier(store, readonly=True) as reader:
-        assert reader.namespaces() == {} and reader.counters.pages == 3
+        assert reader.tables.namespaces() == {} and reader.counters.pages == 3
     tier = DiskTier(store, 1 << 20)
-    row = tier.namespaces()[NS]
+    row = tier.tables.namespaces()[NS]
     assert (row["pages"], row["tokens"], row["bytes"]) == (3, 24, tier.counters.bytes_used)
     tier.close()

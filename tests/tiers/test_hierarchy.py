@@ -443,7 +443,7 @@ def test_counters_persist_across_reopen(tmp_path):
     publish(store, 3, 4, 5)
     store.close(extra_counters={"engine": {"requests": 2}})
     store = make_store(1, 1, tmp_path)
-    saved = store.disk.persistent_counters()
+    saved = store.disk.tables.persistent_counters()
     assert saved["engine"]["requests"] == 5
     assert saved["tiers"]["L1"]["inserts"] == 6
     assert store.disk.counters.pages == 6

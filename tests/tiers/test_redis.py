@@ -19,10 +19,11 @@ from kvtier.costmodel.plan import plan_restore
 from kvtier.costmodel.profile import Profile
 from kvtier.engine.request import SamplingParams
 from kvtier.tiers.hierarchy import StoreConfig, TieredStore
-from kvtier.tiers.l3.base import Batch, PendingPut, StoreError
+from kvtier.tiers.l3.base import StoreError
 from kvtier.tiers.l3.open import open_l3
 from kvtier.tiers.l3.record import FORMAT_VERSION, RecordHeader, token_bytes
 from kvtier.tiers.l3.redis_store import RedisTier
+from kvtier.tiers.l3.writer import PendingPut
 from kvtier.tiers.page import Source
 from kvtier.tiers.tier import kv_to_host
 
@@ -62,11 +63,11 @@ def test_a_second_store_restores_the_exact_pages_and_counters_and_meta_persist(r
     assert sources == [Source.L3] * 6
     assert all(np.array_equal(page, kv_to_host(KV[i])) for i, page in enumerate(pages))
     with RedisTier(redis_server.url) as tier:
-        counters = tier.persistent_counters()
+        counters = tier.tables.persistent_counters()
         assert counters["tiers"]["L3"]["inserts"] == 6 and counters["tiers"]["L3"]["hit_pages"] == 6
-        tier.put_meta("profile/x", {"a": [1, 2]})
+        tier.tables.put_meta("profile/x", {"a": [1, 2]})
     with RedisTier(redis_server.url, readonly=True) as tier:
-        assert tier.get_meta("profile/x") == {"a": [1, 2]} and tier.backend == "redis"
+        assert tier.tables.get_meta("profile/x") == {"a": [1, 2]} and tier.backend == "redis"
 
 
 def test_a_tls_url_stores_and_restores(redis_tls_server):
@@ -80,7 +81,8 @@ def test_write_once_keeps_the_first_value(redis_server):
         tier.put(KEYS[0], NS.digest(), TOKENS[:4], b"a" * PAGE)
         tier.flush()
         second = PendingPut(KEYS[0], NS.digest(), token_bytes(TOKENS[:4]), b"b" * PAGE)
-        tier._commit(Batch([second], [], {}))  # another host's write of the same page, raced past put's check
+        assert tier.writer.put(second, wait=True)  # another host's write of the same page, raced past put's check
+        tier.flush()
         assert tier.get(KEYS[0], NS.digest(), TOKENS[:4], PAGE)[0] == b"a" * PAGE
         assert tier.counters.inserts == 1
 

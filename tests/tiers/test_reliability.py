@@ -37,7 +37,8 @@ from kvtier.tiers.l3.record import CODECS, FORMAT_VERSION, CorruptRecord, Record
 from kvtier.tiers.page import Namespace, PageGeometry, page_keys
 from kvtier.tiers.tier import kv_to_host
 
-from .test_disk import NS, RECORD_VALUES, TOKENS, _raw_env, key, payload
+from .lmdb_files import raw_env, write_lock
+from .test_disk import NS, RECORD_VALUES, TOKENS, key, payload
 
 pytestmark = pytest.mark.slow  # starts processes or loads the real model
 
@@ -108,7 +109,7 @@ if mode == "disk":
             j = rng.randrange(n)
             tier.get(pages[j][0], pages[j][1], pages[j][2], len(crash_payload(mode, start + j)))
         elif r < 0.13:  # a side-table write transaction of its own
-            tier.add_persistent_counters({"crash_child": {"puts": n}})
+            tier.tables.add_persistent_counters({"crash_child": {"puts": n}})
     tier.close()
 else:
     import mlx.core as mx
@@ -165,7 +166,7 @@ def assert_consistent(store: Path, capacity: int) -> dict:
     """Read with lmdb directly (the store closed): meta bytes_used and pages match the
     records (absent meta: nothing was ever committed), lru and order name exactly the
     records, bytes within the cap. What is stored, as ``test_disk._scan`` reports it."""
-    with _raw_env(store) as (env, pages, meta):
+    with raw_env(store) as (env, pages, meta):
         with env.begin() as txn:
             sizes = {bytes(k): len(v) for k, v in txn.cursor(db=pages)}
             lru = {bytes(k) for k, _ in txn.cursor(db=env.open_db(b"lru", txn=txn))}
@@ -262,20 +263,13 @@ def verify_store(store: Path, log: CrashLog, fresh: set[bytes], tier: DiskTier |
 
 
 def _check_meta(tier: DiskTier, capacity: int) -> list[bytes]:
-    """Through the tier's own handle, in one read transaction: meta bytes_used and pages
+    """Through the open tier's census (one read transaction): meta bytes_used and pages
     match the records, lru and order name exactly the records; the record keys."""
-    with tier._env.begin() as txn:
-        sizes = {bytes(k): len(v) for k, v in txn.cursor(db=tier._pages)}
-        lru = {bytes(k) for k, _ in txn.cursor(db=tier._lru)}
-        order = [bytes(k)[8:] for k, _ in txn.cursor(db=tier._order)]
-        meta = {
-            name: msgpack.unpackb(txn.get(name, db=tier._meta) or msgpack.packb(0))
-            for name in (b"bytes_used", b"pages")
-        }
-    assert meta[b"bytes_used"] == sum(sizes.values()) <= capacity
-    assert meta[b"pages"] == len(sizes)
-    assert lru == set(order) == set(sizes) and len(order) == len(sizes)
-    return list(sizes)
+    census = tier.census()
+    assert census.bytes_used == sum(census.sizes.values()) <= capacity
+    assert census.pages == len(census.sizes)
+    assert census.lru == set(census.order) == set(census.sizes) and len(census.order) == len(census.sizes)
+    return list(census.sizes)
 
 
 def run_crash_trials(store: Path, trials: int, seed: int, tiered_every: int = 5, **kw) -> CrashLog:
@@ -381,7 +375,7 @@ def test_random_flips_in_headers_and_payloads_are_all_detected(tmp_path: Path, c
         tier.put(key(i), NS, TOKENS, payload(i, size[i]))
     tier.close()
     damaged = set(rng.sample(range(n), 40))
-    with _raw_env(store) as (env, pages, _):
+    with raw_env(store) as (env, pages, _):
         with env.begin(write=True) as txn:
             for i in damaged:
                 txn.put(key(i), damage_record(bytes(txn.get(key(i), db=pages)), rng, in_header=i % 2 == 1), db=pages)
@@ -400,21 +394,18 @@ def test_random_flips_in_headers_and_payloads_are_all_detected(tmp_path: Path, c
 def test_rejected_page_can_be_stored_again_before_its_delete_commits(store: Path) -> None:
     """Between a rejected get and the commit of its delete, the page reads as absent and
     a recomputed copy is accepted (the writer deletes before it inserts)."""
-    tier = DiskTier(store, 1 << 20)
-    tier.put(key(0), NS, TOKENS, payload(0))
-    tier.flush()
-    with tier._env.begin(write=True) as txn:
-        value = bytearray(txn.get(key(0), db=tier._pages))
+    with DiskTier(store, 1 << 20) as tier:
+        tier.put(key(0), NS, TOKENS, payload(0))
+    with raw_env(store) as (env, pages, _), env.begin(write=True) as txn:
+        value = bytearray(txn.get(key(0), db=pages))
         value[-1] ^= 0x40
-        txn.put(key(0), bytes(value), db=tier._pages)
-    blocker = tier._env.begin(write=True)  # the writer cannot commit the delete yet
-    try:
+        txn.put(key(0), bytes(value), db=pages)
+    tier = DiskTier(store, 1 << 20)
+    with write_lock(store):  # the writer cannot commit the delete yet
         assert tier.get(key(0), NS, TOKENS, 4096) is None
         assert not tier.contains(key(0))
         assert tier.get(key(0), NS, TOKENS, 4096) is None  # a second look: counted once
         assert tier.put(key(0), NS, TOKENS, payload(0))  # the recomputed page
-    finally:
-        blocker.abort()
     tier.flush()
     assert tier.counters.checksum_failures == 1
     assert tier.get(key(0), NS, TOKENS, 4096)[0] == payload(0)
@@ -427,7 +418,7 @@ def test_records_of_another_format_version_are_never_served(store: Path) -> None
     for i in range(4):
         tier.put(key(i), NS, TOKENS, payload(i))
     tier.close()
-    with _raw_env(store) as (env, pages, _):
+    with raw_env(store) as (env, pages, _):
         with env.begin(write=True) as txn:
             for i in (1, 3):
                 value = bytes(txn.get(key(i), db=pages))
@@ -557,9 +548,8 @@ def test_requests_never_wait_for_a_stuck_l3(tmp_path: Path) -> None:
     store = TieredStore(GEOMETRY, NAMESPACE, StoreConfig(PAGE, PAGE, 1 << 20, tmp_path))
     tokens = list(range(4 * 200))
     keys = page_keys(NAMESPACE, tokens)
-    blocker = store.disk._env.begin(write=True)
     hits = 0
-    try:
+    with write_lock(tmp_path):
         t0 = time.perf_counter()
         for i, k in enumerate(keys):
             store.publish(k, tokens[4 * i : 4 * i + 4], page_kv(i % 16))
@@ -568,8 +558,6 @@ def test_requests_never_wait_for_a_stuck_l3(tmp_path: Path) -> None:
                 store.release(restored.keys)
                 hits += len(restored.keys)
         elapsed = time.perf_counter() - t0
-    finally:
-        blocker.abort()
     assert elapsed < 10, f"requests stalled behind L3 ({elapsed:.1f} s)"
     assert store.disk.counters.writes_dropped > 0 and hits >= len(keys)
     store.close()
@@ -686,10 +674,9 @@ def seed_records() -> list[tuple[bytes, bytes]]:
             tier = DiskTier(Path(tmp) / codec, 1 << 20, codec=codec, queue_pages=len(raws))
             for i, raw in enumerate(raws):
                 tier.put(key(i), NS, TOKENS, raw)
-            tier.flush()
-            with tier._env.begin(db=tier._pages) as txn:
-                out += [(raw, bytes(txn.get(key(i)))) for i, raw in enumerate(raws)]
             tier.close()
+            with raw_env(Path(tmp) / codec) as (env, pages, _), env.begin(db=pages) as txn:
+                out += [(raw, bytes(txn.get(key(i)))) for i, raw in enumerate(raws)]
     return out
 
 

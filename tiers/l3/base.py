@@ -1,11 +1,12 @@
 """L3, the persistent page store shared beyond one process: the interface every backend
 implements (LMDB on this machine, ``tiers.l3.lmdb_store``; Redis / Valkey for a fleet,
-``tiers.l3.redis_store``) and the background writer they share. The factory that picks a
-backend is ``tiers.l3.open``, above both.
+``tiers.l3.redis_store``). Each holds the background writer they share
+(``tiers.l3.writer``). The factory that picks a backend is ``tiers.l3.open``, above both.
 
 A backend stores records (``tiers.l3.record``) under 16-byte page keys and keeps beside
-them the store's meta (format version, ``put_meta`` entries such as cost profiles),
-cumulative counters and a namespaces table. The hierarchy talks to this interface only:
+them the store's format version and its side tables (``tables``, ``tiers.l3.tables``:
+``put_meta`` entries such as cost profiles, cumulative counters, a namespaces table).
+The hierarchy talks to this interface only:
 ``contains``, ``snapshot`` (find a run of records, read once), ``verified`` / ``accept``
 (serve or reject a record), ``put`` (write-once, queued), ``flush``, ``close``.
 
@@ -26,7 +27,6 @@ import threading
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
 from typing import TypeVar
 
 import numpy as np
@@ -34,33 +34,15 @@ import numpy as np
 from ..counters import TierCounters
 from ..text import one_line
 from .record import CODECS, CorruptRecord, StoredRecord, checked_record, token_bytes, verify_payload
+from .tables import SideTables
+from .writer import Batch, PendingPut, Writer
 
 log = logging.getLogger(__name__)
-
-_TOUCH_DELAY_S = 0.05  # uses alone wait this long, so many share one commit
-_MAX_TOUCHES = 4096  # uses are hints: past this many pending, the oldest are dropped
 
 
 class StoreError(Exception):
     """L3 cannot be used (unwritable dir, damaged env, unreachable server, other format
     version); the message is one line."""
-
-
-@dataclass
-class PendingPut:
-    key: bytes
-    namespace: bytes
-    tokens: bytes
-    payload: bytes
-
-
-@dataclass
-class Batch:
-    """Everything the writer commits at once."""
-
-    puts: list[PendingPut]
-    touches: list[bytes]
-    deletes: dict[bytes, object]  # page key -> fingerprint of the bad value a read saw
 
 
 class Snapshot(ABC):
@@ -100,7 +82,8 @@ _Store = TypeVar("_Store", bound="L3Store")  # a backend, as its own class
 
 
 class L3Store(ABC):
-    """One L3 backend: records, meta, counters, and the queue its writer thread drains.
+    """One L3 backend: records, meta, counters, and the writer (``self.writer``) that
+    commits its queued work.
 
     Counted here: lookups (by snapshots), hit_pages, hit_tokens, inserts, evictions,
     checksum_failures, writes_dropped. bytes_used, pages and capacity are store-wide
@@ -108,6 +91,7 @@ class L3Store(ABC):
     """
 
     backend = ""  # "lmdb" or "redis": what stats call this L3
+    tables: SideTables  # meta entries, cumulative counters, namespaces (set by the backend)
     tracks_use = True  # the writer records each use (a backend that sees its reads does not)
 
     def __init__(self, capacity: int, *, codec: str, zstd_level: int, queue_pages: int, readonly: bool) -> None:
@@ -117,24 +101,15 @@ class L3Store(ABC):
         self._capacity = capacity
         self.counters = TierCounters(capacity=capacity)
         self._codec, self._level = codec, zstd_level
-        self._queue_pages = max(1, queue_pages)
-        self._lock = threading.Lock()  # guards counters and the pending work below
-        self._wake = threading.Condition(self._lock)
-        self._puts: dict[bytes, PendingPut] = {}
-        self._touches: dict[bytes, None] = {}  # insertion order = access order
-        self._deletes: dict[bytes, object] = {}
-        self._deleting: frozenset[bytes] = frozenset()  # deletes of the batch being committed
-        self._in_flight = self._closing = self._stopped = readonly
+        self._lock = threading.Lock()  # guards the counters
         self._closed = False
-        self._flushers = 0
         self._failures_seen: set[tuple[str, type]] = set()
-        self._writer = threading.Thread(target=self._run_writer, name="kvtier-l3-writer", daemon=True)
+        self.writer = Writer(self._commit, self._lost, queue_pages=queue_pages, readonly=readonly)
 
     def _start(self) -> None:
         """Load the gauges and start the writer (a backend calls it once open)."""
         self.refresh()
-        if not self.readonly:
-            self._writer.start()
+        self.writer.start()
 
     # --- what a backend implements ---------------------------------------------------
 
@@ -172,31 +147,10 @@ class L3Store(ABC):
         restore (benchmarks compare against it). Returns bytes read."""
 
     @abstractmethod
-    def namespaces(self) -> dict[bytes, dict]: ...
-
-    @abstractmethod
-    def describe_namespace(self, digest: bytes, about: dict) -> None: ...
-
-    @abstractmethod
     def clear(self, namespaces: set[bytes] | None = None) -> tuple[int, int]: ...
 
     @abstractmethod
     def resize(self, capacity: int) -> int: ...
-
-    @abstractmethod
-    def reset_counters(self) -> None: ...
-
-    @abstractmethod
-    def add_persistent_counters(self, delta: dict) -> None: ...
-
-    @abstractmethod
-    def persistent_counters(self) -> dict: ...
-
-    @abstractmethod
-    def get_meta(self, name: str) -> object | None: ...
-
-    @abstractmethod
-    def put_meta(self, name: str, value: object) -> None: ...
 
     @property
     def file_bytes(self) -> int:
@@ -255,14 +209,8 @@ class L3Store(ABC):
         with self._lock:
             self.counters.hit_pages += 1
             self.counters.hit_tokens += len(record.header.tokens) // 4
-            if not self.tracks_use:
-                return
-            self._touches.pop(record.key, None)
-            self._touches[record.key] = None
-            if len(self._touches) > _MAX_TOUCHES:
-                del self._touches[next(iter(self._touches))]
-            if len(self._touches) == 1:
-                self._wake.notify_all()  # later touches ride along (see _next_batch)
+        if self.tracks_use:
+            self.writer.touch(record.key)
 
     def doomed(self, key: bytes) -> bool:
         """A read rejected this record and its delete has not committed yet.
@@ -271,19 +219,15 @@ class L3Store(ABC):
         again at once (the writer commits deletes before puts); answering "present"
         would make put skip the fresh copy as already written.
         """
-        with self._lock:
-            return key in self._deletes or key in self._deleting
+        return self.writer.doomed(key)
 
     def reject(self, key: bytes, value: memoryview | bytes, reason: str) -> None:
         """A read found ``value`` of ``key`` bad: count it and queue its delete (spared if
         the record is rewritten meanwhile: the delete names this value's fingerprint)."""
         log.warning("L3 record %s rejected (%s); deleting it", bytes(key).hex(), reason)
         fingerprint = self._fingerprint(value)
-        with self._lock:
-            self.counters.checksum_failures += 1
-            if not self.readonly:
-                self._deletes[bytes(key)] = fingerprint
-                self._wake.notify_all()
+        self.count(checksum_failures=1)
+        self.writer.delete(bytes(key), fingerprint)
 
     def put(
         self,
@@ -298,20 +242,12 @@ class L3Store(ABC):
 
         ``wait=True`` waits for room instead of dropping (for flushes, off the request path).
         """
-        if key in self._puts or self.contains(key):
+        if self.writer.queued(key) or self.contains(key):
             return True  # write-once: nothing to copy or write
         pending = PendingPut(bytes(key), bytes(namespace_digest), token_bytes(tokens), bytes(payload))
-        with self._lock:
-            if self._never_fits(len(payload)):  # nothing crosses to L3
-                self.counters.writes_dropped += 1
-                return False
-            while wait and not self._closing and len(self._puts) >= self._queue_pages:
-                self._wake.wait()
-            if self._closing or len(self._puts) >= self._queue_pages:
-                self.counters.writes_dropped += 1
-                return False
-            self._puts.setdefault(pending.key, pending)
-            self._wake.notify_all()
+        if self._never_fits(len(payload)) or not self.writer.put(pending, wait=wait):  # never fits: nothing crosses
+            self.count(writes_dropped=1)
+            return False
         return True
 
     def _never_fits(self, raw_nbytes: int) -> bool:
@@ -320,21 +256,12 @@ class L3Store(ABC):
 
     def flush(self) -> None:
         """Block until every queued write, delete and use is committed."""
-        with self._lock:
-            self._flushers += 1
-            self._wake.notify_all()
-            while (self._has_work() or self._in_flight) and not self._stopped:
-                self._wake.wait()
-            self._flushers -= 1
+        self.writer.flush()
         self.refresh()
 
     def close(self) -> None:
         """Flush, stop the writer, close the backend; idempotent."""
-        with self._lock:
-            self._closing = True
-            self._wake.notify_all()
-        if self._writer.is_alive():
-            self._writer.join()  # the writer drains all pending work before it stops
+        self.writer.close()  # the writer commits all pending work before it stops
         with self._lock:
             already, self._closed = self._closed, True
         if not already:
@@ -346,41 +273,12 @@ class L3Store(ABC):
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # --- writer thread -----------------------------------------------------------------
-
-    def _has_work(self) -> bool:
-        return bool(self._puts or self._touches or self._deletes)
-
-    def _next_batch(self) -> Batch | None:
-        with self._lock:
-            while not self._has_work() and not self._closing:
-                self._wake.wait()
-            if not (self._puts or self._deletes or self._closing or self._flushers):
-                self._wake.wait(_TOUCH_DELAY_S)  # only touches: let more arrive
-            if not self._has_work():
-                self._stopped = True  # closing and drained
-                self._wake.notify_all()
-                return None
-            batch = Batch(list(self._puts.values()), list(self._touches), dict(self._deletes))
-            self._puts, self._touches, self._deletes = {}, {}, {}
-            self._deleting = frozenset(batch.deletes)
-            self._in_flight = True
-            return batch
-
-    def _run_writer(self) -> None:
-        while (batch := self._next_batch()) is not None:
-            try:
-                self._commit(batch)
-            except Exception as exc:  # the writer must survive: lose the batch, not the tier
-                self._failed("write", exc, f" ({len(batch.puts)} pages dropped)")
-                self.count(writes_dropped=len(batch.puts))
-            finally:
-                with self._lock:
-                    self._in_flight = False
-                    self._deleting = frozenset()
-                    self._wake.notify_all()
-
     # --- shared helpers ------------------------------------------------------------------
+
+    def _lost(self, batch: Batch, exc: Exception) -> None:
+        """A batch whose commit raised: its writes are dropped, logged and counted."""
+        self._failed("write", exc, f" ({len(batch.puts)} pages dropped)")
+        self.count(writes_dropped=len(batch.puts))
 
     def _failed(self, what: str, exc: BaseException, detail: str = "") -> None:
         """Log a failure: the first of each kind as a warning, repeats at debug level."""

@@ -1,7 +1,9 @@
-"""Administration of an LMDB store that no process has open: compaction.
+"""Administration of an LMDB store: clearing and resizing an open one (each one write
+transaction over its page tables, ``tiers.l3.lmdb_txn``), and compacting one that no
+process has open.
 
-Kept apart from the data path (``lmdb_store``): it takes the store's lock exclusively
-and replaces its file, which no open ``DiskTier`` may see happen.
+Kept apart from the data path (``lmdb_store``): compaction takes the store's lock
+exclusively and replaces its file, which no open ``DiskTier`` may see happen.
 """
 
 from __future__ import annotations
@@ -15,7 +17,31 @@ import lmdb
 
 from ..text import one_line
 from .base import StoreError
-from .lmdb_store import check_format_version
+from .lmdb_open import check_format_version
+from .lmdb_txn import PageTables
+from .record import header_or_none
+
+
+def clear_pages(tables: PageTables, namespaces: set[bytes] | None) -> tuple[int, int]:
+    """Delete every page (or those of ``namespaces``) in one transaction; (pages, bytes)
+    removed."""
+    with tables.env.begin(write=True, buffers=True) as txn:
+        state = tables.load_state(txn)
+        doomed = []
+        for key, value in txn.cursor(db=tables.dbs.pages):
+            header = header_or_none(value)
+            if namespaces is None or (header is not None and header.namespace in namespaces):
+                doomed.append(bytes(key))
+        before = (state.pages, state.bytes_used)
+        for key in doomed:
+            tables.remove(txn, state, key, txn.get(key, db=tables.dbs.pages))
+        tables.save_state(txn, state)
+    return before[0] - state.pages, before[1] - state.bytes_used
+
+
+def resize_store(tables: PageTables, capacity: int) -> int:
+    """Set the store's cap and evict down to it (one transaction); how many pages went."""
+    return tables.evict_alone(lambda _: capacity, capacity)
 
 
 def compact_store(path: Path) -> tuple[int, int]:

@@ -3,10 +3,8 @@ engine on every host that names the same server.
 
 Keys, all under a prefix (``kvtier:`` unless the URL says ``?prefix=...``):
 ``<prefix>p:<16-byte page key>`` -> the record (``tiers.l3.record``, the same bytes LMDB
-stores); ``<prefix>meta`` (hash: ``format_version``, ``user/<name>`` -> msgpack, e.g. cost
-profiles); ``<prefix>counters`` (hash: cumulative counters flattened to ``a/b/c`` ->
-number, added with HINCRBY / HINCRBYFLOAT so concurrent engines never lose an update);
-``<prefix>ns`` (hash: namespace digest -> msgpack row: what its writer said it is).
+stores); ``<prefix>meta`` (hash: ``format_version``, and the side tables'
+``user/<name>`` entries), ``<prefix>counters`` and ``<prefix>ns`` (``tiers.l3.redis_tables``).
 
 What differs from LMDB, and why:
 - Capacity and eviction are the server's (``maxmemory`` and ``maxmemory-policy``): a
@@ -36,7 +34,6 @@ from functools import partial
 from typing import Any, TypeVar, cast
 from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
 
-import msgpack
 import redis
 from redis.backoff import NoBackoff
 from redis.cluster import ClusterNode, RedisCluster
@@ -44,8 +41,10 @@ from redis.retry import Retry
 from xxhash import xxh3_64_intdigest
 
 from ..text import format_bytes, one_line
-from .base import Batch, L3Store, Snapshot, StoreError
+from .base import L3Store, Snapshot, StoreError
 from .record import FORMAT_VERSION, encode_record
+from .redis_tables import RedisTables
+from .writer import Batch
 
 log = logging.getLogger(__name__)
 
@@ -91,21 +90,6 @@ def _shown(url: str) -> str:
     if ":" in auth:
         auth = auth.split(":", 1)[0] + ":***"
     return urlunsplit((parts.scheme, auth + at + hosts, parts.path, parts.query, ""))
-
-
-def _flatten(tree: dict, prefix: str = "") -> Iterator[tuple[str, int | float]]:
-    for name, value in tree.items():
-        if isinstance(value, dict):
-            yield from _flatten(value, f"{prefix}{name}/")
-        else:
-            yield f"{prefix}{name}", value
-
-
-def _number(text: bytes) -> int | float:
-    try:
-        return int(text)
-    except ValueError:
-        return float(text)
 
 
 def _total(reply: object, field: str) -> int:
@@ -173,7 +157,8 @@ class RedisTier(L3Store):
             raise StoreError(f"bad store URL {_shown(url)}: {one_line(exc)}") from None
         self._cluster = isinstance(self._client, RedisCluster)
         self._all = {"target_nodes": RedisCluster.PRIMARIES} if self._cluster else {}  # server-wide numbers
-        self._meta, self._counters_key, self._ns = (self._prefix + name for name in (b"meta", b"counters", b"ns"))
+        self._meta = self._prefix + b"meta"
+        self.tables = RedisTables(self._client, self._prefix, self._call, readonly=readonly)
         self._down_until = 0.0
         self._backoff = 0.0
         self._evicted_at_open = 0
@@ -334,51 +319,7 @@ class RedisTier(L3Store):
                 self.counters.bytes_used = used
                 self.counters.evictions = max(0, evicted - self._evicted_at_open)
 
-    # --- meta, counters, namespaces (caller threads; each one atomic server command) -----
-
-    def get_meta(self, name: str) -> object | None:
-        stored = self._call("meta read", lambda: self._client.hget(self._meta, f"user/{name}"), None)
-        return None if stored is None else msgpack.unpackb(stored)
-
-    def put_meta(self, name: str, value: object) -> None:
-        self._call("meta write", lambda: self._client.hset(self._meta, f"user/{name}", msgpack.packb(value)), 0)
-
-    def add_persistent_counters(self, delta: dict) -> None:
-        def add() -> list:
-            pipe = self._client.pipeline(transaction=False)
-            for field, n in _flatten(delta):
-                if isinstance(n, float):
-                    pipe.hincrbyfloat(self._counters_key, field, n)
-                else:
-                    pipe.hincrby(self._counters_key, field, n)
-            return pipe.execute()
-
-        self._call("counters write", add, [])
-
-    def persistent_counters(self) -> dict:
-        flat = self._call("counters read", lambda: self._client.hgetall(self._counters_key), {})
-        tree: dict = {}
-        for field, value in flat.items():
-            *path, name = field.decode().split("/")
-            node = tree
-            for part in path:
-                node = node.setdefault(part, {})
-            node[name] = _number(value)
-        return tree
-
-    def reset_counters(self) -> None:
-        self._call("counters write", lambda: self._client.delete(self._counters_key), 0)
-
-    def namespaces(self) -> dict[bytes, dict]:
-        rows = self._call("namespaces read", lambda: self._client.hgetall(self._ns), {})
-        return {bytes(digest): msgpack.unpackb(row) for digest, row in rows.items()}
-
-    def describe_namespace(self, digest: bytes, about: dict) -> None:
-        """Record what a namespace is. Redis evicts on its own, so the store cannot count
-        a namespace's pages: the row holds what it is and when it was last opened."""
-        row = {"pages": 0, "bytes": 0, "tokens": 0, "last_use": time.time(), "about": about}
-        if not self.readonly:
-            self._call("namespaces write", lambda: self._client.hset(self._ns, digest, msgpack.packb(row)), 0)
+    # --- management (caller threads) ----------------------------------------------------
 
     def clear(self, namespaces: set[bytes] | None = None) -> tuple[int, int]:
         """Delete every page under this store's prefix; (pages, bytes) removed. Records

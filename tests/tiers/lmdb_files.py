@@ -1,0 +1,52 @@
+"""An LMDB store's files opened with the ``lmdb`` package, as any other program would:
+the on-disk layout (databases ``pages``, ``meta``, ``lru``, ``order``, ...) is the store
+format, so tests read and damage it through that, never through a tier's handles.
+
+py-lmdb refuses to open one environment twice in a process, and LMDB's locks are per
+process: ``raw_env`` needs the tier closed; ``write_lock`` holds the store's write lock
+from a process of its own while a tier in this one stays open.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import lmdb
+
+_HOLD = (
+    "import lmdb, sys\n"
+    "env = lmdb.open(sys.argv[1], max_dbs=8, subdir=True, lock=True, create=False)\n"
+    "txn = env.begin(write=True)\n"
+    "print('held', flush=True)\n"
+    "sys.stdin.read()\n"
+    "txn.abort()\n"
+)
+
+
+@contextlib.contextmanager
+def raw_env(path: Path) -> Iterator[tuple[lmdb.Environment, object, object]]:
+    """The store at ``path`` (no tier may have it open) and its pages and meta databases."""
+    env = lmdb.open(str(path), max_dbs=8, map_size=1 << 30)
+    try:
+        yield env, env.open_db(b"pages"), env.open_db(b"meta")
+    finally:
+        env.close()
+
+
+@contextlib.contextmanager
+def write_lock(path: Path) -> Iterator[None]:
+    """Another process holds the store's write transaction open until the block ends:
+    every commit here waits behind it, as behind a stuck writer elsewhere."""
+    child = subprocess.Popen(
+        [sys.executable, "-c", _HOLD, str(path)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert child.stdout.readline().strip() == "held"
+        yield
+    finally:
+        child.stdin.close()
+        child.wait(timeout=30)

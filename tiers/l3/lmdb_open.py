@@ -1,0 +1,155 @@
+"""Opening an LMDB store: create or check the environment, refuse a damaged one with one
+line (StoreError), create its databases and settle the store's cap.
+
+The cap belongs to the store, not to a process: the first opener sets it, later
+openers keep it (a different request is logged and ignored) and ``resize`` changes it,
+so one process with a small cap never evicts everyone else's pages.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from pathlib import Path
+
+import lmdb
+import msgpack
+
+from ..text import format_bytes, one_line
+from .base import StoreError
+from .lmdb_txn import Databases, PageTables
+from .record import FORMAT_VERSION
+
+log = logging.getLogger(__name__)
+
+_MIB = 1 << 20
+_MIN_MAP = 16 << 30  # address space only: the file grows with the data, not with the map
+_DBS = (b"pages", b"lru", b"order", b"counters", b"namespaces")
+
+
+def check_format_version(path: Path, stored: bytes | None) -> None:
+    version = FORMAT_VERSION if stored is None else msgpack.unpackb(stored)
+    if version != FORMAT_VERSION:
+        raise StoreError(f"store at {path} has format version {version}, this kvtier reads version {FORMAT_VERSION}")
+
+
+def open_writable(
+    path: Path, map_size: int | None, asked: int | None, default_capacity: int, policy: str, record_bytes: int | None
+) -> tuple[PageTables, int]:
+    """The store at ``path`` (created if absent) and its cap: the stored one, else
+    ``asked``, else ``default_capacity``."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise StoreError(f"cannot create store directory {path}: {exc.strerror or exc}") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise StoreError(f"store directory {path} is not writable")
+    capacity = default_capacity if asked is None else asked
+    if map_size is None:
+        # Generous: if another process later grows the data past this map, every txn
+        # here fails with MapResizedError (a miss or a dropped write, logged once). No
+        # larger than the filesystem: a cap beyond it cannot be reached, nor mapped.
+        data = path / "data.mdb"
+        existing = data.stat().st_size if data.exists() else 0
+        wanted = min(2 * capacity + 64 * _MIB, shutil.disk_usage(path).total)
+        map_size = max(wanted, 2 * existing, _MIN_MAP)
+    try:
+        # sync=True: every commit is durable and a crash never leaves a damaged B-tree;
+        # commits are batched on the writer thread, off the request path. readahead
+        # stays on: a large value is one contiguous run of pages.
+        env = lmdb.open(str(path), map_size=map_size, max_dbs=8, subdir=True, lock=True)
+    except lmdb.Error as exc:
+        raise StoreError(f"cannot open store at {path}: {one_line(exc)}") from None
+    try:
+        _check_file_size(path, env)
+        env.reader_check()  # free reader slots of killed processes (they pin old pages)
+        return _open_dbs(path, env, asked, capacity, policy, record_bytes)
+    except BaseException:
+        env.close()
+        raise
+
+
+def open_readonly(path: Path, policy: str, record_bytes: int | None) -> PageTables:
+    """The existing store, opened without writing to it (nor creating it)."""
+    if not (path / "data.mdb").is_file():
+        raise StoreError(f"no kvtier store at {path}")
+    env = None
+    for lock in (True, False):  # without locks only where the lock file cannot be written
+        try:
+            env = lmdb.open(str(path), readonly=True, max_dbs=8, subdir=True, lock=lock, create=False)
+            break
+        except lmdb.Error as exc:
+            error = exc
+    if env is None:
+        raise StoreError(f"cannot open store at {path}: {one_line(error)}")
+    try:
+        _check_file_size(path, env)
+        # Without a txn: py-lmdb keeps the handles of a read-only env only when it opens them itself
+        meta = env.open_db(b"meta", create=False)
+        with env.begin(db=meta) as txn:
+            check_format_version(path, txn.get(b"format_version"))
+        pages, lru, order, counters = (env.open_db(name, create=False) for name in _DBS[:4])
+        try:
+            namespaces = env.open_db(b"namespaces", create=False)
+        except lmdb.NotFoundError:  # a store no writer has opened since the table came
+            namespaces = None
+    except lmdb.Error as exc:  # NotFoundError: a database missing
+        env.close()
+        raise StoreError(f"cannot read store at {path}: {one_line(exc)}") from None
+    except BaseException:
+        env.close()
+        raise
+    return PageTables(env, Databases(meta, pages, lru, order, counters, namespaces), policy, record_bytes)
+
+
+def _check_file_size(path: Path, env: lmdb.Environment) -> None:
+    """Refuse a data file shorter than its meta page says.
+
+    LMDB checks only the meta pages on open and then reads the file through its
+    memory map: a page past the end of a truncated file kills the process with
+    SIGBUS at the first read. LMDB writes a commit's pages before its meta and never
+    shrinks the file, so a sound file always covers ``last_pgno``.
+    """
+    data = path / "data.mdb"
+    need = (env.info()["last_pgno"] + 1) * env.stat()["psize"]  # both read the meta only
+    have = data.stat().st_size
+    if have < need:
+        raise StoreError(f"store file {data} is truncated ({have} bytes, its meta needs {need})")
+
+
+def _open_dbs(
+    path: Path, env: lmdb.Environment, asked: int | None, capacity: int, policy: str, record_bytes: int | None
+) -> tuple[PageTables, int]:
+    """Check the format version, create the databases, settle the cap (one transaction)."""
+    try:
+        with env.begin(write=True) as txn:
+            meta = env.open_db(b"meta", txn=txn)
+            check_format_version(path, txn.get(b"format_version", db=meta))
+            txn.put(b"format_version", msgpack.packb(FORMAT_VERSION), db=meta)
+            fresh = b"namespaces" not in {bytes(k) for k, _ in txn.cursor()}
+            dbs = Databases(meta, *(env.open_db(name, txn=txn) for name in _DBS))
+            tables = PageTables(env, dbs, policy, record_bytes)
+            if fresh:
+                tables.count_namespaces(txn)
+            return tables, _settle_capacity(path, txn, meta, asked, capacity)
+    except (lmdb.Error, ValueError) as exc:  # ValueError: msgpack, on a damaged version
+        raise StoreError(f"cannot open store at {path}: {one_line(exc)}") from None
+
+
+def _settle_capacity(path: Path, txn: lmdb.Transaction, meta: object, asked: int | None, capacity: int) -> int:
+    """The store's cap wins; a store without one takes the cap asked for."""
+    stored = txn.get(b"capacity", db=meta)
+    if stored is None:
+        txn.put(b"capacity", msgpack.packb(capacity), db=meta)
+        return capacity
+    kept = msgpack.unpackb(stored)
+    if asked is not None and asked != kept:
+        log.warning(
+            "store %s keeps its L3 cap of %s; the %s asked for is ignored "
+            "(`kvtier store resize --l3-bytes` changes it)",
+            path,
+            format_bytes(kept),
+            format_bytes(asked),
+        )
+    return kept

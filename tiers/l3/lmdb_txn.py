@@ -1,0 +1,235 @@
+"""The page tables of an LMDB store inside one write transaction: insert, evict, remove,
+stamp a use, and the meta numbers and namespace counts that change with them.
+
+Records live in ``pages``; ``lru`` maps a page key to its 8-byte big-endian rank and a
+u32 use count, ``order`` holds rank || page key -> b"" (next victim first). Everything
+a transaction changes (records, lru/order, meta bytes_used/pages/access_seq/clock,
+namespace counts) is written in that same transaction, so the tables always agree.
+"""
+
+from __future__ import annotations
+
+import struct
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import lmdb
+import msgpack
+from xxhash import xxh3_64_intdigest
+
+from .record import RecordHeader, header_or_none
+from .writer import Batch
+
+_LEN, _SEQ = struct.Struct("<I"), struct.Struct(">Q")
+_STATE_FIELDS = ("bytes_used", "pages", "access_seq", "capacity", "clock")
+
+
+@dataclass
+class StoreState:
+    """The meta numbers, read and written back inside one write transaction, and the
+    per-namespace changes that transaction makes (added to ``namespaces`` on save)."""
+
+    bytes_used: int = 0
+    pages: int = 0
+    access_seq: int = 0
+    clock: int = 0  # the ``cost`` policy's aging clock: the priority of the last victim
+    capacity: int = 0
+    namespaces: dict[bytes, list[int]] = field(default_factory=dict)  # digest -> [pages, bytes, tokens]
+    used: set[bytes] = field(default_factory=set)  # namespaces whose pages were written or read
+
+    def tally(self, namespace: bytes | None, pages: int, nbytes: int, tokens: int) -> None:
+        """Count records in or out (namespace None: a record whose header is unreadable)."""
+        if namespace is not None:
+            row = self.namespaces.setdefault(namespace, [0, 0, 0])
+            for i, n in enumerate((pages, nbytes, tokens)):
+                row[i] += n
+        self.bytes_used += nbytes
+        self.pages += pages
+
+
+@dataclass
+class Outcome:
+    """Counter deltas of one write transaction, applied once it commits."""
+
+    inserts: int = 0
+    evictions: int = 0
+    writes_dropped: int = 0
+
+
+def ns_row() -> dict:
+    """A namespaces-table row before anything is counted in it."""
+    return {"pages": 0, "bytes": 0, "tokens": 0, "last_use": 0.0, "about": {}}
+
+
+def _uses(stamp: memoryview | bytes) -> int:
+    """Use count of an ``lru`` entry (entries written before counts were kept: 1)."""
+    return _LEN.unpack_from(stamp, _SEQ.size)[0] if len(stamp) >= _SEQ.size + _LEN.size else 1
+
+
+@dataclass
+class Databases:
+    """The handles of an open store's databases (``namespaces`` None: see LmdbTables)."""
+
+    meta: object
+    pages: object
+    lru: object
+    order: object
+    counters: object
+    namespaces: object | None
+
+
+@dataclass(frozen=True)
+class Census:
+    """What the page tables hold at one moment, read in one transaction: a read-only view
+    for consistency checks (meta must match the records; lru and order must name them)."""
+
+    sizes: dict[bytes, int]  # record key -> stored value length
+    lru: frozenset[bytes]  # keys with an lru entry
+    order: tuple[bytes, ...]  # keys in eviction order, next victim first
+    bytes_used: int  # meta
+    pages: int  # meta
+
+
+class PageTables:
+    """The write-transaction operations on one store's page tables.
+
+    ``policy`` orders eviction (``lru``, or ``cost``: see ``stamp``); ``record_bytes``,
+    when set, is what every record counts against the cap (a trace replay's tiny
+    payloads stand for full pages), else its stored size.
+    """
+
+    def __init__(self, env: lmdb.Environment, dbs: Databases, policy: str, record_bytes: int | None) -> None:
+        self.env, self.dbs = env, dbs
+        self._policy, self._record_bytes = policy, record_bytes
+
+    def size(self, value: memoryview | bytes) -> int:
+        """Bytes a record counts against the cap (and in bytes_used)."""
+        return self._record_bytes or len(value)
+
+    def census(self) -> Census:
+        with self.env.begin(buffers=True) as txn:
+            state = self.load_state(txn)
+            return Census(
+                {bytes(k): len(v) for k, v in txn.cursor(db=self.dbs.pages)},
+                frozenset(bytes(k) for k, _ in txn.cursor(db=self.dbs.lru)),
+                tuple(bytes(k)[_SEQ.size :] for k, _ in txn.cursor(db=self.dbs.order)),
+                state.bytes_used,
+                state.pages,
+            )
+
+    def load_state(self, txn: lmdb.Transaction) -> StoreState:
+        stored = {name: txn.get(name.encode(), db=self.dbs.meta) for name in _STATE_FIELDS}
+        return StoreState(**{name: 0 if v is None else msgpack.unpackb(bytes(v)) for name, v in stored.items()})
+
+    def save_state(self, txn: lmdb.Transaction, state: StoreState) -> None:
+        for name in _STATE_FIELDS:
+            txn.put(name.encode(), msgpack.packb(getattr(state, name)), db=self.dbs.meta)
+        self.save_namespaces(txn, state)
+
+    def save_namespaces(self, txn: lmdb.Transaction, state: StoreState) -> None:
+        """Add the transaction's per-namespace changes into the namespaces table."""
+        now = time.time()
+        for digest in state.namespaces.keys() | state.used:
+            stored = txn.get(digest, db=self.dbs.namespaces)
+            row = ns_row() if stored is None else msgpack.unpackb(bytes(stored))
+            for name, n in zip(("pages", "bytes", "tokens"), state.namespaces.get(digest, (0, 0, 0))):
+                row[name] += n
+            if digest in state.used:
+                row["last_use"] = now
+            txn.put(digest, msgpack.packb(row), db=self.dbs.namespaces)
+
+    def count_namespaces(self, txn: lmdb.Transaction) -> None:
+        """Fill the namespaces table from the records (a store from before it existed)."""
+        state = StoreState()
+        for _, value in txn.cursor(db=self.dbs.pages):
+            if (header := header_or_none(value)) is not None:
+                state.tally(header.namespace, 1, self.size(value), len(header.tokens) // 4)
+        self.save_namespaces(txn, state)
+
+    def write(self, batch: Batch, records: list[tuple[bytes, bytes]]) -> Outcome:
+        """Commit a batch in one transaction: deletes (if unchanged), uses, then writes."""
+        outcome = Outcome()
+        with self.env.begin(write=True, buffers=True) as txn:  # buffers: no copy of values
+            state = self.load_state(txn)
+            for key, fingerprint in batch.deletes.items():
+                value = txn.get(key, db=self.dbs.pages)
+                if value is not None and xxh3_64_intdigest(value) == fingerprint:
+                    self.remove(txn, state, key, value)  # unless rewritten meanwhile
+            for key in batch.touches:
+                if (stamp := txn.get(key, db=self.dbs.lru)) is not None:
+                    txn.delete(bytes(stamp)[: _SEQ.size] + key, db=self.dbs.order)
+                    self.stamp(txn, state, key, _uses(stamp) + 1)
+                    if (header := header_or_none(txn.get(key, db=self.dbs.pages) or b"")) is not None:
+                        state.used.add(header.namespace)
+            for key, value in records:
+                self._insert(txn, state, key, value, outcome)
+            self.save_state(txn, state)
+        return outcome
+
+    def _insert(self, txn: lmdb.Transaction, state: StoreState, key: bytes, value: bytes, outcome: Outcome) -> None:
+        if txn.get(key, db=self.dbs.pages) is not None:
+            return  # write-once (another process may have written it since put)
+        if self.size(value) > state.capacity:  # larger than the whole tier: evict nothing for it
+            outcome.writes_dropped += 1
+            return
+        outcome.evictions += self.evict(txn, state, state.capacity - self.size(value))
+        txn.put(key, value, db=self.dbs.pages)
+        self.stamp(txn, state, key)
+        header = RecordHeader.unpack(value)[0]  # encoded by the writer just now
+        state.tally(header.namespace, 1, self.size(value), len(header.tokens) // 4)
+        state.used.add(header.namespace)
+        outcome.inserts += 1
+
+    def evict(self, txn: lmdb.Transaction, state: StoreState, limit: int) -> int:
+        """Remove records, next victim first, until bytes_used <= limit; how many went."""
+        evicted = 0
+        while state.bytes_used > limit:
+            with txn.cursor(db=self.dbs.order) as cursor:
+                if not cursor.first():
+                    break
+                key = bytes(cursor.key())[_SEQ.size :]
+                if self._policy == "cost":
+                    state.clock = _SEQ.unpack_from(cursor.key())[0] >> 32
+                cursor.delete()  # always progress, even past an entry lru no longer names
+            value = txn.get(key, db=self.dbs.pages)
+            self.remove(txn, state, key, value)
+            evicted += value is not None
+        return evicted
+
+    def evict_alone(self, limit: Callable[[StoreState], int], capacity: int | None = None) -> int:
+        """Evict in a transaction of its own down to ``limit(state)`` bytes (and set the
+        store's cap to ``capacity`` when given); how many records went. LMDB reuses the
+        pages this frees only in later transactions."""
+        with self.env.begin(write=True, buffers=True) as txn:
+            state = self.load_state(txn)
+            if capacity is not None:
+                state.capacity = capacity
+            evicted = self.evict(txn, state, limit(state))
+            self.save_state(txn, state)
+        return evicted
+
+    def remove(self, txn: lmdb.Transaction, state: StoreState, key: bytes, value: memoryview | None) -> None:
+        """Delete a record and its lru/order entries (value None: the record is gone)."""
+        if value is not None:
+            header = header_or_none(value)
+            namespace, tokens = (None, 0) if header is None else (header.namespace, len(header.tokens) // 4)
+            state.tally(namespace, -1, -self.size(value), -tokens)
+            txn.delete(key, db=self.dbs.pages)
+        if (stamp := txn.get(key, db=self.dbs.lru)) is not None:
+            txn.delete(bytes(stamp)[: _SEQ.size] + key, db=self.dbs.order)
+            txn.delete(key, db=self.dbs.lru)
+
+    def stamp(self, txn: lmdb.Transaction, state: StoreState, key: bytes, uses: int = 1) -> None:
+        """Place a page in the eviction order (``order`` is read first to last): by
+        access sequence (``lru``), or (``cost``) by GreedyDual-Frequency rank
+        ``clock + uses`` in the high 32 bits, the access sequence below it, so equal
+        ranks leave oldest first. Every L3 page costs the same to recompute, so this
+        is frequency with aging. ``lru`` holds the rank and the use count."""
+        state.access_seq += 1
+        rank = (
+            state.access_seq if self._policy == "lru" else (state.clock + uses) << 32 | (state.access_seq & 0xFFFFFFFF)
+        )
+        seq = _SEQ.pack(rank)
+        txn.put(key, seq + _LEN.pack(uses), db=self.dbs.lru)
+        txn.put(seq + key, b"", db=self.dbs.order)
