@@ -252,6 +252,8 @@ class Engine:
             assert request.restored is not None  # set by build, if only to nothing restored
             observe_links(self.profile, self.config.store.throttle, links_before, self.store.stats()["links"])
             request.published = request.prefix_tokens // self.config.page_size
+            restored = request.restored.num_pages * self.config.page_size + request.partial_tokens
+            request.matched_tokens = max(len(matched) * self.config.page_size, restored)
             self.cached_tokens.add(request.restored.num_pages * self.config.page_size + request.partial_tokens)
             self.totals.store_seconds += time.perf_counter() - t0
         request.t_admit = time.perf_counter()

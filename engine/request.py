@@ -21,6 +21,7 @@ class SamplingParams:
     max_tokens: int = 64
     temperature: float = 0.0  # 0 is greedy
     top_p: float = 1.0
+    top_k: int = 0  # sample among the k likeliest tokens only (0: all); applied before top_p
     seed: int | None = None  # its own random stream (temperature > 0)
     # mlx-lm's logits processors: added to the logits of these token ids, and subtracted
     # from those of tokens among the sequence's last 20 (once, or once per occurrence)
@@ -28,6 +29,10 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logprobs: int | None = None  # keep each output token's log-probability and this many top alternatives
+    # Constrained decoding (a tool_choice): the output starts with these tokens, and never
+    # completes one of these token sequences (each banned at its last token).
+    forced: list[int] = field(default_factory=list)
+    banned: list[list[int]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -67,6 +72,7 @@ class Request:
     published: int = 0  # leading pages known to be in the store
     snapshot_spacing: int = 0  # a hybrid model's: its state is kept every this many pages (costmodel.spacing)
     snapshot_pages: list[int] = field(default_factory=list)  # and after these pages of its prompt
+    matched_tokens: int = 0  # the longest stored match at admission: where the prompt left the cache
     prefilled: int = 0  # tokens mlx-lm has prefilled after the restored prefix
     l1_tokens_at_enqueue: int = 0  # prompt tokens in L1 when submitted
     l1_tokens_at_admission: int = 0  # ... and when admitted (pages may move meanwhile)

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from kvtier.tiers.counters import add_into
 
+from .divergence import divergence
 from .request import CANCELLED, ERROR, Request
 from .text import without_broken_end
 
@@ -70,6 +71,7 @@ def request_record(request: Request, loaded: LoadedModel, page_size: int) -> dic
         "finish_reason": request.finish_reason,
         "error": request.error,
         "plan": request.plan.to_dict() if request.plan else None,
+        "divergence": divergence(request, loaded.tokenizer),
         "l1_tokens_at_enqueue": request.l1_tokens_at_enqueue,
         "l1_tokens_at_admission": request.l1_tokens_at_admission,
         "l1_hit_loss": request.l1_tokens_at_enqueue - request.l1_tokens_at_admission,

@@ -51,6 +51,8 @@ COVERAGE = {
     '{"prompt_tokens": 1650': "test_serve_snippets",
     "from anthropic import Anthropic": "test_serve_snippets",
     "curl -s localhost:8000/metrics": "test_serve_snippets",
+    "export ANTHROPIC_BASE_URL=": "not run: Claude Code is not installed here (its settings are the client's)",
+    "# one question asked twice": "test_serve_snippets",
     ".venv/bin/kvtier replay mooncake_conversation_trace.jsonl": "test_replay_sizing",
     "12031 requests, 144793823 prompt tokens": "test_replay_sizing",
     "kvtier run   [--model PATH_OR_ID]": "test_flags_are_the_commands_flags",
@@ -231,6 +233,7 @@ def test_serve_snippets(shell):
         check("streamed usage", lambda: _streamed_usage(base, said.group(1)))
         check("anthropic", lambda: _anthropic(shell))
         check("metrics", lambda: _metrics(shell))
+        check("agents", lambda: _agents(shell))
     finally:
         status = server.stop()
     assert status == 0, "serve did not exit 0 on SIGTERM:\n" + "\n".join(server.lines[-20:])
@@ -289,6 +292,12 @@ def _anthropic(shell: Shell) -> None:
     printed = shell.python(block("from anthropic import Anthropic").text).strip()
     claim = re.search(r"from the `anthropic` client,\s+prints `([^`]+)`", README.read_text(encoding="utf-8"))
     assert printed == claim.group(1)
+
+
+def _agents(shell: Shell) -> None:
+    printed = shell.python(block("# one question asked twice").text).strip()
+    claim = re.search(r"prints `([^`]+)`: the second request left the cache", README.read_text(encoding="utf-8"))
+    assert printed == claim.group(1), printed
 
 
 def _metrics(shell: Shell) -> None:

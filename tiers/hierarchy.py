@@ -273,6 +273,25 @@ class TieredStore:
             assert self.snapshots is not None, "a snapshot of a model without state layers"
             return self.snapshots.publish(page, tokens, state)
 
+    def pin(self, keys: Sequence[PageKey], limit: int) -> int:
+        """Pin the leading run of ``keys`` that L1 or L2 holds, so that neither evicts them
+        until ``release``; no new page is pinned once ``limit`` pages are pinned in all
+        (a hold that does not fit is cut short, never forced in). The count pinned: the
+        first n of ``keys``."""
+        with self._lock:
+            pinned = len(self.pins.held())
+            n = 0
+            for key in keys:
+                if key not in self.l1 and key not in self.l2:
+                    break
+                if key not in self.pins:
+                    if pinned >= limit:
+                        break
+                    pinned += 1
+                self.pins.pin(key)
+                n += 1
+            return n
+
     def release(self, keys: Sequence[PageKey]) -> None:
         """Unpin pages taken by ``restore`` (or ``pin``)."""
         with self._lock:

@@ -342,6 +342,13 @@ def add_serve_parser(tree: Tree, sub) -> None:
         metavar="SECONDS",
         help="on SIGTERM/SIGINT, let requests in flight finish this long, then cancel them",
     )
+    serve.add_argument(
+        "--tool-warm",
+        type=seconds,
+        default=120.0,
+        metavar="SECONDS",
+        help="keep an answer that ends in a tool call in L1/L2 this long for the next turn (0: off)",
+    )
 
 
 def add_stats_parser(tree: Tree, sub) -> None:

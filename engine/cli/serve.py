@@ -27,7 +27,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     engine = open_engine(args, loaded, store_dir, max_running=args.max_running, publish_answers=True)
     try:
         model_id = args.served_model_name or args.model or DEFAULT_MODEL_ID
-        server = KVTierServer(engine, ServerConfig(model_id, args.max_waiting, args.max_tokens))
+        config = ServerConfig(model_id, args.max_waiting, args.max_tokens, tool_warm_s=args.tool_warm)
+        server = KVTierServer(engine, config)
         uv = DrainingServer(server, args.drain_timeout, "info" if args.verbose else "warning")
         stop_on_signals(uv)  # from here on SIGTERM / SIGINT drain, flush and exit 0
         if hasattr(signal, "SIGPIPE"):  # a client gone before its answer is written is an error, not our end

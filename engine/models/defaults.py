@@ -21,6 +21,10 @@ initialisation is scaled so that outputs depend on the whole context, greedy dec
 does not collapse into one repeated token, and output is printable ASCII.
 
 What it is not: a language model.  Its text is gibberish.
+
+``kvtier-tiny-tools`` is the same model with a tool-calling chat template
+(``tool_template``): mlx-lm gives its tokenizer the tool-call markers and parser, so the
+server's tool path runs on it (the tests force the tokens of a call).
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ import numpy as np
 
 from . import gguf
 from .paths import kvtier_home
+from .tool_template import TOOLS_CHAT_TEMPLATE
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +56,7 @@ _REAL_MODEL_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _REAL_MODEL_DTYPE = "float32"
 
 TINY_MODEL = "kvtier-tiny"
+TOOLS_MODEL = "kvtier-tiny-tools"
 # Bump when anything below changes, so stale files are never reused.
 _VERSION = "v1"
 _SEED = 20240607
@@ -128,6 +134,12 @@ def default_model_dir() -> Path:
     return kvtier_home() / "models" / f"kvtier-default-{_VERSION}"
 
 
+def ensure_tools_model() -> Path:
+    """``kvtier-tiny-tools``: the generated model with the tool-calling chat template, in
+    ``<kvtier home>/models/kvtier-tiny-tools-<version>`` (written on first use)."""
+    return ensure_default_model(kvtier_home() / "models" / f"{TOOLS_MODEL}-{_VERSION}", TOOLS_CHAT_TEMPLATE)
+
+
 def _is_complete(directory: Path) -> bool:
     return all((directory / name).is_file() for name in _FILES)
 
@@ -175,7 +187,7 @@ def _write_weights(directory: Path) -> None:
     mx.save_safetensors(str(directory / "model.safetensors"), weights, metadata={"format": "mlx"})
 
 
-def _write_tokenizer(directory: Path) -> None:
+def _write_tokenizer(directory: Path, chat_template: str) -> None:
     from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
     # GPT-2's byte -> printable-character table, as used by ByteLevel pre-tokenizers.
@@ -201,7 +213,7 @@ def _write_tokenizer(directory: Path) -> None:
         "add_bos_token": False,
         "clean_up_tokenization_spaces": False,
         "model_max_length": CONFIG["max_position_embeddings"],
-        "chat_template": CHAT_TEMPLATE,
+        "chat_template": chat_template,
     }
     _write_json(directory / "tokenizer_config.json", tokenizer_config)
     _write_json(directory / "special_tokens_map.json", specials)
@@ -211,9 +223,9 @@ def _write_json(path: Path, obj: dict) -> None:
     path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
-def ensure_default_model(directory: Path | None = None) -> Path:
-    """Write the default model into ``directory`` (default: :func:`default_model_dir`)
-    unless it is already there, and return the directory.
+def ensure_default_model(directory: Path | None = None, chat_template: str = CHAT_TEMPLATE) -> Path:
+    """Write the default model, with ``chat_template``, into ``directory`` (default:
+    :func:`default_model_dir`) unless it is already there, and return the directory.
 
     The files are built in a temporary sibling directory and renamed into place, so
     concurrent callers never see a half-written model; if another process wins the
@@ -228,7 +240,7 @@ def ensure_default_model(directory: Path | None = None) -> Path:
     try:
         tmp.mkdir()
         _write_json(tmp / "config.json", CONFIG)
-        _write_tokenizer(tmp)
+        _write_tokenizer(tmp, chat_template)
         _write_weights(tmp)
         try:
             if directory.is_dir() and not any(directory.iterdir()):

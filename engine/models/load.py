@@ -131,6 +131,8 @@ def resolve_model_path(name: str | None, progress: Callable[[int, int], None] | 
     name = name or default_model_name()
     if name == defaults.TINY_MODEL:
         return defaults.ensure_default_model()
+    if name == defaults.TOOLS_MODEL:
+        return defaults.ensure_tools_model()
     if name == defaults.REAL_MODEL:
         try:
             return defaults.ensure_real_model(progress)

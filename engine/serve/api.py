@@ -182,29 +182,69 @@ class CompletionRequest(_OpenAISampling):
         return self.logprobs
 
 
+class CacheControl(_Body):
+    """Anthropic's cache breakpoint (``scope``, which Claude Code sends, is accepted and ignored)."""
+
+    type: Literal["ephemeral"]
+    ttl: Literal["5m", "1h"] | None = None
+    scope: str | None = None
+
+
 class TextPart(_Body):
     type: Literal["text"]
     text: str
-    cache_control: dict | None = None  # Anthropic's cache hint: every prefix is cached here anyway
+    cache_control: CacheControl | None = None
+
+
+class FunctionDefinition(_Body):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+
+class FunctionTool(_Body):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class CalledFunction(_Body):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCallIn(_Body):
+    """An assistant message's earlier call, as the client sends it back."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: CalledFunction
 
 
 class ChatMessage(_Body):
-    model_config = ConfigDict(strict=True, extra="allow")  # tool_calls, name, ... reach the template
+    model_config = ConfigDict(strict=True, extra="allow")  # name, ... reach the template as they are
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Annotated[str | list[TextPart] | None, _text_only("text")] = None
-
-    def for_template(self) -> dict:
-        message = self.model_dump(exclude_none=True)
-        message["content"] = _joined(self.content)
-        return message
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
 
 
 class ChatCompletionRequest(_OpenAISampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, gt=0)
-    tools: list[dict] | None = None
-    tool_choice: str | dict | None = None
-    parallel_tool_calls: bool | None = None  # accepted and ignored, as the template renders the tools as they are
+    tools: list[FunctionTool] | None = None
+    tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # accepted and ignored: the template renders the tools as they are
+    cache_control: CacheControl | None = None  # kvtier's extension: hold the whole prompt, as Anthropic's
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     response_format: dict | None = None
@@ -221,19 +261,11 @@ class ChatCompletionRequest(_OpenAISampling):
             "response_format",
             'a response format other than {"type": "text"} (JSON mode, JSON schema)',
         )
-        refuse_unless(
-            self.tool_choice in (None, "auto"),
-            "tool_choice",
-            'a tool_choice other than "auto" (the model decides; nothing forces or forbids a call)',
-        )
         refuse_unless(self.modalities in (None, ["text"]), "modalities", "output other than text")
         return self
 
     def top_logprobs_count(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
-
-    def template_messages(self) -> list[dict]:
-        return [m.for_template() for m in self.messages]
 
 
 class ToolUse(_Body):
@@ -241,7 +273,11 @@ class ToolUse(_Body):
     id: str
     name: str
     input: dict
-    cache_control: dict | None = None
+    cache_control: CacheControl | None = None
+    # What the client's SDK sends back of a tool_use block it received: who called the
+    # tool, and a toolset's name. The call is rendered from name and input alone.
+    caller: dict | None = None
+    toolset_name: str | None = None
 
 
 class ToolResult(_Body):
@@ -249,7 +285,7 @@ class ToolResult(_Body):
     tool_use_id: str
     content: Annotated[str | list[TextPart], _text_only("text")] = ""
     is_error: bool = False
-    cache_control: dict | None = None
+    cache_control: CacheControl | None = None
 
 
 AnthropicBlock = Annotated[TextPart | ToolUse | ToolResult, Field(discriminator="type")]
@@ -259,83 +295,77 @@ class AnthropicMessage(_Body):
     role: Literal["user", "assistant"]
     content: Annotated[str | list[AnthropicBlock], _text_only("text", "tool_use", "tool_result")]
 
-    def for_template(self) -> dict:
-        """One chat-template message: text as it is, tool calls and results as JSON text."""
-        if isinstance(self.content, str):
-            return {"role": self.role, "content": self.content}
-        parts = []
-        for block in self.content:
-            if isinstance(block, TextPart):
-                parts.append(block.text)
-            elif isinstance(block, ToolUse):
-                parts.append(json.dumps({"tool_use": block.name, "id": block.id, "input": block.input}))
-            else:
-                parts.append(
-                    json.dumps(
-                        {
-                            "tool_result": block.tool_use_id,
-                            "content": _joined(block.content),
-                            "is_error": block.is_error,
-                        }
-                    )
-                )
-        return {"role": self.role, "content": "\n".join(parts)}
+
+class AnthropicTool(_Body):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    input_schema: dict
+    type: Literal["custom"] | None = None  # Anthropic's server tools (web search, ...) run on Anthropic's side
+    cache_control: CacheControl | None = None
+    eager_input_streaming: bool | None = None  # a streaming hint: calls stream whole here
 
 
-class MessagesRequest(_Request):
-    """Anthropic Messages API body."""
+class AnthropicToolChoice(_Body):
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+    disable_parallel_tool_use: bool | None = None  # accepted and ignored, as OpenAI's parallel_tool_calls
+
+
+class AnthropicPrompt(_Request):
+    """What makes an Anthropic prompt: the Messages body and count_tokens share it."""
 
     model: str | None = None
-    max_tokens: int = Field(gt=0)
     messages: list[AnthropicMessage] = Field(min_length=1)
     system: str | list[TextPart] | None = None
-    temperature: float = Field(1.0, ge=0.0)
+    tools: list[AnthropicTool] | None = None
+    tool_choice: AnthropicToolChoice | None = None
+    thinking: dict | None = None
+    cache_control: CacheControl | None = None  # a breakpoint after the last block
+    # Accepted and ignored: Claude Code sends them on every request. context_management
+    # asks Anthropic to clear old tool results past a context threshold; kvtier renders
+    # the whole conversation (a prompt past the context is a 400), so nothing is cleared.
+    context_management: dict | None = None
+    betas: list[str] | None = None
+    # {"previous_message_id": id or null}: the response says why the cache missed (conversations)
+    diagnostics: dict | None = None
+
+    def checked(self: _P) -> _P:
+        refuse_unless(self.thinking in (None, {"type": "disabled"}), "thinking", "extended thinking")
+        if self.tool_choice is not None and self.tool_choice.type == "tool" and not self.tool_choice.name:
+            raise invalid('tool_choice: {"type": "tool"} needs a name', "tool_choice.name")
+        return self
+
+
+_P = TypeVar("_P", bound=AnthropicPrompt)
+
+
+class CountTokensRequest(AnthropicPrompt):
+    """``POST /v1/messages/count_tokens``."""
+
+
+class MessagesRequest(AnthropicPrompt):
+    """Anthropic Messages API body."""
+
+    max_tokens: int = Field(gt=0)
+    temperature: float = Field(1.0, ge=0.0, le=1.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, gt=0)
     stop_sequences: list[str] = Field(default_factory=list)
     stream: bool = False
-    tools: list[dict] | None = None
-    tool_choice: dict | None = None
-    top_k: int | None = None
-    thinking: dict | None = None
     metadata: dict | None = None  # accepted and ignored, as OpenAI's user and metadata
     service_tier: str | None = None
 
     def checked(self) -> MessagesRequest:
         if any(not s for s in self.stop_sequences):
             raise invalid("stop_sequences must not hold empty strings", "stop_sequences")
-        refuse_unless(
-            self.tool_choice in (None, {"type": "auto"}), "tool_choice", 'a tool_choice other than {"type": "auto"}'
-        )
-        refuse_unless(self.top_k is None, "top_k", "top_k sampling (use top_p)")
-        refuse_unless(self.thinking in (None, {"type": "disabled"}), "thinking", "extended thinking")
-        return self
-
-    def template_messages(self) -> list[dict]:
-        system = [{"role": "system", "content": _joined(self.system)}] if self.system else []
-        return system + [m.for_template() for m in self.messages]
+        return super().checked()
 
 
-def _joined(content: str | list[TextPart] | None) -> str:
-    if content is None or isinstance(content, str):
-        return content or ""
-    return "".join(part.text for part in content)
+def _bodies(base: type[_Body]) -> list[type[_Body]]:
+    return [cls for sub in base.__subclasses__() for cls in (sub, *_bodies(sub))]
 
 
-_FIELDS = {
-    name
-    for body in (
-        CompletionRequest,
-        ChatCompletionRequest,
-        MessagesRequest,
-        StreamOptions,
-        ChatMessage,
-        TextPart,
-        ToolUse,
-        ToolResult,
-        AnthropicMessage,
-    )
-    for name in body.model_fields
-}
+_FIELDS = {name for body in _bodies(_Body) for name in body.model_fields}
 
 
 def _field_path(loc: tuple) -> str:

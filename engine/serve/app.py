@@ -30,19 +30,26 @@ from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from kvtier.tiers.page import page_keys
+
 from ..engine import Engine
 from ..limits import InputError, context_length
 from ..request import Request, SamplingParams
 from ..text import OutputText
-from . import api, responses
+from . import api, render, responses
 from .api import APIError
+from .conversations import Conversations, log_loss, miss_reason
 from .generation import Generation, cancel_on_disconnect
+from .holds import Holds
 from .prometheus import ServerMetrics
+from .prompt import Prompt
+from .prompt import render as render_prompt
 from .responses import Finished
+from .tools import ToolCallText
 
 log = logging.getLogger(__name__)
 
-ANTHROPIC_PATHS = ("/v1/messages",)
+ANTHROPIC_PATHS = ("/v1/messages", "/v1/messages/count_tokens")
 # The id of a server started without --model or --served-model-name: the same whichever
 # default model is installed (SmolLM2-135M-Instruct or kvtier-tiny), so the README's
 # examples and a client's settings work on either.
@@ -56,6 +63,7 @@ class ServerConfig:
     max_waiting: int = 64  # requests queued for a batch slot; past it, 429
     default_max_tokens: int = 512  # when a request names none (capped by the context)
     max_body_bytes: int = 8 << 20  # larger bodies answer 413
+    tool_warm_s: float = 120.0  # an answer that ends in a tool call is held this long (0: not held)
 
 
 class KVTierServer:
@@ -68,12 +76,16 @@ class KVTierServer:
         self.context = context_length(engine.loaded) or 32768
         self.created = int(time.time())
         self._live: dict[int, Request] = {}  # by rid
+        self.conversations = Conversations(engine.config.page_size)
+        store = engine.store
+        self.holds = Holds(store, store.view().l1.max_pages // 2 if store is not None else 0)
         self.metrics = ServerMetrics(engine.stats, self._gauges)
         self.app = Starlette(
             routes=[
                 Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
                 Route("/v1/completions", self.completions, methods=["POST"]),
                 Route("/v1/messages", self.messages, methods=["POST"]),
+                Route("/v1/messages/count_tokens", self.count_tokens, methods=["POST"]),
                 Route("/v1/models", self.models, methods=["GET"]),
                 Route("/v1/models/{model:path}", self.model, methods=["GET"]),
                 Route("/health", self.health, methods=["GET"]),
@@ -124,30 +136,49 @@ class KVTierServer:
         body = api.parse_body(await self._read(http), api.CompletionRequest)
         prompt = body.prompt
         tokens = await anyio.to_thread.run_sync(self.tokenizer.encode, prompt) if isinstance(prompt, str) else prompt
-        return await self._openai(http, body, list(tokens), chat=False)
+        return await self._openai(http, body, Prompt(list(tokens)), chat=False)
 
     async def chat_completions(self, http: HTTPRequest) -> Response:
         body = api.parse_body(await self._read(http), api.ChatCompletionRequest)
-        tokens = await anyio.to_thread.run_sync(self._render, body.template_messages(), body.tools)
-        return await self._openai(http, body, tokens, chat=True)
+        prompt = await anyio.to_thread.run_sync(
+            lambda: render_prompt(
+                self.tokenizer,
+                render.chat_messages(body),
+                render.chat_origins(body),
+                render.chat_tools(body),
+                render.chat_tool_choice(body),
+                render.chat_has_tool_history(body),
+                render.chat_breakpoints(body),
+            )
+        )
+        return await self._openai(http, body, prompt, chat=True)
 
-    async def _openai(self, http: HTTPRequest, body, tokens: list[int], chat: bool) -> Response:
+    async def _openai(self, http: HTTPRequest, body, prompt: Prompt, chat: bool) -> Response:
         shape = responses.OpenAIShape(chat, self._model(body.model))
-        params = SamplingParams(body.max_tokens or 0, body.temperature, body.top_p, body.seed, **body.sampling())
-        gen = await self._submit(tokens, params, body.stop_strings(), "prompt" if not chat else "messages")
+        params = SamplingParams(
+            body.max_tokens or 0,
+            body.temperature,
+            body.top_p,
+            seed=body.seed,
+            forced=prompt.forced,
+            banned=prompt.banned,
+            **body.sampling(),
+        )
+        gen = await self._submit(prompt, params, body.stop_strings(), "prompt" if not chat else "messages", "call_")
+        gen.turn = (shape.id, body.prompt_cache_key or body.user or body.safety_identifier, None)
         if not body.stream:
             return JSONResponse(shape.response(await self._collect(gen, http)))
 
         async def events() -> AsyncIterator[str]:
             yield shape.chunk("", first=True)
             held: list[responses.TokenChoice] = []  # of tokens whose text is held back (a stop string may start)
-            async for piece in gen.deltas():
+            async for piece, calls in gen.pieces():
                 held += gen.new_logprobs() or []
-                if piece:
-                    yield shape.chunk(piece, logprobs=held if params.logprobs is not None else None)
+                if piece or calls:
+                    yield shape.chunk(piece, logprobs=held if params.logprobs is not None else None, tool_calls=calls)
                     held = []
             try:
-                done = gen.finished()
+                done = await self._finished(gen)
             except APIError as err:
                 for chunk in shape.error_chunks(err):
                     yield chunk
@@ -156,31 +187,42 @@ class KVTierServer:
             for chunk in shape.final_chunks(done, body.include_usage, tail):
                 yield chunk
 
-        return self._sse(events(), gen.request)
+        return self._sse(events(), gen)
 
     # -- Anthropic ------------------------------------------------------------------
 
     async def messages(self, http: HTTPRequest) -> Response:
         body = api.parse_body(await self._read(http), api.MessagesRequest)
         shape = responses.AnthropicShape(self._model(body.model))
-        tokens = await anyio.to_thread.run_sync(self._render, body.template_messages(), body.tools)
-        gen = await self._submit(
-            tokens, SamplingParams(body.max_tokens, body.temperature, body.top_p), body.stop_sequences, "messages"
+        prompt = await anyio.to_thread.run_sync(self._anthropic_prompt, body)
+        params = SamplingParams(
+            body.max_tokens,
+            body.temperature,
+            body.top_p,
+            top_k=body.top_k or 0,
+            forced=prompt.forced,
+            banned=prompt.banned,
         )
+        gen = await self._submit(prompt, params, body.stop_sequences, "messages", "toolu_")
+        gen.turn = (shape.id, (body.metadata or {}).get("user_id"), (body.diagnostics or {}).get("previous_message_id"))
+        gen.diagnose = body.diagnostics is not None
         if not body.stream:
             return JSONResponse(shape.response(await self._collect(gen, http)))
 
         async def events() -> AsyncIterator[str]:
             started = False
-            async for piece in gen.deltas():
+            async for piece, calls in gen.pieces():
                 if not started:  # the first token: the request was admitted, its sources are known
                     started = True
                     for event in shape.start_events(gen.prompt_usage()):
                         yield event
                 if piece:
                     yield shape.delta_event(piece)
+                for call in calls:
+                    for event in shape.tool_events(call):
+                        yield event
             try:
-                done = gen.finished()
+                done = await self._finished(gen)
             except APIError as err:
                 for event in shape.error_events(err):
                     yield event
@@ -188,7 +230,26 @@ class KVTierServer:
             for event in (shape.start_events(done.prompt) if not started else []) + shape.final_events(done):
                 yield event
 
-        return self._sse(events(), gen.request)
+        return self._sse(events(), gen)
+
+    async def count_tokens(self, http: HTTPRequest) -> Response:
+        """The prompt's token count, exactly as ``/v1/messages`` would render it."""
+        body = api.parse_body(await self._read(http), api.CountTokensRequest)
+        self._model(body.model)
+        prompt = await anyio.to_thread.run_sync(self._anthropic_prompt, body)
+        return JSONResponse({"input_tokens": len(prompt.tokens)})
+
+    def _anthropic_prompt(self, body: api.AnthropicPrompt) -> Prompt:
+        messages, origins = render.anthropic_messages(body)
+        return render_prompt(
+            self.tokenizer,
+            messages,
+            origins,
+            render.anthropic_tools(body),
+            render.anthropic_tool_choice(body),
+            render.anthropic_has_tool_history(body),
+            render.anthropic_breakpoints(body, origins),
+        )
 
     # -- the rest of the API -----------------------------------------------------------
 
@@ -236,15 +297,12 @@ class KVTierServer:
             )
         return self.config.model_name
 
-    def _render(self, messages: list[dict], tools: list[dict] | None) -> list[int]:
-        """Chat messages through the model's chat template, ready for generation."""
-        try:
-            return list(self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True))
-        except Exception as err:  # jinja and template errors come in many types
-            raise api.invalid(f"the chat template cannot render these messages: {err}", "messages") from None
-
-    async def _submit(self, tokens: list[int], params: SamplingParams, stops: list[str], param: str) -> Generation:
-        """Check and submit; ``params.max_tokens`` 0 takes the server's default (capped by the context)."""
+    async def _submit(
+        self, prompt: Prompt, params: SamplingParams, stops: list[str], param: str, call_ids: str
+    ) -> Generation:
+        """Check and submit; ``params.max_tokens`` 0 takes the server's default (capped by the
+        context). ``call_ids`` starts the ids of the tool calls read from the answer."""
+        tokens = prompt.tokens
         if len(tokens) >= self.context:
             raise api.invalid(f"the prompt is {len(tokens)} tokens; this model's context is {self.context}", param)
         room = self.context - len(tokens)
@@ -263,13 +321,20 @@ class KVTierServer:
                 headers={"Retry-After": str(RETRY_AFTER_S)},
             )
         params.max_tokens = params.max_tokens or min(self.config.default_max_tokens, room)
+        await anyio.to_thread.run_sync(self.holds.sweep)
         try:
             request = await anyio.to_thread.run_sync(self.engine.submit, tokens, params)
         except InputError as err:
             raise api.invalid(str(err), err.param or param) from None
         self._live[request.rid] = request
+        calls = ToolCallText(self.tokenizer, prompt.tools, call_ids) if prompt.reads_calls else None
         return Generation(
-            request, OutputText(self.tokenizer.detokenizer, stops), self.engine.config.page_size, self.tokenizer
+            request,
+            prompt,
+            OutputText(self.tokenizer.detokenizer, stops),
+            self.engine.config.page_size,
+            self.tokenizer,
+            calls,
         )
 
     async def _collect(self, gen: Generation, http: HTTPRequest) -> Finished:
@@ -277,27 +342,71 @@ class KVTierServer:
         try:
             async with anyio.create_task_group() as group:
                 group.start_soon(cancel_on_disconnect, http, gen.request)
-                async for _ in gen.deltas():
+                async for _ in gen.pieces():
                     pass
                 group.cancel_scope.cancel()
-            return gen.finished()
+            return await self._finished(gen)
         finally:
-            self._end(gen.request)
+            self._end(gen)
 
-    def _sse(self, events: AsyncIterator[str], request: Request) -> StreamingResponse:
+    async def _finished(self, gen: Generation) -> Finished:
+        """The outcome, with the pages it holds in the fast tiers (``holds``)."""
+        done = gen.finished()
+        done.held = await anyio.to_thread.run_sync(self._hold, gen, done)
+        await anyio.to_thread.run_sync(self._diagnose, gen, done)
+        return done
+
+    def _diagnose(self, gen: Generation, done: Finished) -> None:
+        """Compare the request with its conversation's previous turn: an INFO line if it
+        recomputed more than a page of it, and Anthropic's ``cache_miss_reason`` when the
+        request asked for ``diagnostics``."""
+        if gen.turn is None:
+            return
+        turn_id, key, previous_id = gen.turn
+        request = gen.request
+        if gen.diagnose and previous_id is None:
+            return  # Anthropic's first turn: nothing before it to compare with
+        loss = self.conversations.loss(request.prompt, request.matched_tokens, key, previous_id)
+        if loss is not None:
+            log_loss(turn_id, loss, gen.divergence())
+        if gen.diagnose:
+            reason = miss_reason(loss, self.conversations.known(previous_id), gen.divergence())
+            done.diagnostics = None if reason is None else {"cache_miss_reason": reason}
+
+    def _hold(self, gen: Generation, done: Finished) -> dict[str, int] | None:
+        """Hold the prompt up to its cache_control breakpoints for their TTLs, and an answer
+        that ends in a tool call (prompt and answer) for ``tool_warm_s``: the tokens held,
+        by why; None when the request asked for neither."""
+        request, page = gen.request, self.engine.config.page_size
+        held: dict[str, int] = {}
+        if gen.prompt.breakpoints:
+            marks = gen.prompt.breakpoints
+            held["cache_control"] = page * max(
+                self.holds.hold("cache_control", request.keys[: n // page], ttl) for n, ttl in marks
+            )
+        if done.finish_reason == "tool_calls" and self.config.tool_warm_s > 0:
+            keys = page_keys(self.engine.namespace, request.prompt + request.output)
+            held["tool_wait"] = self.holds.hold("tool_wait", keys, self.config.tool_warm_s) * page
+        return held or None
+
+    def _sse(self, events: AsyncIterator[str], gen: Generation) -> StreamingResponse:
         """A server-sent event stream; however it ends (done, client gone, never started), ``_end`` runs."""
         return StreamingResponse(
             events,
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache"},
-            background=BackgroundTask(self._end, request),
+            background=BackgroundTask(self._end, gen),
         )
 
-    def _end(self, request: Request) -> None:
+    def _end(self, gen: Generation) -> None:
         """The server is done with a request: cancel it (nothing happens to a finished one),
-        forget it, and count its latencies once."""
+        forget it, count its latencies once, and remember the turn it answered."""
+        request = gen.request
         request.cancel()
         self._live.pop(request.rid, None)
+        if request.finish_reason in ("stop", "length") and gen.turn is not None:
+            turn_id, key, _ = gen.turn
+            self.conversations.remember(turn_id, key, request.prompt + request.output)
         if request.t_first_token is not None:
             self.metrics.ttft.observe(request.t_first_token - request.t_submit)
         if request.t_admit is not None:

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from kvtier.engine.serve import api, responses
+from kvtier.engine.serve import api, render, responses
 from kvtier.engine.text import OutputText
 
 
@@ -101,7 +101,7 @@ def test_chat_and_messages_bodies_become_template_messages():
         ).encode(),
         api.ChatCompletionRequest,
     )
-    assert chat.template_messages() == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "ab"}]
+    assert render.chat_messages(chat) == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "ab"}]
     assert chat.max_tokens == 7
     messages = api.parse_body(
         json.dumps(
@@ -117,9 +117,11 @@ def test_chat_and_messages_bodies_become_template_messages():
         ).encode(),
         api.MessagesRequest,
     )
-    rendered = messages.template_messages()
-    assert [m["role"] for m in rendered] == ["system", "user", "assistant", "user"]
-    assert json.loads(rendered[3]["content"])["content"] == "x"
+    rendered, origins = render.anthropic_messages(messages)
+    assert [m["role"] for m in rendered] == ["system", "user", "assistant", "tool"]
+    assert origins == [(None, "system"), (0, "user"), (1, "assistant"), (2, "user")]  # the request's own indexes
+    assert rendered[2]["tool_calls"][0]["function"] == {"name": "ls", "arguments": {}}
+    assert rendered[3] == {"role": "tool", "tool_call_id": "t1", "content": "x"}
     with pytest.raises(api.APIError):
         api.parse_body(
             b'{"max_tokens": 3, "messages": [{"role": "user", "content": [{"type": "image"}]}]}', api.MessagesRequest
@@ -217,7 +219,6 @@ IMAGE = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}
             api.ChatCompletionRequest,
             "response_format",
         ),
-        ({**CHAT, "tool_choice": "required"}, api.ChatCompletionRequest, "tool_choice"),
         ({**CHAT, "modalities": ["text", "audio"]}, api.ChatCompletionRequest, "modalities"),
         ({**CHAT, "functions": [{"name": "f"}]}, api.ChatCompletionRequest, "functions"),
         ({**CHAT, "reasoning_effort": "high"}, api.ChatCompletionRequest, "reasoning_effort"),
@@ -257,9 +258,7 @@ IMAGE = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}
             api.MessagesRequest,
             "messages.0.content.0.content",
         ),
-        ({**MESSAGES, "top_k": 5}, api.MessagesRequest, "top_k"),
         ({**MESSAGES, "thinking": {"type": "enabled", "budget_tokens": 1024}}, api.MessagesRequest, "thinking"),
-        ({**MESSAGES, "tool_choice": {"type": "any"}}, api.MessagesRequest, "tool_choice"),
         ({**MESSAGES, "seed": 1}, api.MessagesRequest, "seed"),
     ],
 )

@@ -26,7 +26,8 @@ class ByteTokenizer:
         return bytes(ids).decode("latin-1")
 
 
-def tiny_model(eos_token_ids: tuple[int, ...] = ()) -> LoadedModel:
+def tiny_model(eos_token_ids: tuple[int, ...] = (), tokenizer=None) -> LoadedModel:
+    """With ``tokenizer`` (an mlx-lm tokenizer), a model of its vocabulary that uses it."""
     mx.random.seed(7)
     args = qwen2.ModelArgs(
         model_type="qwen2",
@@ -35,7 +36,7 @@ def tiny_model(eos_token_ids: tuple[int, ...] = ()) -> LoadedModel:
         intermediate_size=64,
         num_attention_heads=2,
         rms_norm_eps=1e-6,
-        vocab_size=256,
+        vocab_size=256 if tokenizer is None else len(tokenizer.vocab),
         num_key_value_heads=1,
         tie_word_embeddings=True,
     )
@@ -43,7 +44,8 @@ def tiny_model(eos_token_ids: tuple[int, ...] = ()) -> LoadedModel:
     # Larger than the default init, so each output depends on the whole context.
     model.update(tree_map_with_path(lambda name, w: w if "norm" in name else 4 * w, model.parameters()))
     mx.eval(model.parameters())
-    return LoadedModel("tiny", Path("tiny"), "tiny", model, ByteTokenizer(eos_token_ids), "tiny-fingerprint")
+    tokenizer = tokenizer or ByteTokenizer(eos_token_ids)
+    return LoadedModel("tiny", Path("tiny"), "tiny", model, tokenizer, "tiny-fingerprint")
 
 
 def greedy(loaded: LoadedModel, prompt: list[int], max_tokens: int) -> list[int]:
