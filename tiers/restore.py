@@ -271,7 +271,7 @@ class Restorer:
         for page in pages:
             out = None if page.slot is None else self.l2.arena[page.slot]
             disk, record = self._l3(page)
-            raw = disk.verified(record, out)
+            raw = disk.check.verified(record, out)
             if raw is None:
                 return
             page.data = self._shaped(raw)
@@ -295,7 +295,7 @@ class Restorer:
             if digest is None:
                 continue
             disk, record = self._l3(page)
-            if not disk.accept(record, digest):
+            if not disk.check.accept(record, digest):
                 return i
         return len(pages)
 

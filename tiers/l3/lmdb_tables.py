@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-Failed = Callable[[str, BaseException, str], None]  # L3Store._failed: log once per kind
+Failed = Callable[[str, BaseException, str], None]  # FailureLog.report: log once per kind
 
 
 def _describe(row: dict) -> str:
