@@ -46,7 +46,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
 
@@ -141,7 +141,7 @@ class TieredStore:
             )
         self.throttle = Throttle(config.throttle)
         self.ledger = LinkLedger()
-        self.links = self.ledger.links  # link name -> LinkCounters of this process
+        self.links = self.ledger.links  # link name -> LinkStats of this process
         self.pins = Pins()
         self.placement = Placement(
             self.l1, self.l2, self.disk, self.ns_digest, geometry.page_size, self.admission, self.ledger, self.pins
@@ -315,7 +315,7 @@ class TieredStore:
                     best, shared = key, n
             if best is None:
                 return None
-            self.l1.counters.hit_tokens += shared
+            self.l1.counters = self.l1.counters.plus(hit_tokens=shared)
             match = self.l1.get(best)  # marked most recently used
             assert match is not None, "following() lists pages in L1 (under the same lock)"
             return PartialMatch(best, match.kv[:, :, :, :shared])
@@ -355,16 +355,16 @@ class TieredStore:
         tiers = {t.name: t.counters.cumulative() for t in (self.l1, self.l2)}
         if self.disk is not None:
             tiers["L3"] = self.disk.counters.cumulative()
-        links = self.ledger.cumulative()
+        links = {name: link.to_json() for name, link in self.ledger.stats().items()}
         return {"tiers": tiers, "links": links}
 
     def stats(self) -> dict:
         """Counters of this process: per tier (gauges included) and per link."""
         with self._lock:
-            tiers = {t.name: asdict(t.counters) for t in (self.l1, self.l2)}
+            tiers = {t.name: t.counters.to_json() for t in (self.l1, self.l2)}
             if self.disk is not None:
-                tiers["L3"] = asdict(self.disk.counters)
-            links = self.ledger.stats()
+                tiers["L3"] = self.disk.counters.to_json()
+            links = {name: link.to_json() for name, link in self.ledger.stats().items()}
             if self.disk is None:
                 return {"tiers": tiers, "links": links}
             return {

@@ -240,15 +240,15 @@ class Restorer:
 
     def _pin_resident(self, key: PageKey, own: tuple[int, ...]) -> _Page | None:
         for tier in (self.l1, self.l2):
-            tier.counters.lookups += 1
             entry = tier.get(key)
-            if entry is not None and entry.tokens == own:
-                self.pins.pin(key)
-                tier.counters.hit_pages += 1
-                tier.counters.hit_tokens += self.geometry.page_size
-                if isinstance(entry, DevicePage):  # L1: its bytes are read at the join, on the joining thread
-                    return _Page(key, own, Source.L1, kv=entry.kv)
-                return _Page(key, own, Source.L2, self._shaped(self.l2.read(key)))
+            if entry is None or entry.tokens != own:
+                tier.counters = tier.counters.plus(lookups=1)
+                continue
+            tier.counters = tier.counters.plus(lookups=1, hit_pages=1, hit_tokens=self.geometry.page_size)
+            self.pins.pin(key)
+            if isinstance(entry, DevicePage):  # L1: its bytes are read at the join, on the joining thread
+                return _Page(key, own, Source.L1, kv=entry.kv)
+            return _Page(key, own, Source.L2, self._shaped(self.l2.read(key)))
         return None
 
     def decode_compressed(self, pages: list[_Page]) -> list[_Page]:

@@ -31,7 +31,7 @@ from typing import TypeVar
 
 import numpy as np
 
-from ..counters import TierCounters
+from ..counters import TierStats
 from .check import RecordCheck
 from .failures import FailureLog
 from .record import CODECS, StoredRecord, token_bytes
@@ -93,7 +93,7 @@ class L3Store(ABC):
             raise ValueError(f"unknown L3 codec {codec!r}; expected one of {', '.join(CODECS)}")
         self.readonly = readonly
         self._capacity = capacity
-        self.counters = TierCounters(capacity=capacity)
+        self.counters = TierStats(capacity=capacity)  # replaced at each change, under _lock
         self._codec, self._level = codec, zstd_level
         self._lock = threading.Lock()  # guards the counters
         self._closed = False
@@ -230,5 +230,4 @@ class L3Store(ABC):
     def count(self, **deltas: int) -> None:
         """Add to this process's counters (thread-safe)."""
         with self._lock:
-            for name, n in deltas.items():
-                setattr(self.counters, name, getattr(self.counters, name) + n)
+            self.counters = self.counters.plus(**deltas)

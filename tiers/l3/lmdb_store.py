@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 
 import lmdb
@@ -178,8 +179,10 @@ class DiskTier(L3Store):
             self.failures.report("meta read", exc)
             return
         with self._lock:
-            self.counters.bytes_used, self.counters.pages = state.bytes_used, state.pages
-            self._capacity = self.counters.capacity = state.capacity
+            self._capacity = state.capacity
+            self.counters = replace(
+                self.counters, capacity=state.capacity, bytes_used=state.bytes_used, pages=state.pages
+            )
 
     def census(self) -> Census:
         """The page tables as they are now, read in one transaction (a read-only view for

@@ -30,6 +30,7 @@ import secrets
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import replace
 from functools import partial
 from typing import Any, TypeVar, cast
 from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
@@ -314,10 +315,15 @@ class RedisTier(L3Store):
         numbers = self._call("meta read", gauges, None)
         if numbers is not None:
             with self._lock:
-                cap, used, self.counters.pages, evicted = numbers
-                self._capacity = self.counters.capacity = cap
-                self.counters.bytes_used = used
-                self.counters.evictions = max(0, evicted - self._evicted_at_open)
+                cap, used, pages, evicted = numbers
+                self._capacity = cap
+                self.counters = replace(
+                    self.counters,
+                    capacity=cap,
+                    bytes_used=used,
+                    pages=pages,
+                    evictions=max(0, evicted - self._evicted_at_open),
+                )
 
     # --- management (caller threads) ----------------------------------------------------
 
