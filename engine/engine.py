@@ -245,10 +245,10 @@ class Engine:
             matched = self.admission.plan(request, self.profile)
             if matched is None:
                 return  # held
-            links_before = self.store.stats()["links"]
+            links_before = self.store.stats().links
             cache = self.prefix_caches.build(request, len(matched))
             assert request.restored is not None  # set by build, if only to nothing restored
-            observe_links(self.profile, self.config.store.throttle, links_before, self.store.stats()["links"])
+            observe_links(self.profile, self.config.store.throttle, links_before, self.store.stats().links)
             request.published = request.prefix_tokens // self.config.page_size
             self.cached_tokens.add(request.restored.num_pages * self.config.page_size + request.partial_tokens)
             self.totals.store_seconds += time.perf_counter() - t0
@@ -327,7 +327,7 @@ class Engine:
         window = {"window_s": self.config.window_s, "cached_tokens_per_s": self.cached_tokens.rate()}
         stats = {"engine": self.totals.to_dict(), "windowed": window, "costmodel": self.profile.summary()}
         if self.store is not None:
-            stats.update(self.store.stats())
+            stats.update(self.store.stats().to_json())
         return stats
 
     def close(self) -> None:

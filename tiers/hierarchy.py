@@ -61,6 +61,7 @@ from .page import Namespace, PageGeometry, PageKey, Source, page_tokens, partial
 from .placement import Pins, Placement
 from .policy import DEFAULT_POLICY, L3Admission, make_policy
 from .restore import PendingRestore, RestoredPrefix, Restorer
+from .stats import L3Place, StoreStats
 from .tier import DevicePage, DeviceTier, HostTier, TierView
 
 __all__ = ["PartialMatch", "PendingRestore", "RestoredPrefix", "StoreConfig", "StoreView", "TieredStore"]
@@ -352,26 +353,18 @@ class TieredStore:
             self._closed = True
 
     def _cumulative(self) -> dict:
-        tiers = {t.name: t.counters.cumulative() for t in (self.l1, self.l2)}
-        if self.disk is not None:
-            tiers["L3"] = self.disk.counters.cumulative()
-        links = {name: link.to_json() for name, link in self.ledger.stats().items()}
-        return {"tiers": tiers, "links": links}
+        stats = self.stats()
+        tiers = {name: tier.cumulative() for name, tier in stats.tiers.items()}
+        return {"tiers": tiers, "links": stats.to_json()["links"]}
 
-    def stats(self) -> dict:
+    def stats(self) -> StoreStats:
         """Counters of this process: per tier (gauges included) and per link."""
         with self._lock:
-            tiers = {t.name: t.counters.to_json() for t in (self.l1, self.l2)}
-            if self.disk is not None:
-                tiers["L3"] = self.disk.counters.to_json()
-            links = {name: link.to_json() for name, link in self.ledger.stats().items()}
+            tiers = {t.name: t.counters for t in (self.l1, self.l2)}
             if self.disk is None:
-                return {"tiers": tiers, "links": links}
-            return {
-                "tiers": tiers,
-                "links": links,
-                "l3": {"backend": self.disk.backend, "location": self.disk.location},
-            }
+                return StoreStats(tiers, self.ledger.stats())
+            tiers["L3"] = self.disk.counters
+            return StoreStats(tiers, self.ledger.stats(), L3Place(self.disk.backend, self.disk.location))
 
 
 def _open_disk(config: StoreConfig) -> L3Store | None:
