@@ -68,7 +68,7 @@ class KVTierServer:
         self.context = context_length(engine.loaded) or 32768
         self.created = int(time.time())
         self._live: dict[int, Request] = {}  # by rid
-        self.metrics = ServerMetrics(engine.stats, self._gauges)
+        self.metrics = ServerMetrics(lambda: engine.stats().to_json(), self._gauges)
         self.app = Starlette(
             routes=[
                 Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
@@ -208,7 +208,7 @@ class KVTierServer:
 
     async def stats(self, http: HTTPRequest) -> Response:
         stats = await anyio.to_thread.run_sync(self.engine.stats)
-        return JSONResponse({**stats, "server": self._gauges()})
+        return JSONResponse({**stats.to_json(), "server": self._gauges()})
 
     # -- steps shared by the endpoints ------------------------------------------------
 

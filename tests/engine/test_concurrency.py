@@ -121,8 +121,8 @@ def test_hit_loss_between_enqueue_and_admission(loaded):
     assert again.l1_tokens_at_enqueue == 3 * PAGE
     assert again.l1_tokens_at_admission == 0 and again.sources()["L2"] == 3 * PAGE
     assert engine.result(again)["l1_hit_loss"] == 3 * PAGE
-    assert engine.stats()["engine"]["l1_hit_loss_tokens"] == 3 * PAGE
-    assert engine.stats()["windowed"]["cached_tokens_per_s"] > 0
+    assert engine.stats().totals.l1_hit_loss_tokens == 3 * PAGE
+    assert engine.stats().windowed.cached_tokens_per_s > 0
     assert evicter.done
 
 
