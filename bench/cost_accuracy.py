@@ -18,7 +18,7 @@ every planner decision below uses.
      and dropping L2's copies, from L3 (OS page cache warm; one untimed warm-up
      restore per size), ``--repeats`` times each, in the mlx state an ``Engine``
      leaves (buffer-cache limit raised). For each restore, every link whose counter
-     moved (``store.stats()["links"]`` before/after) gives one sample: predicted =
+     moved (``store.stats().links`` before/after) gives one sample: predicted =
      the calibrated ``Profile.links[link].predict(bytes that crossed it)``, measured =
      the seconds the counter added. Links the profile has no model for are listed as
      such. An "Lx restore (wall)" row compares the planner's
@@ -146,19 +146,16 @@ def predicted_load(sources: Sequence[Source], page_bytes: int, profile: Profile,
 
 def timed_restore(store: TieredStore, keys: list, tokens: list[int]) -> tuple[list[Source], float, dict]:
     """Sources, wall seconds (restore + evaluating the KV) and per-link deltas of one restore."""
-    before = store.stats()["links"]
+    before = store.stats().links
     t0 = time.perf_counter()
     restored = store.restore(keys, tokens)
     mx.eval([a for kv in restored.layers for a in kv])
     wall = time.perf_counter() - t0
-    after = store.stats()["links"]
+    after = store.stats().links
     store.release(restored.keys)
     moved = {
-        name: {
-            "bytes": after[name]["bytes"] - before.get(name, {}).get("bytes", 0),
-            "seconds": after[name]["seconds"] - before.get(name, {}).get("seconds", 0.0),
-        }
-        for name in after
+        name: {"bytes": now.bytes - before[name].bytes, "seconds": now.seconds - before[name].seconds}
+        for name, now in after.items()
     }
     return list(restored.sources), wall, {k: v for k, v in moved.items() if v["bytes"] > 0}
 
@@ -322,7 +319,7 @@ class Bench:
         )
         engine = Engine(self.loaded, EngineConfig(page_size=self.page_size, store=store))
         # Forced profiles name every link there is, so any path the planner takes finds a model.
-        self.links |= set(Profile.defaults().links) | set(self.profile.links) | set(engine.store.stats()["links"])
+        self.links |= set(Profile.defaults().links) | set(self.profile.links) | set(engine.store.stats().links)
         return engine
 
     def run(self, engine: Engine, prompt: list[int], profile: Profile, prepare: Callable[[], None]):

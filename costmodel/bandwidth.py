@@ -28,6 +28,7 @@ import zstandard
 from mlx_lm.models.cache import KVCache, load_prompt_cache, save_prompt_cache
 
 from kvtier.tiers.hierarchy import RestoredPrefix, TieredStore
+from kvtier.tiers.links import Link
 from kvtier.tiers.page import PageGeometry, PageKey, Source
 
 from .calibrate import CONTEXTS, PREFILL_TOKENS, QUICK_REPEATS, prefill_samples, quick_grid, scratch_store
@@ -182,10 +183,10 @@ def _stored_bytes(restores: Restores, page_counts: tuple[int, ...]) -> dict[int,
     """Bytes read from L3 by a restore of n compressed pages (the link's input size)."""
     stored = {}
     for n in page_counts:
-        before = restores.store.stats()["links"]["L3->L2"]["bytes"]
+        before = restores.store.stats().links[Link.L3_L2].bytes
         restores.reset()
         restores.restore(n)
-        stored[n] = restores.store.stats()["links"]["L3->L2"]["bytes"] - before
+        stored[n] = restores.store.stats().links[Link.L3_L2].bytes - before
     return stored
 
 

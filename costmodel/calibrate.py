@@ -145,11 +145,11 @@ def _timed(store: TieredStore, keys: list, tokens: list[int], link: Link, repeat
     for _ in range(repeats + 1):  # the first warms mlx's buffers (and the page cache)
         if link.startswith("L3"):
             store.drop_l2()
-        before = dict(store.stats()["links"][link])
+        before = store.stats().links[link]
         store.release(store.restore(keys, tokens).keys)
-        after = store.stats()["links"][link]
-        seconds.append(after["seconds"] - before["seconds"])
-    return link, after["bytes"] - before["bytes"], statistics.median(seconds[1:])
+        after = store.stats().links[link]
+        seconds.append(after.seconds - before.seconds)
+    return link, after.bytes - before.bytes, statistics.median(seconds[1:])
 
 
 def prefill_samples(

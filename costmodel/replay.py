@@ -192,15 +192,15 @@ class Replay:
         return zip(prefix.keys, prefix.sources)
 
     def _watch_caps(self, store: TieredStore, result: ReplayResult) -> None:
-        for name, tier in store.stats()["tiers"].items():
-            result.peak_bytes[name] = max(result.peak_bytes.get(name, 0), tier["bytes_used"])
-            result.capacity[name] = tier["capacity"]
+        for name, tier in store.stats().tiers.items():
+            result.peak_bytes[name] = max(result.peak_bytes.get(name, 0), tier.bytes_used)
+            result.capacity[name] = tier.capacity
 
     def _collect(self, store: TieredStore, result: ReplayResult) -> None:
         stats = store.stats()
-        result.links = {name: link["pages"] * self.config.page_bytes for name, link in stats["links"].items()}
-        result.evictions = {name: tier["evictions"] for name, tier in stats["tiers"].items()}
-        result.l3_pages_written = stats["tiers"].get("L3", {}).get("inserts", 0)
+        result.links = {name: link.pages * self.config.page_bytes for name, link in stats.links.items()}
+        result.evictions = {name: tier.evictions for name, tier in stats.tiers.items()}
+        result.l3_pages_written = stats.tiers["L3"].inserts if "L3" in stats.tiers else 0
         result.l3_writes_refused = store.admission.rejected
 
 

@@ -54,6 +54,7 @@ from .refinement import observe_links, observe_prefill
 from .request import CANCELLED, ERROR, Request, SamplingParams
 from .sampling import logits_processors, sampler, token_logprob
 from .scheduler import Scheduler
+from .stats import EngineStats, Window
 from .totals import EngineTotals, request_record
 
 log = logging.getLogger(__name__)
@@ -247,10 +248,10 @@ class Engine:
             matched = self.admission.plan(request, self.profile)
             if matched is None:
                 return  # held
-            links_before = self.store.stats()["links"]
+            links_before = self.store.stats().links
             cache = self.prefix_caches.build(request, len(matched))
             assert request.restored is not None  # set by build, if only to nothing restored
-            observe_links(self.profile, self.config.store.throttle, links_before, self.store.stats()["links"])
+            observe_links(self.profile, self.config.store.throttle, links_before, self.store.stats().links)
             request.published = request.prefix_tokens // self.config.page_size
             restored = request.restored.num_pages * self.config.page_size + request.partial_tokens
             request.matched_tokens = max(len(matched) * self.config.page_size, restored)
@@ -337,13 +338,11 @@ class Engine:
                 self.scheduler.prefix.view(),
             )
 
-    def stats(self) -> dict:
+    def stats(self) -> EngineStats:
         """Engine totals and this process's store counters."""
-        window = {"window_s": self.config.window_s, "cached_tokens_per_s": self.cached_tokens.rate()}
-        stats = {"engine": self.totals.to_dict(), "windowed": window, "costmodel": self.profile.summary()}
-        if self.store is not None:
-            stats.update(self.store.stats())
-        return stats
+        window = Window(self.config.window_s, self.cached_tokens.rate())
+        store = None if self.store is None else self.store.stats()
+        return EngineStats(self.totals.snapshot(), window, self.profile.summary(), store)
 
     def close(self) -> None:
         """Stop serving (``stop``: the requests already submitted finish first), then
@@ -354,7 +353,7 @@ class Engine:
         self.stop()
         self._closed = True
         if self.store is not None:
-            stats = self.stats()  # keep what online refinement learned, and the last window
+            stats = self.stats().to_json()  # keep what online refinement learned, and the last window
             self.store.put_meta(self.loaded.profile_key(self.geometry), self.profile.to_dict())
             self.store.put_meta(
                 "last_run", {"model": self.loaded.name, "windowed": stats["windowed"], "costmodel": stats["costmodel"]}

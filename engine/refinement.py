@@ -11,19 +11,21 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from kvtier.costmodel.plan import READ_LINKS, Profile
+from kvtier.tiers.counters import LinkStats
+from kvtier.tiers.links import Link
 
 from .request import Request
 
 
-def observe_links(profile: Profile, throttle: Mapping[str, float], before: dict, after: dict) -> None:
+def observe_links(
+    profile: Profile, throttle: Mapping[str, float], before: Mapping[Link, LinkStats], after: Mapping[Link, LinkStats]
+) -> None:
     """Feed the link models with what one restore moved: ``before`` and ``after`` are the
-    store's link counters (``stats()["links"]``) around it."""
+    store's link counters (``stats().links``) around it."""
     throttled = {link for tier in throttle for link in READ_LINKS[tier]}
     for name, now in after.items():
-        if name in profile.links and name not in throttled and now["bytes"] > before[name]["bytes"]:
-            profile.links[name].observe(
-                now["bytes"] - before[name]["bytes"], seconds=now["seconds"] - before[name]["seconds"]
-            )
+        if name in profile.links and name not in throttled and now.bytes > before[name].bytes:
+            profile.links[name].observe(now.bytes - before[name].bytes, seconds=now.seconds - before[name].seconds)
 
 
 def observe_prefill(

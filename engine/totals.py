@@ -1,13 +1,13 @@
 """What the engine counts: its running totals, and the record of one finished request.
 
-``EngineTotals`` is the typed form of ``Engine.stats()["engine"]``; ``to_dict`` gives
+``EngineTotals`` is ``Engine.stats().totals``; ``to_dict`` gives
 the JSON shape that the CLI, the server, the Prometheus export and a store's
 persisted counters read (the same keys, in the same order, as before it was typed).
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from kvtier.tiers.counters import add_into
@@ -51,6 +51,10 @@ class EngineTotals:
             add_into(self.sources, request.sources())
             self.waited_tokens += request.waited_tokens
             self.wait_s += request.wait_s
+
+    def snapshot(self) -> EngineTotals:
+        """A copy that later counting does not change."""
+        return replace(self, sources=dict(self.sources))
 
     def to_dict(self) -> dict:
         """The JSON shape (a copy: later counting does not change it)."""

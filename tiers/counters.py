@@ -1,20 +1,28 @@
-"""Per-tier and per-link counters (DESIGN §5).
+"""Per-tier and per-link counters (DESIGN §5), typed and frozen.
 
 Tier gauges (capacity, bytes used, pages) describe the tier now; the other
 fields only grow. Link counters record the bytes that physically crossed a link:
 one restore of a compressed L3 page adds to ``L3->L2`` and ``L2->L1`` while its
 tokens count once.
+
+A tier or ledger holds one frozen value and replaces it at each change (``plus``,
+``dataclasses.replace`` for gauges, under the lock that guards that tier), so what a
+reader takes is a snapshot no later counting changes, and its fields are declared
+once. ``to_json`` is the one place a row's JSON shape is made (the keys, in order, of
+``kvtier run --json``, ``/v1/kvtier/stats`` and a store's persisted counters).
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 
 GAUGES = ("capacity", "bytes_used", "pages")
 
 
-@dataclass
-class TierCounters:
+@dataclass(frozen=True)
+class TierStats:
+    """One tier's counters at one moment."""
+
     capacity: int = 0
     bytes_used: int = 0
     pages: int = 0
@@ -26,23 +34,30 @@ class TierCounters:
     checksum_failures: int = 0
     writes_dropped: int = 0
 
+    def plus(self, **deltas: int) -> TierStats:
+        """These counters with ``deltas`` added (``plus(hit_pages=1)``)."""
+        return replace(self, **{name: getattr(self, name) + n for name, n in deltas.items()})
+
+    def to_json(self) -> dict[str, int]:
+        return asdict(self)
+
     def cumulative(self) -> dict[str, int]:
         """The fields that only grow (what persists across processes)."""
         return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in GAUGES}
 
 
-@dataclass
-class LinkCounters:
+@dataclass(frozen=True)
+class LinkStats:
+    """Bytes, pages and seconds that crossed one link, up to one moment."""
+
     bytes: int = 0
     pages: int = 0
     seconds: float = 0.0
 
-    def record(self, nbytes: int, seconds: float, pages: int = 1) -> None:
-        self.bytes += nbytes
-        self.pages += pages
-        self.seconds += seconds
+    def plus(self, nbytes: int, seconds: float, pages: int = 1) -> LinkStats:
+        return LinkStats(self.bytes + nbytes, self.pages + pages, self.seconds + seconds)
 
-    def cumulative(self) -> dict[str, float]:
+    def to_json(self) -> dict[str, float]:
         return asdict(self)
 
 

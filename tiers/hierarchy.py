@@ -46,7 +46,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
 
@@ -62,6 +62,7 @@ from .placement import Pins, Placement
 from .policy import DEFAULT_POLICY, L3Admission, make_policy
 from .restore import PartialMatch, PendingRestore, RestoredPrefix, Restorer
 from .snapshots import Snapshots
+from .stats import L3Place, StoreStats
 from .tier import DevicePage, DeviceTier, HostTier, TierView
 
 __all__ = ["PartialMatch", "PendingRestore", "RestoredPrefix", "StoreConfig", "StoreView", "TieredStore"]
@@ -134,7 +135,7 @@ class TieredStore:
             )
         self.throttle = Throttle(config.throttle)
         self.ledger = LinkLedger()
-        self.links = self.ledger.links  # link name -> LinkCounters of this process
+        self.links = self.ledger.links  # link name -> LinkStats of this process
         self.pins = Pins()
         self.placement = Placement(
             self.l1,
@@ -395,7 +396,7 @@ class TieredStore:
                     best, shared = key, n
             if best is None:
                 return None
-            self.l1.counters.hit_tokens += shared
+            self.l1.counters = self.l1.counters.plus(hit_tokens=shared)
             match = self.l1.get(best)  # marked most recently used
             assert match is not None, "following() lists pages in L1 (under the same lock)"
             return PartialMatch(best, match.kv[:, :, :, :shared], match.parent, match.state)
@@ -434,26 +435,18 @@ class TieredStore:
             self._closed = True
 
     def _cumulative(self) -> dict:
-        tiers = {t.name: t.counters.cumulative() for t in (self.l1, self.l2)}
-        if self.disk is not None:
-            tiers["L3"] = self.disk.counters.cumulative()
-        links = self.ledger.cumulative()
-        if self.snapshots is None:
-            return {"tiers": tiers, "links": links}
-        return {"tiers": tiers, "links": links, "snapshots": self.snapshots.cumulative()}
+        return self.stats().cumulative()
 
-    def stats(self) -> dict:
+    def stats(self) -> StoreStats:
         """Counters of this process: per tier (gauges included) and per link."""
         with self._lock:
-            tiers = {t.name: asdict(t.counters) for t in (self.l1, self.l2)}
+            tiers = {t.name: t.counters for t in (self.l1, self.l2)}
+            place = None
             if self.disk is not None:
-                tiers["L3"] = asdict(self.disk.counters)
-            stats = {"tiers": tiers, "links": self.ledger.stats()}
-            if self.snapshots is not None:
-                stats["snapshots"] = self.snapshots.stats()
-            if self.disk is not None:
-                stats["l3"] = {"backend": self.disk.backend, "location": self.disk.location}
-            return stats
+                tiers["L3"] = self.disk.counters
+                place = L3Place(self.disk.backend, self.disk.location)
+            snapshots = self.snapshots.stats() if self.snapshots is not None else None
+            return StoreStats(tiers, self.ledger.stats(), place, snapshots)
 
 
 def _open_disk(config: StoreConfig) -> L3Store | None:

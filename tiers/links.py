@@ -10,10 +10,11 @@ bytes), while its tokens count once.
 from __future__ import annotations
 
 import time
-from dataclasses import asdict
+from collections.abc import Mapping
+from dataclasses import replace
 from enum import Enum
 
-from .counters import LinkCounters
+from .counters import LinkStats
 from .page import Source
 
 
@@ -69,13 +70,14 @@ class Throttle:
 
 
 class LinkLedger:
-    """Bytes, pages and seconds that crossed each link in this process."""
+    """Bytes, pages and seconds that crossed each link in this process (each link's
+    value replaced at each change: a reader's ``stats()`` is a snapshot)."""
 
     def __init__(self) -> None:
-        self.links = {link: LinkCounters() for link in Link}
+        self.links = {link: LinkStats() for link in Link}
 
     def record(self, link: Link, nbytes: int, seconds: float, pages: int = 1) -> None:
-        self.links[link].record(nbytes, seconds, pages)
+        self.links[link] = self.links[link].plus(nbytes, seconds, pages)
 
     def record_restore(
         self, pages: list[tuple[Source, str, int, int]], host_s: float, join_s: float, throttle: Throttle
@@ -87,7 +89,7 @@ class LinkLedger:
         an L3 throttle's wait, counted on the link that leaves L3). A link out of L3
         carries the stored bytes, ``L2->L1`` the raw ones; an L2 throttle stretches the
         joins. (A page of a sliding-window model may be read and joined in part.)"""
-        moved: dict[Link, LinkCounters] = {}
+        moved: dict[Link, LinkStats] = {}
         from_l3 = sum(source is Source.L3 for source, *_ in pages)
         for source, codec, stored, page_nbytes in pages:
             for link in links_crossed(source, codec):
@@ -95,14 +97,12 @@ class LinkLedger:
                 seconds = (host_s / from_l3 if leaves_l3 else 0.0) + (
                     join_s / len(pages) if link.endswith("L1") else 0.0
                 )
-                moved.setdefault(link, LinkCounters()).record(stored if leaves_l3 else page_nbytes, seconds)
+                moved[link] = moved.get(link, LinkStats()).plus(stored if leaves_l3 else page_nbytes, seconds)
         if (joined := moved.get(Link.L2_L1)) is not None and joined.seconds > 0:
-            joined.seconds = throttle.wait("L2", joined.bytes, joined.seconds)
+            moved[Link.L2_L1] = replace(joined, seconds=throttle.wait("L2", joined.bytes, joined.seconds))
         for name, counters in moved.items():
             self.record(name, counters.bytes, counters.seconds, counters.pages)
 
-    def cumulative(self) -> dict[Link, dict[str, float]]:
-        return {name: link.cumulative() for name, link in self.links.items()}
-
-    def stats(self) -> dict[Link, dict[str, float]]:
-        return {name: asdict(link) for name, link in self.links.items()}
+    def stats(self) -> Mapping[Link, LinkStats]:
+        """Every link's counters now (a copy: later records do not change it)."""
+        return dict(self.links)

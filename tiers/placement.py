@@ -81,7 +81,7 @@ class Placement:
             victim = tier.victim(self.pins.__contains__)
             if victim is None:
                 return False
-            tier.counters.evictions += 1
+            tier.counters = tier.counters.plus(evictions=1)
             if tier is self.l1:
                 cost = self.l1.policy.cost_of(victim)
                 page = self.l1.pop(victim)
@@ -102,7 +102,7 @@ class Placement:
             self.l2.write(key, page_tokens, data, cost)
             self.ledger.record(Link.L1_L2, len(data), time.perf_counter() - t0)
         elif not self.write_l3(key, page_tokens, data, Link.L1_L3):
-            self.l2.counters.writes_dropped += 1
+            self.l2.counters = self.l2.counters.plus(writes_dropped=1)
 
     def write_l3(
         self, key: PageKey, page_tokens: tuple[int, ...], data: np.ndarray, link: Link, wait: bool = False

@@ -292,15 +292,15 @@ class Restorer:
 
     def _pin_resident(self, key: PageKey, own: tuple[int, ...]) -> _Page | None:
         for tier in (self.l1, self.l2):
-            tier.counters.lookups += 1
             entry = tier.get(key)
-            if entry is not None and entry.tokens == own:
-                self.pins.pin(key)
-                tier.counters.hit_pages += 1
-                tier.counters.hit_tokens += self.geometry.page_size
-                if isinstance(entry, DevicePage):  # L1: its bytes are read at the join, on the joining thread
-                    return _Page(key, own, Source.L1, kv=entry.kv)
-                return _Page(key, own, Source.L2, self._shaped(self.l2.read(key)))
+            if entry is None or entry.tokens != own:
+                tier.counters = tier.counters.plus(lookups=1)
+                continue
+            tier.counters = tier.counters.plus(lookups=1, hit_pages=1, hit_tokens=self.geometry.page_size)
+            self.pins.pin(key)
+            if isinstance(entry, DevicePage):  # L1: its bytes are read at the join, on the joining thread
+                return _Page(key, own, Source.L1, kv=entry.kv)
+            return _Page(key, own, Source.L2, self._shaped(self.l2.read(key)))
         return None
 
     def decode_compressed(self, pages: list[_Page]) -> list[_Page]:
@@ -323,7 +323,7 @@ class Restorer:
         for page in pages:
             out = None if page.slot is None else self.l2.arena[page.slot]
             disk, record = self._l3(page)
-            raw = disk.verified(record, out)
+            raw = disk.check.verified(record, out)
             if raw is None:
                 return
             page.data = self._shaped(raw)
@@ -347,7 +347,7 @@ class Restorer:
             if digest is None:
                 continue
             disk, record = self._l3(page)
-            if not disk.accept(record, digest):
+            if not disk.check.accept(record, digest):
                 return i
         return len(pages)
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, replace
+from dataclasses import replace
 
 import mlx.core as mx
 import numpy as np
@@ -32,6 +32,7 @@ from .page import PageGeometry, PageKey, Source, snapshot_key
 from .placement import Pins, Placement
 from .policy import L3Admission, make_policy
 from .restore import PartialMatch, RestoredPrefix
+from .stats import SnapshotStats
 from .tier import DevicePage, DeviceTier, HostTier, TierView
 
 _ORDER = {Source.L1: 0, Source.L2: 1, Source.L3: 2}
@@ -94,15 +95,15 @@ class Snapshots:
         """The snapshot after page ``page`` (whose tokens are ``tokens``) and the tier it
         came from, kept in L1 when it came from below; None when no tier has a good one."""
         key, own = snapshot_key(page), tuple(tokens)
-        self.l1.counters.lookups += 1
+        self.l1.counters = self.l1.counters.plus(lookups=1)
         resident = self.l1.get(key)
         if resident is not None and resident.tokens == own:
-            self.l1.counters.hit_pages += 1
+            self.l1.counters = self.l1.counters.plus(hit_pages=1)
             return resident.kv, Source.L1
-        self.l2.counters.lookups += 1
+        self.l2.counters = self.l2.counters.plus(lookups=1)
         host = self.l2.get(key)
         if host is not None and host.tokens == own:
-            self.l2.counters.hit_pages += 1
+            self.l2.counters = self.l2.counters.plus(hit_pages=1)
             t0 = time.perf_counter()
             state = mx.array(self.l2.read(key))
             self.ledger.record(Link.L2_L1, self.nbytes, time.perf_counter() - t0)
@@ -164,13 +165,6 @@ class Snapshots:
     def views(self) -> tuple[TierView, TierView]:
         return self.l1.view(), self.l2.view()
 
-    def stats(self) -> dict:
+    def stats(self) -> SnapshotStats:
         """Counts and bytes of snapshots per tier (L1, L2) and per link."""
-        return {"tiers": {t.name: asdict(t.counters) for t in (self.l1, self.l2)}, "links": self.ledger.stats()}
-
-    def cumulative(self) -> dict:
-        """The counters of ``stats`` that only grow (what the store persists)."""
-        return {
-            "tiers": {t.name: t.counters.cumulative() for t in (self.l1, self.l2)},
-            "links": self.ledger.cumulative(),
-        }
+        return SnapshotStats({t.name: t.counters for t in (self.l1, self.l2)}, self.ledger.stats())

@@ -18,7 +18,7 @@ from typing import Generic, TypeVar
 import mlx.core as mx
 import numpy as np
 
-from .counters import TierCounters
+from .counters import TierStats
 from .layout import slot_arena
 from .page import PageKey
 from .policy import EvictionPolicy
@@ -49,7 +49,7 @@ class Tier(Generic[Entry]):
         self.max_pages = capacity // page_nbytes
         self.entries: OrderedDict[PageKey, Entry] = OrderedDict()
         self.policy = policy or EvictionPolicy()
-        self.counters = TierCounters(capacity=capacity)
+        self.counters = TierStats(capacity=capacity)  # replaced at each change: see tiers.counters
 
     def __contains__(self, key: PageKey) -> bool:
         return key in self.entries
@@ -77,7 +77,7 @@ class Tier(Generic[Entry]):
             raise MemoryError(f"{self.name} is full")
         self.entries[key] = entry
         self.policy.added(key, cost)
-        self.counters.inserts += 1
+        self.counters = self.counters.plus(inserts=1)
         self._update_gauges()
 
     def pop(self, key: PageKey) -> Entry:
@@ -90,8 +90,7 @@ class Tier(Generic[Entry]):
         return TierView(self.name, len(self.entries), self.max_pages, self.counters.bytes_used)
 
     def _update_gauges(self) -> None:
-        self.counters.pages = len(self.entries)
-        self.counters.bytes_used = len(self.entries) * self.page_nbytes
+        self.counters = replace(self.counters, pages=len(self.entries), bytes_used=len(self.entries) * self.page_nbytes)
 
 
 @dataclass(frozen=True)

@@ -5,9 +5,13 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from ..text import OutputText
 from .report import format_tier_table
+
+if TYPE_CHECKING:
+    from ..stats import EngineStats
 
 # A Ctrl-C can land after the engine took a request from its queue and before it ran
 # it: that request is never ended and its stream never closes, so after an interrupt
@@ -56,8 +60,8 @@ class Printer:
             )
 
 
-def print_summary(stats: dict) -> None:
+def print_summary(stats: EngineStats) -> None:
     print()
-    print(format_tier_table(stats))
-    if not stats["costmodel"]["calibrated"]:
+    print(format_tier_table(stats.to_json()))
+    if not stats.costmodel["calibrated"]:
         print("\ncost model: defaults (run `kvtier calibrate` to measure this machine)")

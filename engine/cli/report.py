@@ -9,21 +9,12 @@ absent from the dict and shown as ``-``, never as 0.
 from __future__ import annotations
 
 import time
+from dataclasses import fields
 
+from kvtier.tiers.counters import TierStats
 from kvtier.tiers.text import format_bytes
 
-_TIER_COLUMNS = (
-    "capacity",
-    "bytes_used",
-    "pages",
-    "lookups",
-    "hit_pages",
-    "hit_tokens",
-    "inserts",
-    "evictions",
-    "checksum_failures",
-    "writes_dropped",
-)
+_TIER_COLUMNS = tuple(f.name for f in fields(TierStats))  # a tier's counters, in JSON order
 
 
 def format_tier_table(stats: dict) -> str:

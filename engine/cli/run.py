@@ -79,7 +79,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.json:
         for request in requests:
             print(json.dumps(engine.result(request)))
-        print(json.dumps({"counters": engine.stats()}))
+        print(json.dumps({"counters": engine.stats().to_json()}))
     else:
         print_summary(engine.stats())
     return 0

@@ -79,7 +79,7 @@ class KVTierServer:
         self.conversations = Conversations(engine.config.page_size)
         store = engine.store
         self.holds = Holds(store, store.view().l1.max_pages // 2 if store is not None else 0)
-        self.metrics = ServerMetrics(engine.stats, self._gauges)
+        self.metrics = ServerMetrics(lambda: engine.stats().to_json(), self._gauges)
         self.app = Starlette(
             routes=[
                 Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
@@ -269,7 +269,7 @@ class KVTierServer:
 
     async def stats(self, http: HTTPRequest) -> Response:
         stats = await anyio.to_thread.run_sync(self.engine.stats)
-        return JSONResponse({**stats, "server": self._gauges()})
+        return JSONResponse({**stats.to_json(), "server": self._gauges()})
 
     # -- steps shared by the endpoints ------------------------------------------------
 

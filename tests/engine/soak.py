@@ -20,6 +20,7 @@ import mlx.core as mx
 
 from kvtier.engine.engine import Engine
 from kvtier.engine.request import SamplingParams
+from kvtier.engine.totals import EngineTotals
 
 from .tiny import greedy
 
@@ -33,7 +34,7 @@ class SoakReport:
     wrong_outputs: int = 0
     pins: int = 0
     over_cap: list[str] = field(default_factory=list)
-    totals: dict = field(default_factory=dict)  # the engine's, at the end
+    totals: EngineTotals = field(default_factory=EngineTotals)  # the engine's, at the end
     sizes: list[dict[str, int]] = field(default_factory=list)  # after each round
     memory: list[tuple[float, float]] = field(default_factory=list)  # (RSS, mlx active) MiB after each round
 
@@ -130,7 +131,7 @@ def soak(
         report.sizes.append(structure_sizes(engine))
         report.memory.append((rss_mib(), mx.get_active_memory() / 2**20))
     engine.stop()
-    report.totals = engine.stats()["engine"]
+    report.totals = engine.stats().totals
     if engine.store is not None:
         store = engine.store
         report.pins = len(store.view().pins)

@@ -98,7 +98,7 @@ def test_refresh_touches_waiting_pages_in_reverse_queue_order_without_pinning(lo
     prompts = [text_prompt(loaded, 2 * PAGE + 1, seed=60 + i) for i in range(3)]
     engine = make_engine(loaded, max_running=1)
     engine.generate(prompts, GREEDY)  # all pages in L1, prompt 2's most recent
-    links = {k: dict(v) for k, v in engine.store.stats()["links"].items()}
+    links = engine.store.stats().links
     blocker = engine.submit(text_prompt(loaded, 20, seed=69), GREEDY)
     waiting = [engine.submit(p, GREEDY) for p in prompts]  # queue: 0, 1, 2 behind the blocker
     engine.step()  # admits only the blocker; refreshes the three waiting ones
@@ -106,7 +106,7 @@ def test_refresh_touches_waiting_pages_in_reverse_queue_order_without_pinning(lo
     tail = lru_order[-6:]
     assert tail == waiting[2].keys + waiting[1].keys + waiting[0].keys, "the head of the queue is touched last"
     assert not any(engine.store.pinned(k) for r in waiting for k in r.keys)
-    assert engine.store.stats()["links"] == links, "refresh loads nothing"
+    assert engine.store.stats().links == links, "refresh loads nothing"
     engine.run()
     assert blocker.done
 
@@ -121,8 +121,8 @@ def test_hit_loss_between_enqueue_and_admission(loaded):
     assert again.l1_tokens_at_enqueue == 3 * PAGE
     assert again.l1_tokens_at_admission == 0 and again.sources()["L2"] == 3 * PAGE
     assert engine.result(again)["l1_hit_loss"] == 3 * PAGE
-    assert engine.stats()["engine"]["l1_hit_loss_tokens"] == 3 * PAGE
-    assert engine.stats()["windowed"]["cached_tokens_per_s"] > 0
+    assert engine.stats().totals.l1_hit_loss_tokens == 3 * PAGE
+    assert engine.stats().windowed.cached_tokens_per_s > 0
     assert evicter.done
 
 

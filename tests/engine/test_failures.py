@@ -403,10 +403,10 @@ def test_engine_caps_hold_under_a_long_mixed_workload(tmp_path, loaded):
 
     def checked_step() -> None:
         step()
-        tiers = engine.stats()["tiers"]
+        tiers = engine.stats().store.tiers
         for name, cap in (("L1", l1), ("L2", l2)):
-            assert tiers[name]["bytes_used"] <= cap and tiers[name]["pages"] * PAGE_BYTES <= cap
-            peak[name] = max(peak[name], tiers[name]["bytes_used"])
+            assert tiers[name].bytes_used <= cap and tiers[name].pages * PAGE_BYTES <= cap
+            peak[name] = max(peak[name], tiers[name].bytes_used)
 
     engine.step = checked_step
     seen: dict[tuple, list[int]] = {}
@@ -424,9 +424,9 @@ def test_engine_caps_hold_under_a_long_mixed_workload(tmp_path, loaded):
     stats = engine.stats()
     engine.close()
     assert peak == {"L1": l1, "L2": l2}  # the workload filled both
-    assert stats["engine"]["requests"] == sum(1 for _ in seen) + repeats
-    assert all(stats["tiers"][t]["evictions"] > 0 for t in ("L1", "L2"))
-    assert stats["engine"]["sources"]["L1"] > 0 and stats["engine"]["sources"]["L2"] > 0
+    assert stats.totals.requests == sum(1 for _ in seen) + repeats
+    assert all(stats.store.tiers[t].evictions > 0 for t in ("L1", "L2"))
+    assert stats.totals.sources["L1"] > 0 and stats.totals.sources["L2"] > 0
     oracle = Engine(loaded, EngineConfig(page_size=PAGE, offload=False))  # no store at all
     distinct = list(seen)
     for prompt, request in zip(distinct, oracle.generate([list(p) for p in distinct], SamplingParams(max_tokens=4))):

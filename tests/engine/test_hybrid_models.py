@@ -12,6 +12,7 @@ from kvtier.engine.engine import Engine, EngineConfig
 from kvtier.engine.models.load import load_model
 from kvtier.engine.request import SamplingParams
 from kvtier.tiers.hierarchy import StoreConfig
+from kvtier.tiers.links import Link
 from kvtier.tiers.page import page_keys, snapshot_key
 
 from .. import cli
@@ -74,8 +75,8 @@ def test_hybrid_restored_from_l1_and_lmdb_equals_mlx_lm(lfm2, tmp_path, step):
     stats = engine.stats()
     engine.close()
     assert restored.output == expected and restored.sources() == sources(l3=144, recomputed=6)
-    read = stats["snapshots"]["links"]["L3->L1"]
-    assert read["pages"] == 1 and read["bytes"] > engine.geometry.snapshot_nbytes  # one record, its header on top
+    read = stats.store.snapshots.links[Link.L3_L1]
+    assert read.pages == 1 and read.bytes > engine.geometry.snapshot_nbytes  # one record, its header on top
 
 
 def test_hybrid_restored_from_l2(lfm2, tmp_path):
@@ -87,8 +88,8 @@ def test_hybrid_restored_from_l2(lfm2, tmp_path):
     engine.close()
     assert cold.output == expected and warm.output == expected
     assert warm.sources() == sources(l2=96, recomputed=4)
-    joined = stats["snapshots"]["links"]["L2->L1"]
-    assert joined["bytes"] == engine.geometry.snapshot_nbytes and joined["pages"] == 1
+    joined = stats.store.snapshots.links[Link.L2_L1]
+    assert joined.bytes == engine.geometry.snapshot_nbytes and joined.pages == 1
 
 
 def test_corrupt_snapshot_falls_back_to_an_earlier_one(lfm2, tmp_path):
@@ -106,7 +107,7 @@ def test_corrupt_snapshot_falls_back_to_an_earlier_one(lfm2, tmp_path):
             txn.put(snapshot_key(keys[8]), bytes(value), db=pages)
     engine = make_engine(lfm2, tmp_path)
     restored = run_one(engine, prompt)
-    failures = engine.stats()["tiers"]["L3"]["checksum_failures"]
+    failures = engine.stats().store.tiers["L3"].checksum_failures
     engine.close()
     assert restored.output == expected and failures == 1
     assert restored.sources() == sources(l3=128, recomputed=22)  # from the snapshot after page 8
@@ -173,7 +174,7 @@ def test_snapshot_counters_persist_in_the_store(lfm2, tmp_path):
     prompt = text_prompt(lfm2, 150, seed=12)
     engine = make_engine(lfm2, tmp_path)
     run_one(engine, prompt)
-    taken = engine.stats()["snapshots"]["tiers"]["L1"]["inserts"]
+    taken = engine.stats().store.snapshots.tiers["L1"].inserts
     engine.close()  # flushes the snapshots to L3 and adds this run's counters to the store's
     done = cli.run(["stats", "--store", tmp_path, "--json"])
     snapshots = json.loads(done.stdout)["snapshots"]

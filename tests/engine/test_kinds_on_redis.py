@@ -9,6 +9,7 @@ from kvtier.engine.engine import Engine, EngineConfig
 from kvtier.engine.models.load import load_model
 from kvtier.engine.request import SamplingParams
 from kvtier.tiers.hierarchy import StoreConfig
+from kvtier.tiers.links import Link
 
 from ..redis_servers import needs_redis, redis_server  # noqa: F401
 from .conftest import mlx_lm_greedy, text_prompt
@@ -35,12 +36,12 @@ def test_restored_from_redis_after_a_restart(redis_server, tmp_path, architectur
     first.close()
     second = engine()
     (restored,) = second.generate([prompt], GREEDY)
-    stats = second.stats()
+    stats = second.stats().store
     second.close()
     assert cold.output == expected and restored.output == expected
     assert restored.sources() == {"L1": 0, "L2": 0, "L3": 144, "recomputed": 6}
-    assert stats["l3"]["backend"] == "redis" and stats["links"]["L3->L1"]["pages"] == 9
+    assert stats.l3.backend == "redis" and stats.links[Link.L3_L1].pages == 9
     if architecture == "lfm2":
-        assert stats["snapshots"]["links"]["L3->L1"]["pages"] == 1
+        assert stats.snapshots.links[Link.L3_L1].pages == 1
     else:  # the window layers' rows of 2 of the 9 pages only
-        assert stats["links"]["L3->L1"]["bytes"] < 9 * second.geometry.nbytes
+        assert stats.links[Link.L3_L1].bytes < 9 * second.geometry.nbytes

@@ -141,7 +141,7 @@ def test_cancel_a_running_request_ends_it_at_the_next_step(loaded):
     engine.run()
     assert other.output == mlx_lm_greedy(loaded, other.prompt, GREEDY.max_tokens)
     assert drained(request) == request.output
-    assert engine.stats()["engine"]["cancelled"] == 1 and engine.stats()["engine"]["requests"] == 2
+    assert engine.stats().totals.cancelled == 1 and engine.stats().totals.requests == 2
     assert_clean(engine)
 
 
@@ -215,7 +215,7 @@ def test_a_failing_request_ends_alone_with_an_error(loaded, tmp_path, method):
     for i in (0, 2):
         assert requests[i].finish_reason == "length"
         assert streams[i] == requests[i].output == mlx_lm_greedy(loaded, prompts[i], GREEDY.max_tokens)
-    assert engine.stats()["engine"]["errors"] == 1
+    assert engine.stats().totals.errors == 1
     assert_clean(engine)
     engine.close()
 

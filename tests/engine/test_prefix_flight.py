@@ -88,9 +88,9 @@ def test_a_burst_sharing_a_prefix_computes_it_once(loaded):
     for r in followers:
         assert r.sources() == {**r.sources(), "L1": len(PREFIX), "recomputed": SUFFIX}
         assert engine.result(r)["waited_tokens"] == len(PREFIX) and r.wait_s > 0
-    totals = engine.stats()["engine"]
-    assert totals["waited_tokens"] == 5 * len(PREFIX)
-    assert totals["wait_s"] == pytest.approx(sum(r.wait_s for r in followers))
+    totals = engine.stats().totals
+    assert totals.waited_tokens == 5 * len(PREFIX)
+    assert totals.wait_s == pytest.approx(sum(r.wait_s for r in followers))
     assert_no_flight_left(engine)
 
 

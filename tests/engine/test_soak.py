@@ -33,8 +33,8 @@ def test_threaded_soak_every_request_ends_and_nothing_is_left(tmp_path):
     assert not [k for k in outcomes if k[0] == "keep" and k[1] != "length"]
     assert report.wrong_outputs == 0
     totals = report.totals
-    assert totals["requests"] + totals["cancelled"] + totals["errors"] == 360
-    assert totals["errors"] == outcomes[("fail_admit", "error")] + outcomes[("fail_publish", "error")]
+    assert totals.requests + totals.cancelled + totals.errors == 360
+    assert totals.errors == outcomes[("fail_admit", "error")] + outcomes[("fail_publish", "error")]
     assert report.pins == 0 and report.over_cap == []
     assert report.grown == {}, "an engine structure grew between rounds"
 

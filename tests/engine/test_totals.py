@@ -1,9 +1,11 @@
 """The engine's typed totals: what each ending adds, and the JSON shape that
-``Engine.stats()["engine"]``, the Prometheus export and a store's persisted counters read."""
+``Engine.stats().to_json()["engine"]``, the Prometheus export and a store's persisted counters read."""
 
 from kvtier.engine.request import Request, SamplingParams
 from kvtier.engine.serve.prometheus import ENGINE_COUNTERS
+from kvtier.engine.stats import EngineStats, Window
 from kvtier.engine.totals import EngineTotals
+from kvtier.tiers.stats import L3Place, StoreStats
 
 SHAPE = [
     "requests",
@@ -45,3 +47,21 @@ def test_the_json_shape_is_kept_and_is_a_copy():
     assert list(shape) == SHAPE and set(ENGINE_COUNTERS) <= set(shape)
     totals.count(ended("length"))
     assert shape["requests"] == 1 and shape["sources"]["recomputed"] == 10, "later counting leaves it alone"
+
+
+def test_a_snapshot_is_left_alone_by_later_counting():
+    totals = EngineTotals()
+    totals.count(ended("length"))
+    snapshot = totals.snapshot()
+    totals.count(ended("length"))
+    assert (snapshot.requests, snapshot.sources["recomputed"]) == (1, 10)
+    assert (totals.requests, totals.sources["recomputed"]) == (2, 20)
+
+
+def test_engine_stats_json_keeps_its_parts_in_order():
+    window = Window(30.0, 1.5)
+    stats = EngineStats(EngineTotals(), window, {"calibrated": False}, StoreStats({}, {}, L3Place("lmdb", "/s")))
+    shape = stats.to_json()
+    assert list(shape) == ["engine", "windowed", "costmodel", "tiers", "links", "l3"]
+    assert shape["windowed"] == {"window_s": 30.0, "cached_tokens_per_s": 1.5} and list(shape["engine"]) == SHAPE
+    assert list(EngineStats(EngineTotals(), window, {}).to_json()) == ["engine", "windowed", "costmodel"]

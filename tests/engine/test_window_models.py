@@ -10,6 +10,7 @@ from kvtier.engine.engine import Engine, EngineConfig
 from kvtier.engine.models.load import ModelError, layer_kind, load_model
 from kvtier.engine.request import SamplingParams
 from kvtier.tiers.hierarchy import StoreConfig
+from kvtier.tiers.links import Link
 from kvtier.tiers.page import reusable_pages
 
 from .conftest import mlx_lm_greedy, text_prompt
@@ -61,13 +62,13 @@ def test_window_model_restored_from_l1_and_lmdb_equals_mlx_lm(gemma, tmp_path, s
 
     engine = make_engine(gemma, tmp_path, step=step)  # a restart: LMDB has the pages
     restored = run_one(engine, prompt)
-    read = engine.stats()["links"]["L3->L1"]
+    read = engine.stats().store.links[Link.L3_L1]
     engine.close()
     assert restored.output == expected
     assert restored.sources() == {"L1": 0, "L2": 0, "L3": pages * PAGE, "recomputed": len(prompt) - pages * PAGE}
     raw = window_read_bytes(engine, pages)
     assert raw < pages * engine.geometry.nbytes  # the window layers of the early pages were not read
-    assert read["pages"] == pages and raw <= read["bytes"] < raw + pages * 1024  # each record's header on top
+    assert read.pages == pages and raw <= read.bytes < raw + pages * 1024  # each record's header on top
 
 
 def test_window_model_restored_from_l2_reads_only_the_window(gemma, tmp_path):
@@ -76,11 +77,11 @@ def test_window_model_restored_from_l2_reads_only_the_window(gemma, tmp_path):
     pages = reusable_pages(len(prompt), PAGE)
     engine = make_engine(gemma, None, l1_bytes=1)  # L1 holds no page: every published page goes to L2
     cold, warm = run_one(engine, prompt), run_one(engine, prompt)
-    joined = engine.stats()["links"]["L2->L1"]
+    joined = engine.stats().store.links[Link.L2_L1]
     engine.close()
     assert cold.output == expected and warm.output == expected
     assert warm.sources() == {"L1": 0, "L2": pages * PAGE, "L3": 0, "recomputed": len(prompt) - pages * PAGE}
-    assert joined["bytes"] == window_read_bytes(engine, pages) and joined["pages"] == pages
+    assert joined.bytes == window_read_bytes(engine, pages) and joined.pages == pages
 
 
 def test_window_model_shared_start_restores_at_another_length(gemma, tmp_path):

@@ -534,7 +534,7 @@ def test_partial_pages_stay_in_l1_evicted_they_are_dropped_never_flushed(tmp_pat
     store.publish(KEYS[0], page_tokens(0), KV[0], parent=NS.digest())
     store.publish_partial(KEYS[0], page_tokens(1)[:2], KV[1][:, :, :, :2])
     store.flush()
-    assert store.stats()["tiers"]["L3"]["inserts"] == 1, "only the full page goes down"
+    assert store.stats().tiers["L3"].inserts == 1, "only the full page goes down"
     publish(store, 2, 3)  # L1 holds 2 pages: both earlier ones leave it
     assert store.l1.counters.pages == 2 and store.l2.counters.pages == 1, "the partial page was dropped"
     assert store.match_partial(KEYS[0], page_tokens(1)) is None

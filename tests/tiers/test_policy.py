@@ -93,10 +93,10 @@ def test_caps_count_accounted_page_bytes():
     s = store("lru", l1_bytes=2500, l2_bytes=1000)  # room for 2 pages of 1000 in L1, 1 in L2
     for i in range(4):
         s.publish(KEYS[i], TOKENS[4 * i : 4 * i + 4], KV)
-    tiers = s.stats()["tiers"]
-    assert (tiers["L1"]["pages"], tiers["L1"]["bytes_used"]) == (2, 2000)
-    assert (tiers["L2"]["pages"], tiers["L2"]["bytes_used"]) == (1, 1000)
-    assert (tiers["L1"]["evictions"], tiers["L2"]["evictions"]) == (2, 1)  # no L3: the oldest is gone
+    tiers = s.stats().tiers
+    assert (tiers["L1"].pages, tiers["L1"].bytes_used) == (2, 2000)
+    assert (tiers["L2"].pages, tiers["L2"].bytes_used) == (1, 1000)
+    assert (tiers["L1"].evictions, tiers["L2"].evictions) == (2, 1)  # no L3: the oldest is gone
 
 
 def test_l3_admission_refuses_a_page_seen_once(tmp_path):
@@ -106,7 +106,7 @@ def test_l3_admission_refuses_a_page_seen_once(tmp_path):
     s.publish(KEYS[0], TOKENS[:4], KV)  # seen again (recomputed); page 1 leaves unseen twice
     s.publish(KEYS[1], TOKENS[4:8], KV)  # page 0 leaves, seen twice: written
     s.settle()
-    assert s.stats()["tiers"]["L3"]["inserts"] == 1
+    assert s.stats().tiers["L3"].inserts == 1
     assert s.locate(KEYS[:1], TOKENS) == ["L3"]
     assert s.admission.rejected == 2
     s.close()
@@ -173,5 +173,5 @@ def test_a_restore_counts_as_a_sighting(tmp_path):
     s.release(s.restore(KEYS[:1], TOKENS).keys)  # seen a second time
     s.publish(KEYS[1], TOKENS[4:8], KV)  # page 0 leaves L1: written
     s.settle()
-    assert s.stats()["tiers"]["L3"]["inserts"] == 1
+    assert s.stats().tiers["L3"].inserts == 1
     s.close()

@@ -6,6 +6,7 @@ import mlx.core as mx
 import numpy as np
 
 from kvtier.tiers.hierarchy import StoreConfig, TieredStore
+from kvtier.tiers.links import Link
 from kvtier.tiers.page import GLOBAL, LayerKind, Namespace, PageGeometry, page_keys
 
 STATE = LayerKind("state", arrays=(("float32", (1, 2, 8)),))
@@ -63,7 +64,7 @@ def test_snapshots_survive_a_restart_in_lmdb(tmp_path):
     again = TieredStore(GEOMETRY, store.namespace, StoreConfig(l1_bytes=1 << 20, l2_bytes=1 << 20, store_dir=tmp_path))
     restored = again.restore(keys, TOKENS)
     assert restored.sources == ["L3"] * 4 and np.array_equal(np.asarray(restored.state), np.asarray(state(4)))
-    assert again.stats()["snapshots"]["links"]["L3->L1"]["pages"] == 1
+    assert again.stats().snapshots.links[Link.L3_L1].pages == 1
     again.release(restored.keys)
     again.close()
 

@@ -7,8 +7,9 @@ A backend stores records (``tiers.l3.record``) under 16-byte page keys and keeps
 them the store's format version and its side tables (``tables``, ``tiers.l3.tables``:
 ``put_meta`` entries such as cost profiles, cumulative counters, a namespaces table).
 The hierarchy talks to this interface only:
-``contains``, ``snapshot`` (find a run of records, read once), ``verified`` / ``accept``
-(serve or reject a record), ``put`` (write-once, queued), ``flush``, ``close``.
+``contains``, ``snapshot`` (find a run of records, read once), ``check.verified`` /
+``check.accept`` (serve or reject a record: ``tiers.l3.check``), ``put`` (write-once,
+queued), ``flush``, ``close``.
 
 Invariants kept here for every backend:
 - a record failing its header or checksum check is never served: it reads as a miss, is
@@ -17,12 +18,11 @@ Invariants kept here for every backend:
 - ``put`` never waits for the backend: a full queue drops the write and counts it; the
   writer thread commits queued writes, deletes and uses in batches, off the request path.
 - backend errors after open never reach a caller: a failed read is a miss, a failed write
-  a dropped write, each kind logged once as a warning.
+  a dropped write, each kind logged once as a warning (``tiers.l3.failures``).
 """
 
 from __future__ import annotations
 
-import logging
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
@@ -31,13 +31,12 @@ from typing import TypeVar
 
 import numpy as np
 
-from ..counters import TierCounters
-from ..text import one_line
-from .record import CODECS, CorruptRecord, StoredRecord, checked_record, token_bytes, verify_payload
+from ..counters import TierStats
+from .check import RecordCheck
+from .failures import FailureLog
+from .record import CODECS, StoredRecord, token_bytes
 from .tables import SideTables
 from .writer import Batch, PendingPut, Writer
-
-log = logging.getLogger(__name__)
 
 
 class StoreError(Exception):
@@ -64,26 +63,21 @@ class Snapshot(ABC):
     def find(self, key: bytes, namespace_digest: bytes, tokens: Sequence[int], raw_nbytes: int) -> StoredRecord | None:
         """The record of ``key`` if its header matches this page, else None (a record
         with a bad header is rejected). Counts the lookup."""
-        store = self.store
-        store.count(lookups=1)
-        if store.doomed(key):
+        self.store.count(lookups=1)
+        if self.store.check.doomed(key):
             return None  # a rejected record whose delete is not committed yet: a miss
         value = self._value(key)
         if value is None:
             return None
-        try:
-            return checked_record(key, value, namespace_digest, tokens, raw_nbytes)
-        except CorruptRecord as exc:
-            store.reject(key, value, str(exc))
-            return None
+        return self.store.check.found(key, value, namespace_digest, tokens, raw_nbytes)
 
 
 _Store = TypeVar("_Store", bound="L3Store")  # a backend, as its own class
 
 
 class L3Store(ABC):
-    """One L3 backend: records, meta, counters, and the writer (``self.writer``) that
-    commits its queued work.
+    """One L3 backend: records, meta, counters, the writer (``self.writer``) that
+    commits its queued work, and the check (``self.check``) every record read passes.
 
     Counted here: lookups (by snapshots), hit_pages, hit_tokens, inserts, evictions,
     checksum_failures, writes_dropped. bytes_used, pages and capacity are store-wide
@@ -99,12 +93,13 @@ class L3Store(ABC):
             raise ValueError(f"unknown L3 codec {codec!r}; expected one of {', '.join(CODECS)}")
         self.readonly = readonly
         self._capacity = capacity
-        self.counters = TierCounters(capacity=capacity)
+        self.counters = TierStats(capacity=capacity)  # replaced at each change, under _lock
         self._codec, self._level = codec, zstd_level
         self._lock = threading.Lock()  # guards the counters
         self._closed = False
-        self._failures_seen: set[tuple[str, type]] = set()
+        self.failures = FailureLog()
         self.writer = Writer(self._commit, self._lost, queue_pages=queue_pages, readonly=readonly)
+        self.check = RecordCheck(self.writer, self._fingerprint, self.count, tracks_use=self.tracks_use)
 
     def _start(self) -> None:
         """Load the gauges and start the writer (a backend calls it once open)."""
@@ -161,7 +156,7 @@ class L3Store(ABC):
 
     def contains(self, key: bytes) -> bool:
         """A record exists and is not being deleted (unverified: a read verifies)."""
-        return not self.doomed(key) and self._exists(key)
+        return not self.check.doomed(key) and self._exists(key)
 
     def stored_prefix(self, keys: Sequence[bytes]) -> int:
         """How many leading ``keys`` have a record (a remote backend asks in one round trip)."""
@@ -177,66 +172,9 @@ class L3Store(ABC):
         """
         with self.snapshot() as snap:
             record = snap.find(key, namespace_digest, tokens, raw_nbytes)
-            if record is None or (raw := self.verified(record, out)) is None:
+            if record is None or (raw := self.check.verified(record, out)) is None:
                 return None
             return (bytes(raw) if isinstance(raw, memoryview) else raw), record.stored
-
-    def verified(self, record: StoredRecord, out: np.ndarray | None = None) -> memoryview | np.ndarray | bytes | None:
-        """The record's raw bytes once its checksum holds; else None, and it is rejected.
-
-        A raw payload comes back as the record's view itself (no copy) unless ``out`` is
-        given; a compressed one is decoded into ``out`` (or new memory). Safe on any
-        thread while the record's snapshot is open; counts the hit and the use.
-        """
-        try:
-            raw = verify_payload(record.header, record.payload, out)
-        except CorruptRecord as exc:
-            self.reject(record.key, record.value, str(exc))
-            return None
-        self._hit(record)
-        return raw
-
-    def accept(self, record: StoredRecord, digest: int | tuple[int | None, ...]) -> bool:
-        """Whether a raw record's payload, hashed by the caller while it copied it (the
-        snapshot still open), matches its checksum; counted like ``verified``. A tuple
-        holds the digests of the payload's segments, None for a segment not read."""
-        try:
-            if isinstance(digest, int):
-                ok = digest == record.header.checksum  # find checked the length
-            else:
-                ok = all(d is None or d == record.segment_checksum(i) for i, d in enumerate(digest))
-            reason = "checksum mismatch"
-        except CorruptRecord as exc:
-            ok, reason = False, str(exc)
-        if not ok:
-            self.reject(record.key, record.value, reason)
-            return False
-        self._hit(record)
-        return True
-
-    def _hit(self, record: StoredRecord) -> None:
-        with self._lock:
-            self.counters.hit_pages += 1
-            self.counters.hit_tokens += len(record.header.tokens) // 4
-        if self.tracks_use:
-            self.writer.touch(record.key)
-
-    def doomed(self, key: bytes) -> bool:
-        """A read rejected this record and its delete has not committed yet.
-
-        Such a key reads as absent, so a caller recomputes the page and may store it
-        again at once (the writer commits deletes before puts); answering "present"
-        would make put skip the fresh copy as already written.
-        """
-        return self.writer.doomed(key)
-
-    def reject(self, key: bytes, value: memoryview | bytes, reason: str) -> None:
-        """A read found ``value`` of ``key`` bad: count it and queue its delete (spared if
-        the record is rewritten meanwhile: the delete names this value's fingerprint)."""
-        log.warning("L3 record %s rejected (%s); deleting it", bytes(key).hex(), reason)
-        fingerprint = self._fingerprint(value)
-        self.count(checksum_failures=1)
-        self.writer.delete(bytes(key), fingerprint)
 
     def put(
         self,
@@ -288,18 +226,10 @@ class L3Store(ABC):
 
     def _lost(self, batch: Batch, exc: Exception) -> None:
         """A batch whose commit raised: its writes are dropped, logged and counted."""
-        self._failed("write", exc, f" ({len(batch.puts)} pages dropped)")
+        self.failures.report("write", exc, f" ({len(batch.puts)} pages dropped)")
         self.count(writes_dropped=len(batch.puts))
-
-    def _failed(self, what: str, exc: BaseException, detail: str = "") -> None:
-        """Log a failure: the first of each kind as a warning, repeats at debug level."""
-        kind = (what, type(exc))
-        level = logging.DEBUG if kind in self._failures_seen else logging.WARNING
-        self._failures_seen.add(kind)
-        log.log(level, "L3 %s failed: %s%s", what, one_line(exc), detail)
 
     def count(self, **deltas: int) -> None:
         """Add to this process's counters (thread-safe)."""
         with self._lock:
-            for name, n in deltas.items():
-                setattr(self.counters, name, getattr(self.counters, name) + n)
+            self.counters = self.counters.plus(**deltas)

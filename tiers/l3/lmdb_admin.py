@@ -33,8 +33,8 @@ def clear_pages(tables: PageTables, namespaces: set[bytes] | None) -> tuple[int,
             if namespaces is None or (header is not None and header.namespace in namespaces):
                 doomed.append(bytes(key))
         before = (state.pages, state.bytes_used)
-        for key in doomed:
-            tables.remove(txn, state, key, txn.get(key, db=tables.dbs.pages))
+        for page in doomed:
+            tables.remove(txn, state, page, txn.get(page, db=tables.dbs.pages))
         tables.save_state(txn, state)
     return before[0] - state.pages, before[1] - state.bytes_used
 

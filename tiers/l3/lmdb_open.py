@@ -12,6 +12,7 @@ import logging
 import os
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import lmdb
 import msgpack
@@ -20,6 +21,9 @@ from ..text import format_bytes, one_line
 from .base import StoreError
 from .lmdb_txn import Databases, PageTables
 from .record import FORMAT_VERSION
+
+if TYPE_CHECKING:
+    from .lmdb_txn import Database  # the stub's handle type: annotations only
 
 log = logging.getLogger(__name__)
 
@@ -137,7 +141,7 @@ def _open_dbs(
         raise StoreError(f"cannot open store at {path}: {one_line(exc)}") from None
 
 
-def _settle_capacity(path: Path, txn: lmdb.Transaction, meta: object, asked: int | None, capacity: int) -> int:
+def _settle_capacity(path: Path, txn: lmdb.Transaction, meta: Database, asked: int | None, capacity: int) -> int:
     """The store's cap wins; a store without one takes the cap asked for."""
     stored = txn.get(b"capacity", db=meta)
     if stored is None:

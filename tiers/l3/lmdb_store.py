@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 
 import lmdb
@@ -52,7 +53,7 @@ class _LmdbSnapshot(Snapshot):
         try:
             return self.txn.get(key)
         except lmdb.Error as exc:
-            self.store._failed("read", exc)
+            self.store.failures.report("read", exc)
             return None
 
 
@@ -114,7 +115,7 @@ class DiskTier(L3Store):
                 self.path, map_size, capacity_bytes, DEFAULT_CAPACITY, policy, record_bytes
             )
         self._env = self._tables.env
-        self.tables = LmdbTables(self.path, self._env, self._tables.dbs, self._failed)
+        self.tables = LmdbTables(self.path, self._env, self._tables.dbs, self.failures.report)
         self._start()
 
     backend = "lmdb"
@@ -142,7 +143,7 @@ class DiskTier(L3Store):
             with self._env.begin(db=self._tables.dbs.pages, buffers=True) as txn:
                 return txn.get(key) is not None
         except lmdb.Error as exc:  # closed, or another process grew the map
-            self._failed("lookup", exc)
+            self.failures.report("lookup", exc)
             return False
 
     @contextmanager
@@ -152,7 +153,7 @@ class DiskTier(L3Store):
         try:
             txn = self._env.begin(db=self._tables.dbs.pages, buffers=True)
         except lmdb.Error as exc:  # closed, or another process grew the map
-            self._failed("read", exc)
+            self.failures.report("read", exc)
             txn = None
         try:
             yield _LmdbSnapshot(self, txn)
@@ -175,11 +176,13 @@ class DiskTier(L3Store):
             with self._env.begin() as txn:
                 state = self._tables.load_state(txn)
         except lmdb.Error as exc:
-            self._failed("meta read", exc)
+            self.failures.report("meta read", exc)
             return
         with self._lock:
-            self.counters.bytes_used, self.counters.pages = state.bytes_used, state.pages
-            self._capacity = self.counters.capacity = state.capacity
+            self._capacity = state.capacity
+            self.counters = replace(
+                self.counters, capacity=state.capacity, bytes_used=state.bytes_used, pages=state.pages
+            )
 
     def census(self) -> Census:
         """The page tables as they are now, read in one transaction (a read-only view for

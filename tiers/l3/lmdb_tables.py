@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import lmdb
 import msgpack
@@ -19,9 +20,12 @@ from ..counters import add_into
 from .lmdb_txn import Databases, ns_row
 from .tables import SideTables
 
+if TYPE_CHECKING:
+    from .lmdb_txn import Database  # the stub's handle type: annotations only
+
 log = logging.getLogger(__name__)
 
-Failed = Callable[[str, BaseException, str], None]  # L3Store._failed: log once per kind
+Failed = Callable[[str, BaseException, str], None]  # FailureLog.report: log once per kind
 
 
 def _describe(row: dict) -> str:
@@ -89,7 +93,7 @@ class LmdbTables(SideTables):
                 "; ".join(seen),
             )
 
-    def _read(self, db: object, key: bytes) -> object | None:
+    def _read(self, db: Database | None, key: bytes) -> object | None:
         try:
             with self._env.begin(db=db) as txn:
                 stored = txn.get(key)
@@ -98,7 +102,7 @@ class LmdbTables(SideTables):
             self._failed("side-table read", exc, f" ({key!r})")
             return None
 
-    def _update(self, db: object, key: bytes, change: Callable[[object], object]) -> None:
+    def _update(self, db: Database | None, key: bytes, change: Callable[[object], object]) -> None:
         try:
             with self._env.begin(write=True, db=db) as txn:
                 stored = txn.get(key)

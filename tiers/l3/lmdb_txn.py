@@ -13,6 +13,7 @@ import struct
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import lmdb
 import msgpack
@@ -20,6 +21,11 @@ from xxhash import xxh3_64_intdigest
 
 from .record import RecordHeader, header_or_none
 from .writer import Batch
+
+if TYPE_CHECKING:
+    # py-lmdb's stub names the handle ``open_db`` returns only privately; at run time it
+    # is ``lmdb._Database`` too, but nothing here needs it outside annotations.
+    from lmdb import _Database as Database
 
 _LEN, _SEQ = struct.Struct("<I"), struct.Struct(">Q")
 _STATE_FIELDS = ("bytes_used", "pages", "access_seq", "capacity", "clock")
@@ -71,12 +77,12 @@ def _uses(stamp: memoryview | bytes) -> int:
 class Databases:
     """The handles of an open store's databases (``namespaces`` None: see LmdbTables)."""
 
-    meta: object
-    pages: object
-    lru: object
-    order: object
-    counters: object
-    namespaces: object | None
+    meta: Database
+    pages: Database
+    lru: Database
+    order: Database
+    counters: Database
+    namespaces: Database | None
 
 
 @dataclass(frozen=True)
@@ -119,8 +125,11 @@ class PageTables:
             )
 
     def load_state(self, txn: lmdb.Transaction) -> StoreState:
-        stored = {name: txn.get(name.encode(), db=self.dbs.meta) for name in _STATE_FIELDS}
-        return StoreState(**{name: 0 if v is None else msgpack.unpackb(bytes(v)) for name, v in stored.items()})
+        state = StoreState()  # a number not stored yet reads as 0
+        for name in _STATE_FIELDS:
+            if (stored := txn.get(name.encode(), db=self.dbs.meta)) is not None:
+                setattr(state, name, msgpack.unpackb(bytes(stored)))
+        return state
 
     def save_state(self, txn: lmdb.Transaction, state: StoreState) -> None:
         for name in _STATE_FIELDS:
@@ -153,9 +162,9 @@ class PageTables:
         with self.env.begin(write=True, buffers=True) as txn:  # buffers: no copy of values
             state = self.load_state(txn)
             for key, fingerprint in batch.deletes.items():
-                value = txn.get(key, db=self.dbs.pages)
-                if value is not None and xxh3_64_intdigest(value) == fingerprint:
-                    self.remove(txn, state, key, value)  # unless rewritten meanwhile
+                stored = txn.get(key, db=self.dbs.pages)
+                if stored is not None and xxh3_64_intdigest(stored) == fingerprint:
+                    self.remove(txn, state, key, stored)  # unless rewritten meanwhile
             for key in batch.touches:
                 if (stamp := txn.get(key, db=self.dbs.lru)) is not None:
                     txn.delete(bytes(stamp)[: _SEQ.size] + key, db=self.dbs.order)
@@ -209,7 +218,7 @@ class PageTables:
             self.save_state(txn, state)
         return evicted
 
-    def remove(self, txn: lmdb.Transaction, state: StoreState, key: bytes, value: memoryview | None) -> None:
+    def remove(self, txn: lmdb.Transaction, state: StoreState, key: bytes, value: memoryview | bytes | None) -> None:
         """Delete a record and its lru/order entries (value None: the record is gone)."""
         if value is not None:
             header = header_or_none(value)

@@ -30,6 +30,7 @@ import secrets
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import replace
 from functools import partial
 from typing import Any, TypeVar, cast
 from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
@@ -217,10 +218,10 @@ class RedisTier(L3Store):
         except (redis.ConnectionError, redis.TimeoutError) as exc:
             self._backoff = min(2 * self._backoff or 0.1, _MAX_BACKOFF_S)
             self._down_until = time.monotonic() + self._backoff
-            self._failed(what, exc, f" (retrying in {self._backoff:.1f} s; meanwhile L3 misses)")
+            self.failures.report(what, exc, f" (retrying in {self._backoff:.1f} s; meanwhile L3 misses)")
             return default
         except (redis.RedisError, ValueError) as exc:  # a refused command, a bad reply
-            self._failed(what, exc)
+            self.failures.report(what, exc)
             return default
         if self._backoff:
             log.warning("L3 Redis store %s reachable again", self.location)
@@ -250,7 +251,7 @@ class RedisTier(L3Store):
             return pipe.execute()
 
         found: list = self._call("lookup", run, []) if keys else []
-        doomed = [self.doomed(k) for k in keys]
+        doomed = [self.check.doomed(k) for k in keys]
         return next((i for i, (n, d) in enumerate(zip(found, doomed)) if not n or d), len(found))
 
     @contextmanager
@@ -295,7 +296,7 @@ class RedisTier(L3Store):
             return
         errors = [r for r in results if isinstance(r, Exception)]
         if errors:  # e.g. OOM under noeviction: those pages are not stored
-            self._failed("write", errors[0], f" ({len(errors)} pages dropped)")
+            self.failures.report("write", errors[0], f" ({len(errors)} pages dropped)")
         self.count(inserts=sum(r is True for r in results), writes_dropped=len(errors))
         self.refresh()
 
@@ -315,10 +316,15 @@ class RedisTier(L3Store):
         numbers = self._call("meta read", gauges, None)
         if numbers is not None:
             with self._lock:
-                cap, used, self.counters.pages, evicted = numbers
-                self._capacity = self.counters.capacity = cap
-                self.counters.bytes_used = used
-                self.counters.evictions = max(0, evicted - self._evicted_at_open)
+                cap, used, pages, evicted = numbers
+                self._capacity = cap
+                self.counters = replace(
+                    self.counters,
+                    capacity=cap,
+                    bytes_used=used,
+                    pages=pages,
+                    evictions=max(0, evicted - self._evicted_at_open),
+                )
 
     # --- management (caller threads) ----------------------------------------------------
 

@@ -6,7 +6,7 @@ its backend gives it, and a batch whose commit raises to ``lost`` (the batch is 
 the tier). Invariants:
 - ``put`` never blocks unless asked to (``wait=True``): a full queue refuses the write.
 - deletes of a batch are named by ``doomed`` until that batch has committed, so a
-  rejected record reads as absent the whole time (see ``L3Store.doomed``).
+  rejected record reads as absent the whole time (see ``RecordCheck.doomed``, ``tiers.l3.check``).
 - ``close`` commits all pending work before the thread stops; after it, ``put`` refuses.
 - a read-only writer never starts its thread and refuses every write and delete.
 """
