@@ -68,6 +68,7 @@ class Request:
     snapshot_spacing: int = 0  # a hybrid model's: its state is kept every this many pages (costmodel.spacing)
     snapshot_pages: list[int] = field(default_factory=list)  # and after these pages of its prompt
     prefilled: int = 0  # tokens mlx-lm has prefilled after the restored prefix
+    resumed: int = 0  # of them, those prefilled before its last insertion (``Engine._snapshot_at``)
     l1_tokens_at_enqueue: int = 0  # prompt tokens in L1 when submitted
     l1_tokens_at_admission: int = 0  # ... and when admitted (pages may move meanwhile)
     waited_tokens: int = 0  # prompt tokens it waited for another request to compute (prefix flight)
