@@ -69,6 +69,7 @@ class Admission:
             profile,
             self.config.store.codec,
             self.store.restore_points(request.keys[: len(matched)], after),
+            self.geometry,
         )
         request.l1_tokens_at_admission = l1_tokens(matched, self.config.page_size)
         return matched
