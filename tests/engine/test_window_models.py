@@ -10,10 +10,10 @@ from kvtier.engine.engine import Engine, EngineConfig
 from kvtier.engine.models.load import ModelError, layer_kind, load_model
 from kvtier.engine.request import SamplingParams
 from kvtier.tiers.hierarchy import StoreConfig
-from kvtier.tiers.page import page_keys, reusable_pages
+from kvtier.tiers.page import reusable_pages
 
-from ..tiers.lmdb_files import raw_env
-from .conftest import mlx_lm_greedy, text_prompt
+from ..tiers.lmdb_files import damage_last_byte
+from .conftest import mlx_lm_greedy, stored_once, text_prompt
 from .kind_models import CONFIGS, restoring_wins, write_model
 
 PAGE = 16
@@ -141,16 +141,8 @@ def test_what_cannot_be_served_is_refused_in_one_line_naming_it(gemma):
 def test_a_window_restore_cut_short_by_a_bad_page_restores_up_to_it(gemma, tmp_path, damaged, restored_pages):
     prompt = text_prompt(gemma, 150, seed=11)  # 9 pages; the window (2 pages) sees pages 7 and 8
     expected = mlx_lm_greedy(gemma, prompt, GREEDY.max_tokens)
-    engine = make_engine(gemma, tmp_path)
-    run_one(engine, prompt)
-    namespace = engine.namespace
-    engine.close()
-    keys = page_keys(namespace, prompt)
-    with raw_env(tmp_path) as (env, pages, _), env.begin(write=True) as txn:
-        for i in damaged:  # the last byte: a window row's
-            value = bytearray(txn.get(keys[i], db=pages))
-            value[-1] ^= 0xFF
-            txn.put(keys[i], bytes(value), db=pages)
+    keys = stored_once(make_engine(gemma, tmp_path), prompt)
+    damage_last_byte(tmp_path, [keys[i] for i in damaged])  # a window row's byte
     engine = make_engine(gemma, tmp_path)
     restored = run_one(engine, prompt)
     failures = engine.stats()["tiers"]["L3"]["checksum_failures"]
