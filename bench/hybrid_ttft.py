@@ -1,7 +1,11 @@
 """TTFT of a long prompt on a sliding-window and a recurrent-hybrid model, restored from
 each tier against recomputing it (issue 23, item 9).
 
-    python bench/hybrid_ttft.py [--tokens 8192] [--page 256] [--models gemma3_text lfm2]
+    python bench/hybrid_ttft.py [--tokens 8192] [--page 256] [--models gemma3_text lfm2] [--keep DIR]
+
+``--keep DIR`` leaves the generated models in ``DIR/<architecture>`` (for example for
+``bench/serve_head_to_head.py --model DIR/lfm2``, the agent workload against
+``mlx_lm.server``); else they are written to a temporary directory.
 
 Two generated models (deterministic random weights, the mlx-lm layout, loaded with
 ``mlx_lm.load``) whose caches have the shapes of real ones, so that the bytes stored,
@@ -67,10 +71,12 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--page", type=int, default=256)
     parser.add_argument("--models", nargs="+", default=list(SIZES), choices=list(SIZES))
+    parser.add_argument("--keep", type=Path, metavar="DIR", help="write the models here and leave them")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="kvtier-hybrid-ttft-") as tmp:
+        models = args.keep or Path(tmp)
         for architecture in args.models:
-            loaded = load_model(str(write_model(Path(tmp) / architecture, architecture, **SIZES[architecture])))
+            loaded = load_model(str(write_model(models / architecture, architecture, **SIZES[architecture])))
             g = loaded.geometry(args.page)
             kinds = ", ".join(sorted({k.describe() for k in g.kinds})) or "kv"
             print(f"{architecture}: {kinds}; KV {g.bytes_per_token} B a token, snapshot {g.snapshot_nbytes} B")
