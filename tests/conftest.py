@@ -15,6 +15,11 @@ def pytest_configure(config):
     if not _WORKER:
         os.environ["KVTIER_HOME"] = tempfile.mkdtemp(prefix="kvtier-test-")
     os.environ["KVTIER_NO_AUTO_CALIBRATE"] = "1"  # tests that want it unset it
+    # Under pytest-xdist every core runs a worker: one BLAS thread each (and each child
+    # it starts), so that workers do not take each other's cores. OpenBLAS reads this
+    # when a process loads it, after this hook in the workers.
+    if not _WORKER and (getattr(config.option, "numprocesses", None) or 0) > 1:
+        os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 
 def pytest_unconfigure(config):

@@ -1,11 +1,10 @@
-"""``kvtier calibrate --quick`` and ``kvtier bench restore --quick`` (issue 21: under a minute)."""
+"""``kvtier calibrate --quick`` (issue 21: under a minute; ``bench restore --quick`` is
+tested in tests/engine/test_cli.py)."""
 
 import json
 import subprocess
 
 import pytest
-
-from kvtier.costmodel import bandwidth
 
 from .. import cli
 from ..engine.conftest import on_tiny_model
@@ -25,12 +24,3 @@ def test_calibrate_quick_stores_a_profile_the_next_run_uses(tmp_path):
     assert all(link in done.stdout for link in ("L2->L1", "L3->L1", "L3->L2", "prefill"))
     out = kvtier("run", "--json", "--store", str(tmp_path), "--prompt", "hello " * 50, "--max-tokens", "2").stdout
     assert json.loads(out.splitlines()[-1])["counters"]["costmodel"]["calibrated"] is True
-
-
-def test_bench_restore_quick_times_fewer_sizes_in_fewer_rounds(tmp_path):
-    done = kvtier("bench", "restore", "--quick", "--json", "--store", str(tmp_path), "--page-size", "16")
-    report = json.loads(done.stdout)
-    assert report["rounds"] == bandwidth.QUICK_ROUNDS
-    for link in ("L2->L1", "L3->L1", "L3->L2"):
-        assert [row["pages"] for row in report["links"] if row["link"] == link] == list(bandwidth.QUICK_PAGE_COUNTS)
-    assert set(report["break_even_tokens"]) == {"L2", "L3"}

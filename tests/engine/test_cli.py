@@ -6,6 +6,8 @@ import subprocess
 
 import pytest
 
+from kvtier.costmodel import bandwidth
+
 from .. import cli
 from ..redis_servers import needs_redis, redis_server  # noqa: F401
 from .conftest import on_tiny_model
@@ -96,15 +98,17 @@ def test_bad_prompts_file_is_one_line_and_exit_2(tmp_path, content, message):
 
 
 def test_bench_restore_reports_links_limits_peer_and_break_even(tmp_path):
-    done = kvtier("bench", "restore", "--json", "--store", str(tmp_path), "--page-size", "16", "--rounds", "2")
+    """``--quick`` (its page counts, rounds and prefill grid; the full run differs only in
+    those constants and takes minutes)."""
+    done = kvtier("bench", "restore", "--quick", "--json", "--store", str(tmp_path), "--page-size", "16")
     report = json.loads(done.stdout)
-    assert report["rounds"] == 2
+    assert report["rounds"] == bandwidth.QUICK_ROUNDS == 2
     links = {row["link"] for row in report["links"]}
     assert links == {"L2->L1", "L3->L1", "L3->L2"}
     for row in report["links"]:
         assert row["bytes"] > 0 and row["gib_s"] > 0 and row["seconds"] > 0
     for link in links:  # pages restored, not bytes over the raw page size (compressed pages are smaller)
-        assert [row["pages"] for row in report["links"] if row["link"] == link] == [1, 4, 16, 64]
+        assert [row["pages"] for row in report["links"] if row["link"] == link] == list(bandwidth.QUICK_PAGE_COUNTS)
     rows = {(row["row"], row["pages"]): row for row in report["restores"]}
     assert {name for name, _ in rows} == {"L2->L1", "L3->L1", "L3 zstd->L1"}
     for row in rows.values():  # each figure: the best of the same rounds, and ratios of those bests
@@ -112,7 +116,7 @@ def test_bench_restore_reports_links_limits_peer_and_break_even(tmp_path):
         assert row["ratio_to_memcpy"] == row["memcpy_seconds"] / row["seconds"]
     peer = report["peer"]
     assert len(peer["round_seconds"]) == 2 and peer["load_prompt_cache_seconds"] == min(peer["round_seconds"])
-    assert peer["ours_l3_seconds"] == rows["L3->L1", 64]["seconds"]
+    assert peer["ours_l3_seconds"] == rows["L3->L1", max(bandwidth.QUICK_PAGE_COUNTS)]["seconds"]
     assert peer["ratio"] == peer["load_prompt_cache_seconds"] / peer["ours_l3_seconds"]
     assert set(report["break_even_tokens"]) == {"L2", "L3"}
     assert report["limits"]["lmdb_zero_copy_read_gib_s"] > 0

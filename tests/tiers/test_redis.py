@@ -4,8 +4,6 @@ takes a bounded number of round trips, and no fault of the server fails a reques
 import json
 import logging
 import os
-import subprocess
-import sys
 import time
 
 import mlx.core as mx
@@ -27,6 +25,7 @@ from kvtier.tiers.l3.writer import PendingPut
 from kvtier.tiers.page import Source
 from kvtier.tiers.tier import kv_to_host
 
+from .. import cli
 from ..redis_servers import SlowProxy, free_port, needs_redis, redis_cluster, redis_server, redis_tls_server  # noqa: F401
 from .test_hierarchy import GEOMETRY, KEYS, KV, NS, PAGE, TOKENS
 
@@ -255,11 +254,9 @@ def kvtier(home, *args: str, store: str) -> tuple[list[dict], dict, str]:
     from kvtier.engine.models.load import resolve_model_path
 
     env = {**os.environ, "KVTIER_HOME": str(home)}
-    done = subprocess.run(
+    model = str(resolve_model_path(None))
+    done = cli.run(
         [
-            sys.executable,
-            "-m",
-            "kvtier.engine.cli",
             "run",
             "--json",
             "--max-tokens",
@@ -267,14 +264,11 @@ def kvtier(home, *args: str, store: str) -> tuple[list[dict], dict, str]:
             "--page-size",
             str(ENGINE_PAGE),
             "--model",
-            str(resolve_model_path(None)),
+            model,
             "--store",
             store,
             *args,
         ],
-        capture_output=True,
-        text=True,
-        timeout=300,
         env=env,
     )
     assert done.returncode == 0, done.stderr
