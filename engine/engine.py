@@ -282,8 +282,11 @@ class Engine:
             "samplers": [sampler(request.params)],
             "logits_processors": [logits_processors(request.params)],
         }
-        segments = prefill_segments(request.prompt, len(held), self.config.page_size, request.snapshot_pages)
-        (request.uid,) = self.generator.insert_segments([segments], **options)
+        if request.snapshot_pages:
+            segments = prefill_segments(request.prompt, len(held), self.config.page_size, request.snapshot_pages)
+            (request.uid,) = self.generator.insert_segments([segments], **options)
+        else:
+            (request.uid,) = self.generator.insert([request.prompt[len(held) :]], **options)
         self._running[request.uid] = request
 
     def _snapshot_at(self, leader: Request, page: int) -> None:
