@@ -3,13 +3,14 @@ and Belady's offline choice, and the prefill seconds a reuse saves.
 
 The infinite-cache bound: per request, the longest prefix of its reusable pages
 that earlier requests published, summed over the trace and divided by all prompt
-tokens (what unbounded tiers would reuse).
+tokens (what unbounded tiers would reuse). For a hybrid model, only up to the last page
+of that prefix after which an earlier request kept a snapshot (its state is needed).
 """
 
 from __future__ import annotations
 
 import heapq
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from .profile import Profile
 from .trace import TraceRequest, page_names
@@ -17,14 +18,24 @@ from .trace import TraceRequest, page_names
 BELADY = "belady"  # not a store policy: the offline bound for the same total capacity
 
 
-def infinite_cache(trace: Sequence[TraceRequest], page_size: int) -> list[int]:
+def infinite_cache(
+    trace: Sequence[TraceRequest],
+    page_size: int,
+    snapshot_points: Callable[[TraceRequest], list[int]] | None = None,
+) -> list[int]:
     """Reused tokens per request with unbounded tiers: the longest prefix of its
-    reusable pages that earlier requests published."""
+    reusable pages that earlier requests published; with ``snapshot_points`` (the pages
+    after which a request keeps a snapshot: a hybrid model), the longest such prefix
+    that ends after a snapshot an earlier request kept."""
     published: set[tuple[int, int]] = set()
+    snapshotted: set[tuple[int, int]] = set()  # pages followed by a snapshot
     reused = []
     for request in trace:
         pages = page_names(request, page_size)
         hits = next((i for i, page in enumerate(pages) if page not in published), len(pages))
+        if snapshot_points is not None:
+            hits = next((j for j in range(hits, 0, -1) if pages[j - 1] in snapshotted), 0)
+            snapshotted.update(pages[j - 1] for j in snapshot_points(request))
         reused.append(hits * page_size)
         published.update(pages)
     return reused

@@ -2,7 +2,10 @@
 
 Link samples are restores of 1..N pages of the model's page geometry through a
 scratch ``TieredStore`` next to the real store (same filesystem), timed in steady
-state (after a warm-up restore). Compute samples are forward passes of ``n`` tokens
+state (after a warm-up restore). A hybrid model's links are also timed with one of its
+state snapshots (``snapshot_samples``): the snapshot spacing prices a snapshot by the
+links at its size (``costmodel.spacing``), which may be tens of MiB, far above the
+pages sampled. Compute samples are forward passes of ``n`` tokens
 after ``p`` cached ones. Each sample is the median of ``REPEATS`` timings.
 
 The quick calibration (``kvtier run``'s first use of a store, ``kvtier calibrate
@@ -26,6 +29,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
+from kvtier.tiers.counters import LinkStats
 from kvtier.tiers.hierarchy import StoreConfig, TieredStore
 from kvtier.tiers.l3.open import scratch_location
 from kvtier.tiers.links import Link
@@ -44,6 +48,7 @@ QUICK_REPEATS = 1
 QUICK_PREFILL_S = 5.0  # what the quick prefill grid may add up to, by the probe's speed
 QUICK_SCALES = (16, 8, 4, 2, 1)  # prompt lengths scale, s, 2s, 4s after 0 and 4s cached: the largest that fits
 PROBE_TOKENS = 4
+SNAPSHOT_LINKS = (Link.L2_L1, Link.L3_L1)  # a snapshot is restored raw (no L2 slot to decode into)
 
 Tick = Callable[[], None]
 
@@ -55,7 +60,10 @@ def calibrate(
     ``quick``: the quick grid (``quick_grid``), a rougher fit in seconds."""
     profile = Profile.defaults()
     page_counts, repeats = (QUICK_PAGE_COUNTS, QUICK_REPEATS) if quick else (PAGE_COUNTS, REPEATS)
-    for link, nbytes, seconds in link_samples(geometry, store_dir, tick, page_counts, repeats):
+    for link, nbytes, seconds in [
+        *link_samples(geometry, store_dir, tick, page_counts, repeats),
+        *snapshot_samples(geometry, store_dir, tick, repeats),
+    ]:
         profile.links[link].samples.append((nbytes, seconds))
     prefill_tokens, contexts = quick_grid(model) if quick else (PREFILL_TOKENS, CONTEXTS)
     for n, p, seconds in prefill_samples(model, tick, prefill_tokens, contexts, repeats):
@@ -84,11 +92,13 @@ def quick_grid(model: nn.Module, budget_s: float = QUICK_PREFILL_S) -> tuple[tup
     return grid
 
 
-def steps(page_counts: Iterable[int] = PAGE_COUNTS, quick: bool = False) -> int:
-    """How many samples ``calibrate`` takes (for a progress bar)."""
+def steps(page_counts: Iterable[int] = PAGE_COUNTS, quick: bool = False, snapshots: bool = False) -> int:
+    """How many samples ``calibrate`` takes (for a progress bar); ``snapshots``: for a
+    model with state layers (two more: ``snapshot_samples``)."""
+    extra = len(SNAPSHOT_LINKS) if snapshots else 0
     if quick:
-        return 3 * len(QUICK_PAGE_COUNTS) + 3 * 2
-    return 3 * len(tuple(page_counts)) + len(PREFILL_TOKENS) * len(CONTEXTS)
+        return 3 * len(QUICK_PAGE_COUNTS) + 3 * 2 + extra
+    return 3 * len(tuple(page_counts)) + len(PREFILL_TOKENS) * len(CONTEXTS) + extra
 
 
 @contextmanager
@@ -97,19 +107,32 @@ def scratch_store(
 ) -> Iterator[tuple[TieredStore, list, list[int]]]:
     """A throwaway store beside ``store_dir`` (same filesystem, or the same Redis server:
     the L3 link measured is the one in use) holding ``pages`` random pages in L2 (and
-    nothing in L1), with their keys and tokens; removed afterwards.
+    nothing in L1), with their keys and tokens; removed afterwards. For a hybrid model,
+    also a random snapshot after the last page, likewise in L2 only.
     Random values compress a little (~0.93 with zstd), as real KV does."""
-    tokens = list(range(pages * geometry.page_size + 1))
-    namespace = Namespace("kvtier-calibration", geometry.dtype, geometry.page_size)
+    size, state_bytes = geometry.page_size, geometry.snapshot_nbytes
+    tokens = list(range(pages * size + 1))
+    namespace = Namespace("kvtier-calibration", geometry.dtype, size)
     keys = page_keys(namespace, tokens)[:pages]
-    room = (pages + 1) * geometry.nbytes
+    room = (pages + 1) * geometry.nbytes + 2 * state_bytes
     with scratch_location(store_dir) as scratch:
-        config = StoreConfig(l1_bytes=0, l2_bytes=room, l3_bytes=4 * room, store_dir=scratch, codec=codec)
+        config = StoreConfig(
+            l1_bytes=0,
+            l2_bytes=room,
+            l3_bytes=4 * room,
+            store_dir=scratch,
+            codec=codec,
+            snapshot_l1_bytes=0,
+            snapshot_l2_bytes=2 * state_bytes,
+        )
         store = TieredStore(geometry, namespace, config)
         rng = np.random.default_rng(0)
         for i, key in enumerate(keys):
             kv = mx.array(rng.standard_normal(geometry.shape, dtype=np.float32)).astype(_mx_dtype(geometry))
-            store.publish(key, tokens[i * geometry.page_size : (i + 1) * geometry.page_size], kv)
+            store.publish(key, tokens[i * size : (i + 1) * size], kv)
+        if state_bytes:
+            state = mx.array(rng.integers(0, 256, state_bytes, dtype=np.uint8))
+            store.publish_snapshot(keys[-1], tokens[(pages - 1) * size : pages * size], state)
         try:
             yield store, keys, tokens
         finally:
@@ -138,16 +161,44 @@ def link_samples(
     return samples
 
 
-def _timed(store: TieredStore, keys: list, tokens: list[int], link: Link, repeats: int) -> tuple[str, int, float]:
+def snapshot_samples(
+    geometry: PageGeometry, store_dir: Path, tick: Tick, repeats: int | None = None
+) -> list[tuple[str, int, float]]:
+    """(link, bytes, seconds) of a hybrid model's state snapshot restored from L2 and from
+    L3 (raw), the median of ``repeats`` timings each; none for a model without state
+    layers. The snapshot's own bytes and time only (its page's are counted apart)."""
+    if not geometry.snapshot_nbytes:
+        return []
+    samples = []
+    with scratch_store(geometry, store_dir, 1) as (store, keys, tokens):
+        store.flush()
+        for link in SNAPSHOT_LINKS:
+            samples.append(_timed(store, keys, tokens, link, repeats or REPEATS, snapshots=True))
+            tick()
+    return samples
+
+
+def _timed(
+    store: TieredStore, keys: list, tokens: list[int], link: Link, repeats: int, snapshots: bool = False
+) -> tuple[str, int, float]:
     """Bytes and median seconds on ``link`` of ``repeats`` steady-state restores of ``keys``
-    (for an L3 link, with L2's copies dropped before each, so every restore reads L3)."""
+    (for an L3 link, with L2's copies dropped before each, so every restore reads L3),
+    as the store counts them for its pages or (``snapshots``) its snapshots."""
+
+    def counted() -> LinkStats:
+        stats = store.stats()
+        if snapshots:
+            assert stats.snapshots is not None, "a store of a model with state snapshots"
+            return stats.snapshots.links[link]
+        return stats.links[link]
+
     seconds = []
     for _ in range(repeats + 1):  # the first warms mlx's buffers (and the page cache)
         if link.startswith("L3"):
             store.drop_l2()
-        before = store.stats().links[link]
+        before = counted()
         store.release(store.restore(keys, tokens).keys)
-        after = store.stats().links[link]
+        after = counted()
         seconds.append(after.seconds - before.seconds)
     return link, after.bytes - before.bytes, statistics.median(seconds[1:])
 

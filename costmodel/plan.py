@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from itertools import accumulate
 
 from kvtier.tiers.links import READ_LINKS, links_crossed
-from kvtier.tiers.page import Source
+from kvtier.tiers.page import PageGeometry, Source
 
 from .profile import Profile
 
@@ -47,20 +47,38 @@ class RestorePlan:
 
 class LoadCost:
     """Predicted time to bring any run of the matched pages into a request's KV, from
-    per-link prefix sums of the bytes they would move (each link pays its setup once)."""
+    per-link prefix sums of the bytes they would move (each link pays its setup once).
 
-    def __init__(self, matched: Sequence[Source], page_bytes: int, profile: Profile, codec: str = "raw") -> None:
+    ``window``: a sliding-window model's geometry. A restore of a prefix reads every
+    page's global rows but the window rows only of the pages its window sees
+    (``PageGeometry.window_pages``), so a page is priced at its global segment, and the
+    window segments of those pages are added for the prefix that ends at ``stop``."""
+
+    def __init__(
+        self,
+        matched: Sequence[Source],
+        page_bytes: int,
+        profile: Profile,
+        codec: str = "raw",
+        window: PageGeometry | None = None,
+    ) -> None:
         self.profile = profile
-        crossed = [links_crossed(source, codec) for source in matched]
+        self.window = window if window is not None and window.window is not None else None
+        self.window_bytes = self.window.segments[1] if self.window is not None else 0
+        each = page_bytes - self.window_bytes  # what every page of a restore moves
+        self.crossed = [links_crossed(source, codec) for source in matched]
         self.prefix = {
-            link: list(accumulate((page_bytes * (link in c) for c in crossed), initial=0))
-            for link in {link for c in crossed for link in c}
+            link: list(accumulate((each * (link in c) for c in self.crossed), initial=0))
+            for link in {link for c in self.crossed for link in c}
         }
-        self.joined = list(accumulate((page_bytes * (s is not Source.L1) for s in matched), initial=0))
+        self.joined = list(accumulate((each * (s is not Source.L1) for s in matched), initial=0))
 
     def seconds(self, start: int, stop: int, links: Sequence[str] | None = None) -> float:
+        seen = [i for i in self.window.window_pages(stop) if i >= start] if self.window is not None else []
         return sum(
-            self.profile.links[link].predict(sums[stop] - sums[start])
+            self.profile.links[link].predict(
+                sums[stop] - sums[start] + self.window_bytes * sum(link in self.crossed[i] for i in seen)
+            )
             for link, sums in self.prefix.items()
             if links is None or link in links
         )
@@ -87,6 +105,7 @@ def plan_restore(
     profile: Profile,
     codec: str = "raw",
     points: Sequence[int] | None = None,
+    window: PageGeometry | None = None,
 ) -> RestorePlan:
     """The plan with the least predicted time to the end of prefill.
 
@@ -103,8 +122,11 @@ def plan_restore(
     ``points``: the only prefix lengths (in pages) that can be restored, a hybrid
     model's restore points (``TieredStore.restore_points``); restored serially, and
     its L1 pages are used only when one is at or after them. None: every length.
+
+    ``window``: a sliding-window model's geometry (``LoadCost``): its pages are priced at
+    the bytes a restore reads, and it is restored serially.
     """
-    loads = LoadCost(matched, page_bytes, profile, codec)
+    loads = LoadCost(matched, page_bytes, profile, codec, window)
     compute = profile.compute.predict
     l1 = [i for i, s in enumerate(matched) if s is Source.L1]
     lead = next((i for i, s in enumerate(matched) if s is not Source.L1), len(matched))
@@ -117,7 +139,8 @@ def plan_restore(
             continue
         rest = compute(prompt_tokens - k * page_size, k * page_size)
         options = [(loads.seconds(0, k) + rest, 0)]
-        most = k - lead - 1 if k <= next_l1 and allowed is None else 0  # compute c pages while at least one loads
+        serial = allowed is not None or loads.window is not None
+        most = k - lead - 1 if k <= next_l1 and not serial else 0  # compute c pages while at least one loads
         if most >= 1:
 
             def front(c: int) -> float:

@@ -14,6 +14,13 @@ of its own. Beside each replay the report gives what no store could beat
   ``output_length`` tokens, one step of the compute model each. Only prompt pages
   are published: a trace has no ids for the pages of an answer.
 - The L3 writer is settled after every request, so a replay is deterministic.
+- A hybrid model (``snapshot_bytes``, a snapshot's bytes): each request keeps a snapshot
+  after its snapshot pages (``costmodel.spacing``: every ``snapshot_spacing`` pages, or
+  the cost model's choice, and its last full page), each counted as ``snapshot_bytes``
+  in the snapshot tiers' caps and on the links; a prefix is restored only up to a
+  snapshot (``TieredStore.restore_points``), and its snapshot's read is added to the
+  time, priced at the slowest tier the restored prefix came from. The snapshots' L3
+  records count as pages against L3's cap (one size for every record there).
 """
 
 from __future__ import annotations
@@ -28,16 +35,20 @@ import mlx.core as mx
 import numpy as np
 
 from kvtier.tiers.hierarchy import StoreConfig, TieredStore
-from kvtier.tiers.page import Namespace, PageGeometry, PageKey, Source
+from kvtier.tiers.links import Link
+from kvtier.tiers.page import GLOBAL, LayerKind, Namespace, PageGeometry, PageKey, Source
 from kvtier.tiers.policy import DEFAULT_POLICY
 
 from .bounds import BELADY, belady, compute_saved, infinite_cache
 from .models import ComputeModel
 from .plan import plan_restore
 from .profile import Profile
+from .spacing import choose_spacing, snapshot_pages
 from .trace import BLOCK_TOKENS, SyntheticPrompts, TraceRequest, page_names
 
 SOURCES = tuple(s.value for s in Source)
+_STATE = LayerKind("state", arrays=(("float16", (2,)),))  # the replay's snapshot payload: 4 bytes
+_READ = {Source.L2: "L2->L1", Source.L3: "L3->L1"}  # the link a snapshot from that tier is read on
 
 
 def decode_seconds(compute: ComputeModel, context: int, tokens: int) -> float:
@@ -57,6 +68,23 @@ class ReplayConfig:
     policy: str = DEFAULT_POLICY
     l3_admit: str = "always"
     speed: float = 1.0
+    snapshot_bytes: int = 0  # a hybrid model's state snapshot (0: no state layers)
+    snapshot_spacing: int = 0  # pages between snapshots; 0: the cost model's choice per prompt
+    snapshot_l1_bytes: int = StoreConfig.snapshot_l1_bytes
+    snapshot_l2_bytes: int = StoreConfig.snapshot_l2_bytes
+
+    def snapshot_points(self, profile: Profile) -> Callable[[TraceRequest], list[int]] | None:
+        """The pages after which a request keeps a snapshot; None without state layers."""
+        if not self.snapshot_bytes:
+            return None
+        size = self.page_size
+
+        def points(request: TraceRequest) -> list[int]:
+            n = request.input_length
+            spacing = self.snapshot_spacing or choose_spacing(profile, size, self.snapshot_bytes, n)
+            return snapshot_pages(n, size, spacing)
+
+        return points
 
     @property
     def page_bytes(self) -> int:
@@ -77,7 +105,9 @@ class ReplayResult:
     prefill_seconds_saved: float = 0.0
     ttft_s: list[float] = field(default_factory=list)
     reused: list[int] = field(default_factory=list)  # restored tokens per request
-    links: dict[str, int] = field(default_factory=dict)  # link -> bytes (pages x page bytes)
+    links: dict[str, int] = field(default_factory=dict)  # link -> bytes (pages and snapshots)
+    snapshot_links: dict[str, int] = field(default_factory=dict)  # link -> bytes of snapshots only
+    l3_snapshots_written: int = 0
     evictions: dict[str, int] = field(default_factory=dict)
     peak_bytes: dict[str, int] = field(default_factory=dict)  # most each tier held after a request
     capacity: dict[str, int] = field(default_factory=dict)
@@ -87,7 +117,7 @@ class ReplayResult:
 
     def report(self, distinct_pages: int) -> dict:
         c, restored = self.config, self.prompt_tokens - self.sources[Source.RECOMPUTED.value]
-        written = self.l3_pages_written * c.page_bytes
+        written = self.l3_pages_written * c.page_bytes + self.l3_snapshots_written * c.snapshot_bytes
         p50, p90, p99 = np.percentile(self.ttft_s, [50, 90, 99]) if self.ttft_s else (0.0, 0.0, 0.0)
         return {
             "policy": c.label,
@@ -104,6 +134,8 @@ class ReplayResult:
             "ttft_p90_s": float(p90),
             "ttft_p99_s": float(p99),
             "link_bytes": dict(self.links),
+            "snapshot_bytes": c.snapshot_bytes,
+            "snapshot_link_bytes": dict(self.snapshot_links),
             "l3_bytes_written": written,
             "l3_write_amplification": written / max(distinct_pages * c.page_bytes, 1),
             "l3_writes_refused": self.l3_writes_refused,
@@ -118,9 +150,14 @@ class Replay:
 
     def __init__(self, trace: Sequence[TraceRequest], config: ReplayConfig, profile: Profile) -> None:
         self.trace, self.config, self.profile = trace, config, profile
-        self.geometry = PageGeometry(1, 1, 1, config.page_size, "float16")  # 4 bytes a token
-        self.namespace = Namespace("kvtier-trace-replay", "float16", config.page_size)
+        kinds = (_STATE, GLOBAL) if config.snapshot_bytes else ()
+        self.geometry = PageGeometry(1, 1, 1, config.page_size, "float16", kinds)  # 4 bytes a token
+        self.namespace = Namespace(
+            "kvtier-trace-replay", "float16", config.page_size, layers=self.geometry.describe_layers()
+        )
         self.kv = mx.zeros(self.geometry.shape, dtype=mx.float16)  # every page's payload
+        self.state = mx.zeros(_STATE.nbytes, dtype=mx.uint8)  # every snapshot's
+        self.snapshot_points = config.snapshot_points(profile)
 
     def run(self, on_request: Callable[[], None] | None = None) -> ReplayResult:
         with tempfile.TemporaryDirectory(prefix="kvtier-replay-", dir=_fast_tmp()) as tmp:
@@ -151,7 +188,13 @@ class Replay:
             l3_admit=c.l3_admit,
             page_bytes=c.page_bytes,
             l3_queue_pages=1 << 20,
+            snapshot_l1_bytes=self._snapshot_cap(c.snapshot_l1_bytes),
+            snapshot_l2_bytes=self._snapshot_cap(c.snapshot_l2_bytes),
         )
+
+    def _snapshot_cap(self, cap: int) -> int:
+        """A snapshot cap in the replay's payloads: as many snapshots as ``cap`` holds."""
+        return cap // self.config.snapshot_bytes * _STATE.nbytes if self.config.snapshot_bytes else cap
 
     def _serve(
         self, store: TieredStore, prompts: SyntheticPrompts, request: TraceRequest, free_at: float, result: ReplayResult
@@ -159,13 +202,16 @@ class Replay:
         """Restore, publish and time one request; returns when the engine is free again."""
         size, compute = self.config.page_size, self.profile.compute
         keys, tokens = prompts.pages(request)
-        plan = plan_restore(
-            store.locate(keys, tokens), request.input_length, size, self.config.page_bytes, self.profile
-        )
-        restored = [
-            *self._restore(store, keys[: plan.l1_pages], tokens, 0),  # as the engine does
-            *self._restore(store, keys[: plan.restore_pages], tokens, plan.first_loaded),
-        ]
+        matched = store.locate(keys, tokens)
+        points = store.restore_points(keys[: len(matched)])
+        plan = plan_restore(matched, request.input_length, size, self.config.page_bytes, self.profile, points=points)
+        if points is None:
+            restored = [
+                *self._restore(store, keys[: plan.l1_pages], tokens, 0),  # as the engine does
+                *self._restore(store, keys[: plan.restore_pages], tokens, plan.first_loaded),
+            ]
+        else:  # serially, up to a snapshot
+            restored = list(self._restore(store, keys[: plan.restore_pages], tokens, 0))
         for _key, source in restored:
             result.sources[source.value] += size
         result.sources[Source.RECOMPUTED.value] += request.input_length - len(restored) * size
@@ -173,13 +219,19 @@ class Replay:
         result.prompt_tokens += request.input_length
         for i in range(plan.restore_pages, len(keys)):  # as the engine publishes: no cost hint
             store.publish(keys[i], tokens[i * size : (i + 1) * size], self.kv)
+        for j in self.snapshot_points(request) if self.snapshot_points else ():
+            if j > len(restored):
+                store.publish_snapshot(keys[j - 1], tokens[(j - 1) * size : j * size], self.state)
         store.release([key for key, _ in restored])
         store.settle()
+        seconds = plan.predicted_s
+        if restored and self.snapshot_points and restored[-1][1] in _READ:
+            seconds += self.profile.links[_READ[restored[-1][1]]].predict(self.config.snapshot_bytes)
         arrival = request.arrival_s / self.config.speed
         start = max(arrival, free_at)
-        result.ttft_s.append(start + plan.predicted_s - arrival)
-        result.prefill_seconds_saved += plan.recompute_s - plan.predicted_s
-        return start + plan.predicted_s + decode_seconds(compute, request.input_length, request.output_length)
+        result.ttft_s.append(start + seconds - arrival)
+        result.prefill_seconds_saved += plan.recompute_s - seconds
+        return start + seconds + decode_seconds(compute, request.input_length, request.output_length)
 
     @staticmethod
     def _restore(
@@ -198,9 +250,16 @@ class Replay:
 
     def _collect(self, store: TieredStore, result: ReplayResult) -> None:
         stats = store.stats()
-        result.links = {name: link.pages * self.config.page_bytes for name, link in stats.links.items()}
+        snapshots = stats.snapshots.links if stats.snapshots is not None else {}
+        result.snapshot_links = {name: link.pages * self.config.snapshot_bytes for name, link in snapshots.items()}
+        result.links = {
+            name: link.pages * self.config.page_bytes + result.snapshot_links.get(name, 0)
+            for name, link in stats.links.items()
+        }
+        written = sum(snapshots[link].pages for link in (Link.L1_L3, Link.L2_L3) if link in snapshots)
+        result.l3_snapshots_written = written
         result.evictions = {name: tier.evictions for name, tier in stats.tiers.items()}
-        result.l3_pages_written = stats.tiers["L3"].inserts if "L3" in stats.tiers else 0
+        result.l3_pages_written = (stats.tiers["L3"].inserts if "L3" in stats.tiers else 0) - written  # L3 counts both
         result.l3_writes_refused = store.admission.rejected
 
 
@@ -222,7 +281,7 @@ def replay(
 ) -> dict:
     """Replay ``trace`` once per config; the report ``kvtier replay --json`` prints."""
     page_size = configs[0].page_size
-    bound = infinite_cache(trace, page_size)
+    bound = infinite_cache(trace, page_size, configs[0].snapshot_points(profile))
     prompt_tokens = sum(r.input_length for r in trace)
     distinct = len({name for r in trace for name in page_names(r, page_size)})
     saved = compute_saved(trace, bound, profile)

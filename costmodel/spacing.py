@@ -2,7 +2,8 @@
 
 Every ``spacing`` pages, and always at the last full page of the prompt (a restart
 resumes there; the state at the prompt's very end stays in L1 with its partial page).
-The engine cuts prefill chunks at these boundaries so that the state there exists.
+The engine cuts prefill chunks at these boundaries so that the state there exists,
+and adds one at the end of a prefix that a follower waits for (prefix single flight).
 
 ``choose_spacing`` is the cost model's choice of ``spacing``. Its assumption: a later
 prompt shares a prefix of this one that ends at a page boundary anywhere in it, each

@@ -10,7 +10,7 @@ bookkeeping is ``engine.prefix_flights``.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from kvtier.costmodel.plan import Profile, plan_restore, plan_wait
 from kvtier.tiers.hierarchy import TieredStore
@@ -45,10 +45,12 @@ class Admission:
         geometry: PageGeometry,
         running: Mapping[int, Request],
         prefix_flight: bool,
+        snapshot_at: Callable[[Request, int], None],
     ) -> None:
         self.store, self.scheduler, self.config, self.geometry = store, scheduler, config, geometry
         self.running = running  # the engine's running requests, read to find a leader's progress
         self.prefix_flight = prefix_flight
+        self.snapshot_at = snapshot_at  # a running hybrid leader keeps its state after a page too
 
     def plan(self, request: Request, profile: Profile) -> list[Source] | None:
         """Plan ``request`` with ``profile`` and return the sources of its matched pages;
@@ -67,6 +69,7 @@ class Admission:
             profile,
             self.config.store.codec,
             self.store.restore_points(request.keys[: len(matched)], after),
+            self.geometry,
         )
         request.l1_tokens_at_admission = l1_tokens(matched, self.config.page_size)
         return matched
@@ -74,7 +77,9 @@ class Admission:
     def hold_for_prefix(self, request: Request, matched: list[Source], profile: Profile) -> bool:
         """Hold ``request`` if its pages after the ``matched`` ones are being computed by
         a running request and the cost model prefers waiting for them. Its deadline is
-        set at its first hold and never extended (``hold_deadline``)."""
+        set at its first hold and never extended (``hold_deadline``). A hybrid model's
+        leader keeps a snapshot at the end of the shared prefix, so the request restores
+        all of it (a state cannot be cut), not only up to the leader's own snapshots."""
         leader, count = self.scheduler.in_flight(request.keys, len(matched))
         now = time.perf_counter()
         if leader is None or (
@@ -100,4 +105,6 @@ class Admission:
         request.waited_tokens = max(request.waited_tokens, count * size)
         request.t_held = now
         self.scheduler.hold_for_prefix(request, leader, request.keys[len(matched) + count - 1], deadline)
+        if self.geometry.snapshot_nbytes:
+            self.snapshot_at(lead, len(matched) + count)
         return True

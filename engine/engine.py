@@ -109,7 +109,13 @@ class Engine:
         self.prefix_caches: PrefixCaches | None = None
         if self.store is not None:
             self.admission = Admission(
-                self.store, self.scheduler, self.config, self.geometry, self._running, self._prefix_flight
+                self.store,
+                self.scheduler,
+                self.config,
+                self.geometry,
+                self._running,
+                self._prefix_flight,
+                self._snapshot_at,
             )
             self.publisher = Publisher(
                 self.store, self.scheduler, self.generator, self.config, self.namespace, self.totals
@@ -258,14 +264,6 @@ class Engine:
             self.cached_tokens.add(request.restored.num_pages * self.config.page_size + request.partial_tokens)
             self.totals.store_seconds += time.perf_counter() - t0
         request.t_admit = time.perf_counter()
-        done = request.prefix_tokens
-        options: dict[str, Any] = {
-            "max_tokens": [request.params.max_tokens],
-            "caches": [cache],  # a None cache is a fresh one (mlx-lm's insert), though its hint says List[List[Any]]
-            "all_tokens": [request.prompt[:done]],
-            "samplers": [sampler(request.params)],
-            "logits_processors": [logits_processors(request.params)],
-        }
         if self.geometry.snapshot_nbytes and self.store is not None:  # prefill chunks end where states are kept
             request.snapshot_spacing = self.config.snapshot_spacing or choose_spacing(
                 self.profile, self.config.page_size, self.geometry.snapshot_nbytes, len(request.prompt)
@@ -273,13 +271,41 @@ class Engine:
             request.snapshot_pages = snapshot_pages(
                 len(request.prompt), self.config.page_size, request.snapshot_spacing
             )
-            segments = prefill_segments(request.prompt, done, self.config.page_size, request.snapshot_pages)
-            (request.uid,) = self.generator.insert_segments([segments], **options)
-        else:
-            (request.uid,) = self.generator.insert([request.prompt[done:]], **options)
-        self._running[request.uid] = request
+        self._insert(request, cache, request.prompt[: request.prefix_tokens])
         if self._prefix_flight:
             self.scheduler.computing(request.rid, request.keys[request.published :])
+
+    def _insert(self, request: Request, cache: list | None, held: list[int]) -> None:
+        """Hand ``request`` to mlx-lm, its ``cache`` holding the tokens ``held`` (the
+        prompt's first ones); a hybrid model's prefill chunks end at its snapshot pages."""
+        options: dict[str, Any] = {
+            "max_tokens": [request.params.max_tokens],
+            "caches": [cache],  # a None cache is a fresh one (mlx-lm's insert), though its hint says List[List[Any]]
+            "all_tokens": [held],
+            "samplers": [sampler(request.params)],
+            "logits_processors": [logits_processors(request.params)],
+        }
+        if request.snapshot_pages:
+            segments = prefill_segments(request.prompt, len(held), self.config.page_size, request.snapshot_pages)
+            (request.uid,) = self.generator.insert_segments([segments], **options)
+        else:
+            (request.uid,) = self.generator.insert([request.prompt[len(held) :]], **options)
+        self._running[request.uid] = request
+
+    def _snapshot_at(self, leader: Request, page: int) -> None:
+        """Keep a running hybrid leader's state after its prompt page ``page`` too: the end
+        of a prefix that a follower waits for (DESIGN §7), which the leader has not reached
+        (the page is in flight). mlx-lm cuts prefill chunks only where a sequence is
+        inserted, so the leader leaves the batch with its cache and goes in again from
+        where it is, cut there as well; it computes nothing twice."""
+        if page in leader.snapshot_pages:
+            return
+        leader.snapshot_pages = sorted({*leader.snapshot_pages, page})
+        assert leader.uid is not None  # running
+        ((cache, held),) = self.generator.remove([leader.uid], return_prompt_caches=True).values()
+        del self._running[leader.uid]
+        leader.resumed = len(held) - leader.prefix_tokens
+        self._insert(leader, cache, list(held))
 
     def _on_token(self, request: Request, response) -> None:
         now = time.perf_counter()

@@ -41,7 +41,8 @@ def observe_prefill(
     )
     for response in prompt_responses:
         request = running[response.uid]
-        chunk, cached = response.progress[0] - request.prefilled, request.prefix_tokens + request.prefilled
-        request.prefilled = response.progress[0]
+        prefilled = request.resumed + response.progress[0]  # mlx-lm counts from the last insertion
+        chunk, cached = prefilled - request.prefilled, request.prefix_tokens + request.prefilled
+        request.prefilled = prefilled
         if clean and chunk > 0:
             profile.compute.observe(chunk, cached, seconds=seconds)

@@ -74,6 +74,7 @@ class Request:
     snapshot_pages: list[int] = field(default_factory=list)  # and after these pages of its prompt
     matched_tokens: int = 0  # the longest stored match at admission: where the prompt left the cache
     prefilled: int = 0  # tokens mlx-lm has prefilled after the restored prefix
+    resumed: int = 0  # of them, those prefilled before its last insertion (``Engine._snapshot_at``)
     l1_tokens_at_enqueue: int = 0  # prompt tokens in L1 when submitted
     l1_tokens_at_admission: int = 0  # ... and when admitted (pages may move meanwhile)
     waited_tokens: int = 0  # prompt tokens it waited for another request to compute (prefix flight)

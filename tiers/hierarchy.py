@@ -329,10 +329,12 @@ class TieredStore:
         return self.disk.read_through(keys) if self.disk is not None else 0
 
     def drop_l2(self) -> None:
-        """Forget L2's copies (calibration: the next restore reads L3); freed slots stay warm."""
+        """Forget L2's copies, of pages and snapshots (calibration: the next restore reads
+        L3); freed slots stay warm."""
         with self._lock:
-            for key in list(self.l2):
-                self.l2.pop(key)
+            for tier in (self.l2, *(() if self.snapshots is None else (self.snapshots.l2,))):
+                for key in list(tier):
+                    tier.pop(key)
 
     def has(self, key: PageKey) -> bool:
         """Whether some tier holds ``key`` (unverified: a restore checks it)."""

@@ -28,7 +28,7 @@ from xxhash import xxh3_64_intdigest
 
 from .join import Joined, in_parallel, join_pages, shares
 from .l3.base import L3Store, Snapshot
-from .l3.record import StoredRecord
+from .l3.record import CorruptRecord, StoredRecord
 from .links import LinkLedger, Throttle
 from .page import PageGeometry, PageKey, Source, page_tokens
 from .placement import Pins, Placement
@@ -180,10 +180,17 @@ class Restorer:
                 raise
             digests = [a if a is not None else b for a, b in zip(pending.digests, joined.digests)]
             bad = self._first_bad(pages, digests)
-            # a window model's restore read the window rows of its last pages only: cut
-            # short, it would need others', so it restores nothing (the caller recomputes)
-            good = self._cut(pages, bad if bad == len(pages) or self.geometry.window is None else 0)
-            window = set(self.geometry.window_pages(len(pages)))
+            if bad < len(pages) and self.geometry.window is not None:
+                good, layers = self._window_prefix(pages, joined.layers, bad)
+            else:
+                good = self._cut(pages, bad)
+                kept = len(good) * self.geometry.page_size
+                layers = (
+                    joined.layers
+                    if len(good) == len(pages)
+                    else [(k[:, :, :kept], v[:, :, :kept]) for k, v in joined.layers]
+                )
+            window = set(self.geometry.window_pages(len(good)))
             self.ledger.record_restore(
                 [(p.source, p.codec, *self._read(p, i in window)) for i, p in enumerate(good)],
                 pending.host_s,
@@ -191,13 +198,42 @@ class Restorer:
                 self.throttle,
             )
             self._keep_in_l1([p for i, p in enumerate(good) if i in window or not p.raw_l3])
-            kept = len(good) * self.geometry.page_size
-            layers = (
-                joined.layers
-                if len(good) == len(pages)
-                else [(k[:, :, :kept], v[:, :, :kept]) for k, v in joined.layers]
-            )
             return RestoredPrefix([p.key for p in good], [p.source for p in good], layers)
+
+    def _window_prefix(self, pages: list[_Page], layers: list, bad: int) -> tuple[list[_Page], list]:
+        """A window model's restore cut short at page ``bad``: the pages before it, with
+        the window rows that shorter prefix's window sees, joined now (the restore
+        joined the last pages' only) and checked where a raw L3 page's were not read;
+        one failing its check cuts the prefix again, before it."""
+        g, split = self.geometry, self.geometry.global_rows
+        read = set(g.window_pages(len(pages)))  # window rows joined, and checked, already
+        rows = replace(g, num_layers=g.num_layers - split, kinds=())
+        n = bad
+        while n:
+            seen = g.window_pages(n)
+            hash_now = [pages[i].raw_l3 and i not in read for i in seen]
+            window = join_pages([pages[i].host[split:] for i in seen], rows, hash_now)
+            failed = [i for i, d in zip(seen, window.digests) if d is not None and not self._window_ok(pages[i], d)]
+            if not failed:
+                kept = n * g.page_size
+                return self._cut(pages, n), [
+                    (k[:, :, :kept], v[:, :, :kept]) for k, v in layers[:split]
+                ] + window.layers
+            n = failed[0]
+        return self._cut(pages, 0), []
+
+    def _window_ok(self, page: _Page, digest: int | tuple[int | None, ...]) -> bool:
+        """Whether a raw L3 page's window rows, hashed as they were joined, match their
+        checksum; a mismatch rejects the record (its global rows were counted a hit)."""
+        assert isinstance(digest, int), "window rows alone are joined as one segment"
+        disk, record = self._l3(page)
+        try:
+            ok = digest == record.segment_checksum(1)
+        except CorruptRecord:
+            ok = False
+        if not ok:
+            disk.check.reject(record.key, record.value, "window rows: checksum mismatch")
+        return ok
 
     def _read(self, page: _Page, whole: bool) -> tuple[int, int]:
         """(bytes read where the page was found, raw bytes joined) of a restored page:

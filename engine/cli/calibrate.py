@@ -17,7 +17,8 @@ def calibrate_into(loaded, geometry, store_dir: Path, quick: bool = False, desc:
     from kvtier.tiers.l3.open import StoreError, open_l3
 
     try:
-        with tqdm(total=steps(quick=quick), desc=desc, unit="sample", file=sys.stderr) as bar:
+        total = steps(quick=quick, snapshots=bool(geometry.snapshot_nbytes))
+        with tqdm(total=total, desc=desc, unit="sample", file=sys.stderr) as bar:
             profile = calibrate(loaded.model, geometry, store_dir, bar.update, quick=quick)
         with open_l3(store_dir) as disk:
             disk.tables.put_meta(loaded.profile_key(geometry), profile.to_dict())

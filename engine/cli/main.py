@@ -274,6 +274,13 @@ def add_replay_parser(tree: Tree, sub) -> None:
         help="full-size KV bytes of one token (default: the model's)",
     )
     geometry.add_argument("--model", help="take the KV size (and the calibrated profile) from this model")
+    replay.add_argument(
+        "--state-bytes",
+        type=parse_size,
+        metavar="S",
+        help="with --kv-bytes-per-token: a hybrid model's state snapshot size (default 0: no state layers; "
+        "a --model's is its own)",
+    )
     replay.add_argument("--store", type=store_arg, default=None, help="where the model's calibrated profile is")
     replay.add_argument("--profile", type=Path, metavar="FILE.json", help="a saved cost profile to use")
     replay.add_argument("--l1-bytes", type=parse_size, default=parse_size("1GiB"))

@@ -27,12 +27,18 @@ def cmd_replay(args: argparse.Namespace) -> int:
         raise UsageError(str(err)) from None
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise UsageError(f"cannot read profile {args.profile}: {err}") from None
-    bytes_per_token = args.kv_bytes_per_token
+    bytes_per_token, state_bytes = args.kv_bytes_per_token, args.state_bytes or 0
     if bytes_per_token is None:
-        bytes_per_token, saved = _model_geometry(args)
+        bytes_per_token, state_bytes, saved = _model_geometry(args)
         profile = profile or saved
     base = rp.ReplayConfig(
-        bytes_per_token, args.page_size, args.l1_bytes, args.l2_bytes, args.l3_bytes, speed=args.speed
+        bytes_per_token,
+        args.page_size,
+        args.l1_bytes,
+        args.l2_bytes,
+        args.l3_bytes,
+        speed=args.speed,
+        snapshot_bytes=state_bytes,
     )
     configs = rp.configs_for(base, args.policy, args.l3_admit, args.sweep or ())
     replays = sum(c.policy != BELADY for c in configs)
@@ -47,6 +53,8 @@ def cmd_replay(args: argparse.Namespace) -> int:
 def _check_replay_args(args: argparse.Namespace, block_tokens: int) -> None:
     if block_tokens % args.page_size:
         raise UsageError(f"--page-size {args.page_size} does not divide {block_tokens}")
+    if args.state_bytes is not None and args.kv_bytes_per_token is None:
+        raise UsageError("--state-bytes goes with --kv-bytes-per-token (a --model's state size is its own)")
     if not args.speed > 0:
         raise UsageError("--speed must be positive")
     if args.plot is not None and not args.sweep:
@@ -59,8 +67,9 @@ def _check_replay_args(args: argparse.Namespace, block_tokens: int) -> None:
 
 
 def _model_geometry(args: argparse.Namespace):
-    """The model's KV bytes per token, and the profile calibrated for it in the store
-    (None without one, or when ``--profile`` gave one: the store is then not opened)."""
+    """The model's KV bytes per token, its state snapshot bytes (0 without state layers),
+    and the profile calibrated for it in the store (None without one, or when
+    ``--profile`` gave one: the store is then not opened)."""
     from kvtier.costmodel.plan import Profile
     from kvtier.tiers.l3.open import StoreError, open_l3
 
@@ -68,11 +77,12 @@ def _model_geometry(args: argparse.Namespace):
     geometry = loaded.geometry(args.page_size)
     store_dir = args.store or default_store_dir()
     if args.profile is not None or no_data(store_dir):
-        return geometry.bytes_per_token, None
+        return geometry.bytes_per_token, geometry.snapshot_nbytes, None
     try:
         disk = open_l3(store_dir, readonly=True)
     except StoreError as err:
         raise UsageError(str(err)) from None
     saved = disk.tables.get_meta(loaded.profile_key(geometry))
     disk.close()
-    return geometry.bytes_per_token, Profile.from_dict(saved) if isinstance(saved, dict) and saved else None
+    profile = Profile.from_dict(saved) if isinstance(saved, dict) and saved else None
+    return geometry.bytes_per_token, geometry.snapshot_nbytes, profile

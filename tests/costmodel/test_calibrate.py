@@ -4,7 +4,10 @@ fits its time budget."""
 import mlx.core as mx
 
 import kvtier.costmodel.calibrate as calibrate
+from kvtier.engine.models.load import load_model
+from kvtier.tiers.page import GLOBAL, LayerKind, PageGeometry
 
+from ..engine.kind_models import write_model
 from ..engine.tiny import tiny_model
 
 
@@ -65,3 +68,29 @@ def test_the_quick_calibration_ticks_once_per_sample_and_fits(tmp_path):
         assert len(link.samples) == len(calibrate.QUICK_PAGE_COUNTS)
     for model in (profile.compute, *profile.links.values()):
         assert model.plausible(model.coef)
+
+
+def test_a_hybrid_models_links_are_also_timed_with_its_snapshots(tmp_path):
+    """A snapshot (here 64 KiB, sixteen times a page) is restored from L2 and from L3 in
+    calibration: the links' samples reach its size, which the snapshot spacing prices."""
+    state = LayerKind("state", arrays=(("float32", (1, 128, 128)),))
+    geometry = PageGeometry(1, 1, 16, 16, "float32", (state, GLOBAL))  # 4 KiB pages, 64 KiB snapshots
+    ticks = []
+    samples = calibrate.snapshot_samples(geometry, tmp_path, lambda: ticks.append(1), repeats=1)
+    assert [(link, nbytes) for link, nbytes, _ in samples][0] == ("L2->L1", geometry.snapshot_nbytes)
+    (link, read, seconds) = samples[1]
+    assert link == "L3->L1" and geometry.snapshot_nbytes < read < geometry.snapshot_nbytes + 4096  # and its header
+    assert seconds > 0 and len(ticks) == 2
+    assert calibrate.snapshot_samples(PageGeometry(1, 1, 16, 16, "float32"), tmp_path, lambda: None) == []
+
+
+def test_the_calibration_of_a_hybrid_model_samples_its_snapshot_size(tmp_path):
+    loaded = load_model(str(write_model(tmp_path / "lfm2", "lfm2")))
+    geometry = loaded.geometry(16)
+    ticks = []
+    profile = calibrate.calibrate(loaded.model, geometry, tmp_path / "store", lambda: ticks.append(1), quick=True)
+    assert len(ticks) == calibrate.steps(quick=True, snapshots=True) == calibrate.steps(quick=True) + 2
+    for name in ("L2->L1", "L3->L1"):
+        sizes = [nbytes for nbytes, _ in profile.links[name].samples]
+        assert len(sizes) == len(calibrate.QUICK_PAGE_COUNTS) + 1
+        assert min(abs(n - geometry.snapshot_nbytes) for n in sizes) < 4096, (name, sizes)

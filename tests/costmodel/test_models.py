@@ -3,7 +3,7 @@ import pytest
 from kvtier.costmodel.models import ComputeModel, LinkModel
 from kvtier.costmodel.plan import plan_restore, restore_seconds
 from kvtier.costmodel.profile import Profile
-from kvtier.tiers.page import Source
+from kvtier.tiers.page import GLOBAL, LayerKind, PageGeometry, Source
 
 MIB = 1 << 20
 
@@ -168,3 +168,18 @@ def test_profile_round_trips():
     again = Profile.from_dict(p.to_dict())
     assert again.links["L2->L1"].coef == p.links["L2->L1"].coef
     assert list(again.links["L2->L1"].samples) == list(p.links["L2->L1"].samples)
+
+
+def test_a_window_models_restore_is_priced_at_the_rows_it_reads():
+    """One global and one sliding-window layer (window 2 pages): a restore of 8 L3 pages
+    reads every page's global rows and the window rows of the last 2 pages only, so it
+    is priced at 8 + 2 half pages, serially (never overlapped)."""
+    geometry = PageGeometry(2, 1, 64, PAGE, "float32", (GLOBAL, LayerKind("window", window=2 * PAGE)))
+    half = geometry.nbytes // 2  # each layer's rows
+    p = slow_reads()
+    plan = plan_restore([Source.L3] * 8, 8 * PAGE + 1, PAGE, geometry.nbytes, p, window=geometry)
+    assert plan.restore_pages == 8 and plan.overlap_pages == 0
+    read = p.links["L3->L1"].predict((8 + 2) * half)
+    assert plan.predicted_s == pytest.approx(read + p.compute.predict(1, 8 * PAGE))
+    whole = plan_restore([Source.L3] * 8, 8 * PAGE + 1, PAGE, geometry.nbytes, p)  # every row priced
+    assert whole.predicted_s > plan.predicted_s

@@ -13,8 +13,10 @@ from kvtier.costmodel import bounds as bd
 from kvtier.costmodel import replay as rp
 from kvtier.costmodel import trace as tr
 from kvtier.costmodel.profile import Profile
+from kvtier.engine.models.load import load_model
 
 from .. import cli
+from ..engine.kind_models import write_model
 
 KV_PER_TOKEN = 12288
 PAGE_BYTES = 512 * KV_PER_TOKEN  # 6 MiB
@@ -235,3 +237,46 @@ def test_belady_keeps_the_page_used_soonest(tmp_path):
     assert bd.belady(trace, 512, 3) == [0, 0, 1024, 512] == bd.infinite_cache(trace, 512)
     lru = run(trace, l1_bytes=2 * PAGE_BYTES, l2_bytes=0, l3_bytes=0, policy="lru")
     assert lru.reused == [0, 0, 0, 0]  # page 5 evicted page 1
+
+
+STATE_BYTES = 1 << 20  # a hybrid model's snapshot
+# Snapshots every 2 pages and after the last full page (4). r1 shares 3 pages with r0 but
+# a state exists only after page 2; r2 repeats r0 and finds the state after its page 4.
+HYBRID = [(2049, 4, [1, 2, 3, 4, 5]), (2049, 4, [1, 2, 3, 9, 10]), (2049, 4, [1, 2, 3, 4, 5])]
+
+
+def test_a_hybrid_replay_restores_up_to_snapshots_and_counts_their_bytes(tmp_path):
+    trace = tr.read_trace(trace_file(tmp_path, HYBRID))
+    caps = {"l1_bytes": 2 * PAGE_BYTES, "l2_bytes": 2 * PAGE_BYTES, "snapshot_spacing": 2}
+    snapshot_caps = {"snapshot_l1_bytes": STATE_BYTES, "snapshot_l2_bytes": STATE_BYTES}  # one each: some go to L3
+    hybrid = rp.ReplayConfig(KV_PER_TOKEN, 512, snapshot_bytes=STATE_BYTES, **caps, **snapshot_caps)
+    assert run(trace, **caps).reused == bd.infinite_cache(trace, 512) == [0, 1536, 2048]
+    result = rp.Replay(trace, hybrid, Profile.defaults()).run()
+    assert result.reused == bd.infinite_cache(trace, 512, hybrid.snapshot_points(Profile.defaults())) == [0, 1024, 2048]
+    report = result.report(distinct_pages=6)
+    snapshots = report["snapshot_link_bytes"]
+    assert report["snapshot_bytes"] == STATE_BYTES and snapshots["L3->L1"] > 0, "a snapshot read back from L3"
+    for link, total in report["link_bytes"].items():  # pages and snapshots, each at its size
+        assert snapshots[link] % STATE_BYTES == 0 and (total - snapshots[link]) % PAGE_BYTES == 0, link
+    assert result.l3_snapshots_written > 0 and result.l3_pages_written > 0
+    written = result.l3_pages_written * PAGE_BYTES + result.l3_snapshots_written * STATE_BYTES
+    assert report["l3_bytes_written"] == written
+
+
+def test_cli_replay_of_a_hybrid_geometry(tmp_path):
+    trace = str(trace_file(tmp_path, HYBRID))
+    common = ["replay", trace, "--policy", "lru", "--l1-bytes", "1TiB", "--json"]
+    done = kvtier(*common, "--kv-bytes-per-token", str(KV_PER_TOKEN), "--state-bytes", "1MiB")
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    (row,) = report["policies"]
+    assert row["snapshot_bytes"] == STATE_BYTES and report["infinite_cache"]["reused_tokens"] == row["reused_tokens"]
+    model = write_model(tmp_path / "lfm2", "lfm2")
+    done = kvtier(*common, "--model", str(model), "--page-size", "256", "--store", str(tmp_path / "store"))
+    assert done.returncode == 0, done.stderr
+    expected = load_model(str(model)).geometry(256).snapshot_nbytes
+    assert json.loads(done.stdout)["policies"][0]["snapshot_bytes"] == expected > 0
+    refused = kvtier(*common, "--model", str(model), "--state-bytes", "1MiB")
+    assert refused.returncode == 2 and refused.stderr.strip() == (
+        "kvtier: error: --state-bytes goes with --kv-bytes-per-token (a --model's state size is its own)"
+    )

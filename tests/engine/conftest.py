@@ -5,6 +5,7 @@ from mlx_lm.generate import stream_generate
 
 from kvtier.engine.models.defaults import REAL_MODEL, REAL_MODEL_DISTRIBUTION, TINY_MODEL, packaged_gguf
 from kvtier.engine.models.load import load_model
+from kvtier.tiers.page import page_keys
 
 _TAKES_MODEL = {"run", "calibrate", "bench", "serve"}
 
@@ -47,3 +48,11 @@ def text_prompt(loaded, n: int, seed: int = 0) -> list[int]:
     words = ["cache", "page", "tier", "restore", "token", "prefix", "model", "host", "disk", "lmdb"]
     text = " ".join(rng.choice(words) for _ in range(n))
     return loaded.tokenizer.encode(text)[:n]
+
+
+def stored_once(engine, prompt: list[int]) -> list:
+    """Run ``prompt`` once on ``engine`` and close it (its pages flushed to the store);
+    returns the prompt's page keys."""
+    engine.generate([prompt])
+    engine.close()
+    return page_keys(engine.namespace, prompt)

@@ -91,9 +91,10 @@ def _weight(name: str, shape: tuple[int, ...]) -> np.ndarray:
     return w if "embed" in name else w * np.float32(2.0 / np.sqrt(shape[-1]))
 
 
-def write_model(directory: Path, architecture: str) -> Path:
-    """Write the generated ``architecture`` model into ``directory``; returns it."""
-    config = {**CONFIGS[architecture], "eos_token_id": EOS_TOKEN_ID, "tie_word_embeddings": True}
+def write_model(directory: Path, architecture: str, **sizes: object) -> Path:
+    """Write the generated ``architecture`` model into ``directory``, its config's
+    ``sizes`` changed (a bench sizes one like a real model); returns it."""
+    config = {**CONFIGS[architecture], **sizes, "eos_token_id": EOS_TOKEN_ID, "tie_word_embeddings": True}
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps(config, indent=2))
     for name in _TOKENIZER_FILES:

@@ -13,11 +13,11 @@ from kvtier.engine.models.load import load_model
 from kvtier.engine.request import SamplingParams
 from kvtier.tiers.hierarchy import StoreConfig
 from kvtier.tiers.links import Link
-from kvtier.tiers.page import page_keys, snapshot_key
+from kvtier.tiers.page import snapshot_key
 
 from .. import cli
-from ..tiers.lmdb_files import raw_env
-from .conftest import mlx_lm_greedy, text_prompt
+from ..tiers.lmdb_files import damage_last_byte
+from .conftest import mlx_lm_greedy, stored_once, text_prompt
 from .kind_models import restoring_wins, write_model
 
 PAGE = 16
@@ -95,16 +95,8 @@ def test_hybrid_restored_from_l2(lfm2, tmp_path):
 def test_corrupt_snapshot_falls_back_to_an_earlier_one(lfm2, tmp_path):
     prompt = text_prompt(lfm2, 150, seed=5)
     expected = mlx_lm_greedy(lfm2, prompt, GREEDY.max_tokens)
-    engine = make_engine(lfm2, tmp_path)
-    run_one(engine, prompt)
-    namespace = engine.namespace
-    engine.close()
-    keys = page_keys(namespace, prompt)
-    with raw_env(tmp_path) as (env, pages, _):  # damage the last byte of the snapshot after page 9
-        with env.begin(write=True) as txn:
-            value = bytearray(txn.get(snapshot_key(keys[8]), db=pages))
-            value[-1] ^= 0xFF
-            txn.put(snapshot_key(keys[8]), bytes(value), db=pages)
+    keys = stored_once(make_engine(lfm2, tmp_path), prompt)
+    damage_last_byte(tmp_path, [snapshot_key(keys[8])])  # the snapshot after page 9
     engine = make_engine(lfm2, tmp_path)
     restored = run_one(engine, prompt)
     failures = engine.stats().store.tiers["L3"].checksum_failures

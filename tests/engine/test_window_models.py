@@ -13,7 +13,8 @@ from kvtier.tiers.hierarchy import StoreConfig
 from kvtier.tiers.links import Link
 from kvtier.tiers.page import reusable_pages
 
-from .conftest import mlx_lm_greedy, text_prompt
+from ..tiers.lmdb_files import damage_last_byte
+from .conftest import mlx_lm_greedy, stored_once, text_prompt
 from .kind_models import CONFIGS, restoring_wins, write_model
 
 PAGE = 16
@@ -129,3 +130,24 @@ def test_what_cannot_be_served_is_refused_in_one_line_naming_it(gemma):
         layer_kind(RotatingKVCache(max_size=64, keep=4))  # what make_prompt_cache(max_kv_size=...) builds
     with pytest.raises(ModelError, match=r"^page size 64 is larger than this model's sliding window \(32 tokens\)$"):
         gemma.geometry(64)
+
+
+@pytest.mark.parametrize(
+    "damaged, restored_pages",
+    [
+        ([8], 8),  # the last page: the 8 before it, with page 6's window rows read now
+        ([8, 6], 6),  # and the window rows of page 6, which the first read skipped: 6 pages
+    ],
+)
+def test_a_window_restore_cut_short_by_a_bad_page_restores_up_to_it(gemma, tmp_path, damaged, restored_pages):
+    prompt = text_prompt(gemma, 150, seed=11)  # 9 pages; the window (2 pages) sees pages 7 and 8
+    expected = mlx_lm_greedy(gemma, prompt, GREEDY.max_tokens)
+    keys = stored_once(make_engine(gemma, tmp_path), prompt)
+    damage_last_byte(tmp_path, [keys[i] for i in damaged])  # a window row's byte
+    engine = make_engine(gemma, tmp_path)
+    restored = run_one(engine, prompt)
+    failures = engine.stats().store.tiers["L3"].checksum_failures
+    engine.close()
+    assert restored.output == expected and failures == len(damaged)
+    tokens = restored_pages * PAGE
+    assert restored.sources() == {"L1": 0, "L2": 0, "L3": tokens, "recomputed": len(prompt) - tokens}

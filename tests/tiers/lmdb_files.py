@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import lmdb
@@ -35,6 +35,16 @@ def raw_env(path: Path) -> Iterator[tuple[lmdb.Environment, object, object]]:
         yield env, env.open_db(b"pages"), env.open_db(b"meta")
     finally:
         env.close()
+
+
+def damage_last_byte(path: Path, keys: Iterable[bytes]) -> None:
+    """Flip the last byte of each record ``keys`` names in the closed store at ``path``
+    (of a page, its last layer's rows: a window row's where the model has window layers)."""
+    with raw_env(path) as (env, pages, _), env.begin(write=True) as txn:
+        for key in keys:
+            value = bytearray(txn.get(key, db=pages))
+            value[-1] ^= 0xFF
+            txn.put(key, bytes(value), db=pages)
 
 
 @contextlib.contextmanager
