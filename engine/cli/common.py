@@ -10,6 +10,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from kvtier.tiers.l3.base import StoreError
+from kvtier.tiers.l3.lmdb_open import writable_directory
 from kvtier.tiers.text import format_bytes
 
 from ..blas import blas_in_use, openblas_hint
@@ -37,11 +39,9 @@ def usable_store(path: Path | None) -> Path:
     if path.exists() and not path.is_dir():
         raise UsageError(f"store {path} is not a directory")
     try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise UsageError(f"cannot create store directory {path}: {err.strerror or err}") from None
-    if not os.access(path, os.W_OK | os.X_OK):
-        raise UsageError(f"store directory {path} is not writable")
+        writable_directory(path)
+    except StoreError as err:
+        raise UsageError(str(err)) from None
     return path
 
 

@@ -38,17 +38,23 @@ def check_format_version(path: Path, stored: bytes | None) -> None:
         raise StoreError(f"store at {path} has format version {version}, this kvtier reads version {FORMAT_VERSION}")
 
 
-def open_writable(
-    path: Path, map_size: int | None, asked: int | None, default_capacity: int, policy: str, record_bytes: int | None
-) -> tuple[PageTables, int]:
-    """The store at ``path`` (created if absent) and its cap: the stored one, else
-    ``asked``, else ``default_capacity``."""
+def writable_directory(path: Path) -> None:
+    """Create the store directory ``path`` if absent; StoreError (one line) when it
+    cannot be created or written."""
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise StoreError(f"cannot create store directory {path}: {exc.strerror or exc}") from None
     if not os.access(path, os.W_OK | os.X_OK):
         raise StoreError(f"store directory {path} is not writable")
+
+
+def open_writable(
+    path: Path, map_size: int | None, asked: int | None, default_capacity: int, policy: str, record_bytes: int | None
+) -> tuple[PageTables, int]:
+    """The store at ``path`` (created if absent) and its cap: the stored one, else
+    ``asked``, else ``default_capacity``."""
+    writable_directory(path)
     capacity = default_capacity if asked is None else asked
     if map_size is None:
         # Generous: if another process later grows the data past this map, every txn
