@@ -4,9 +4,6 @@ do not), both parsed here with prometheus_client's own parser."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -15,6 +12,7 @@ from kvtier.engine.request import SamplingParams
 from kvtier.engine.serve.app import KVTierServer, ServerConfig
 from kvtier.tiers.hierarchy import StoreConfig
 
+from .. import cli
 from .conftest import text_prompt
 
 pytestmark = pytest.mark.slow  # starts processes or loads the real model
@@ -35,13 +33,8 @@ def test_cli_and_server_name_and_type_every_series_alike(loaded, tmp_path):
     engine.generate([prompt], SamplingParams(max_tokens=2))  # pages hit in L1: every counter has moved
     served = families(KVTierServer(engine, ServerConfig("m")).metrics.render().decode())
     engine.close()
-    done = subprocess.run(
-        [sys.executable, "-m", "kvtier.engine.cli", "stats", "--prometheus", "--store", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=True,
-    )
+    done = cli.run(["stats", "--prometheus", "--store", str(tmp_path)])
+    assert done.returncode == 0, done.stderr
     stored = families(done.stdout)
 
     # the store's only own series is the size of its file; everything else the server has too
