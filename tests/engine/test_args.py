@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import subprocess
-import sys
 
 import pytest
 
 from kvtier.engine.cli import UsageError, build_parser
+
+from .. import cli
 
 REFUSED = [  # (argv, words of the one line)
     (["store", "resize", "--l3-bytes", "0"], "more than 0 bytes"),
@@ -70,8 +70,6 @@ def test_no_flag_takes_a_bare_number():
 
 @pytest.mark.parametrize("argv", [["store", "resize", "--l3-bytes", "0"], ["serve", "--drain-timeout", "-5"]])
 def test_the_reported_cases_exit_2_with_one_line(argv):
-    done = subprocess.run(
-        [sys.executable, "-m", "kvtier.engine.cli", *argv], capture_output=True, text=True, timeout=120
-    )
+    done = cli.run(argv)
     assert done.returncode == 2 and done.stdout == ""
     assert done.stderr.startswith("kvtier: error: ") and len(done.stderr.strip().splitlines()) == 1, done.stderr
