@@ -1,0 +1,52 @@
+"""The server secret: 32 random bytes that tenant namespaces and L3 encryption keys
+are derived from (DESIGN §9a).
+
+Kept in a file readable by its owner only: beside an LMDB store (``STORE/secret``), so
+every process on that store derives the same tenant namespaces and keys, or where the
+operator says (``--secret-file``; a fleet on one Redis shares one file). The secret is
+never stored in L3 itself: whoever can read the records must not also read the key.
+Created once, atomically (``O_EXCL``): two processes starting together agree on it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+from pathlib import Path
+
+from .base import StoreError
+
+SECRET_BYTES = 32
+SECRET_FILE = "secret"
+
+
+def read_or_create(path: Path) -> bytes:
+    """The secret kept at ``path``, created (mode 0600) if there is none. StoreError when
+    the file cannot be made or read, or holds anything but ``SECRET_BYTES`` bytes."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        pass
+    except OSError as e:
+        raise StoreError(f"cannot create the server secret {path}: {e.strerror or e}") from None
+    else:
+        with os.fdopen(fd, "wb") as out:
+            out.write(os.urandom(SECRET_BYTES))
+            out.flush()
+            os.fsync(out.fileno())
+    try:
+        secret = path.read_bytes()
+    except OSError as e:
+        raise StoreError(f"cannot read the server secret {path}: {e.strerror or e}") from None
+    if len(secret) != SECRET_BYTES:
+        raise StoreError(f"the server secret {path} holds {len(secret)} bytes, not {SECRET_BYTES}")
+    return secret
+
+
+def derive(secret: bytes, purpose: bytes, *parts: bytes) -> bytes:
+    """A 32-byte key for ``purpose`` (for example ``b"tenant"``, ``b"encrypt"``) bound to
+    ``parts``: HMAC-SHA256 under the secret, so nobody without it can compute one."""
+    message = b"\0".join((purpose, *parts))
+    return hmac.new(secret, message, hashlib.sha256).digest()
