@@ -691,7 +691,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         root = Path(tmp)
         progress("calibrating")
         profile = calibrate(loaded.model, geometry, root / "calibration")
-        report["calibration"] = profile.summary()
+        report["calibration"] = profile.summary().to_json()
         sizes = {name: len({x[0] for x in link.samples if x[0] > 0}) for name, link in profile.links.items()}
         phase("calibration")
         if 1 in args.parts:

@@ -25,6 +25,8 @@ from typing import ClassVar, TypeVar
 import numpy as np
 from scipy.optimize import least_squares, nnls
 
+from .summary import ErrorSummary
+
 log = logging.getLogger(__name__)
 
 WINDOW = 64
@@ -76,11 +78,11 @@ class ErrorLog:
         if measured > 0:
             self.errors.append(abs(predicted - measured) / measured)
 
-    def summary(self) -> dict:
+    def summary(self) -> ErrorSummary:
         if not self.errors:
-            return {"count": 0}
+            return ErrorSummary()
         values = np.array(self.errors)
-        return {"count": len(values), "median": float(np.median(values)), "p90": float(np.percentile(values, 90))}
+        return ErrorSummary(len(values), float(np.median(values)), float(np.percentile(values, 90)))
 
 
 _Model = TypeVar("_Model", bound="TimeModel")

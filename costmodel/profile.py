@@ -9,6 +9,7 @@ from kvtier.tiers.links import READ_LINKS
 
 from .environment import environment_id
 from .models import ComputeModel, LinkModel
+from .summary import ComputeFit, LinkFit, ProfileSummary
 
 GIB = 1 << 30
 
@@ -68,12 +69,11 @@ class Profile:
                 links[name] = LinkModel.of(links[name].setup_s, min(links[name].bytes_per_s, rate))
         return Profile(links, self.compute, self.calibrated)
 
-    def summary(self) -> dict:
+    def summary(self) -> ProfileSummary:
         """Fitted parameters and prediction errors, for stats."""
         links = {
-            name: {"setup_s": link.setup_s, "gib_s": link.bytes_per_s / GIB, "error": link.error.summary()}
+            name: LinkFit(link.setup_s, link.bytes_per_s / GIB, link.error.summary())
             for name, link in self.links.items()
         }
         c0, c1, c2 = self.compute.coef
-        compute = {"c0": c0, "c1": c1, "c2": c2, "error": self.compute.error.summary()}
-        return {"calibrated": self.calibrated, "links": links, "compute": compute}
+        return ProfileSummary(self.calibrated, links, ComputeFit(c0, c1, c2, self.compute.error.summary()))

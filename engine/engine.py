@@ -54,7 +54,7 @@ from .refinement import observe_links, observe_prefill
 from .request import CANCELLED, ERROR, Request, SamplingParams
 from .sampling import logits_processors, sampler, token_logprob
 from .scheduler import Scheduler
-from .stats import EngineStats, Window
+from .stats import EngineStats, LastRun, Window
 from .totals import EngineTotals, request_record
 
 log = logging.getLogger(__name__)
@@ -379,11 +379,10 @@ class Engine:
         self.stop()
         self._closed = True
         if self.store is not None:
-            stats = self.stats().to_json()  # keep what online refinement learned, and the last window
+            stats = self.stats()  # keep what online refinement learned, and the last window
             self.store.put_meta(self.loaded.profile_key(self.geometry), self.profile.to_dict())
-            self.store.put_meta(
-                "last_run", {"model": self.loaded.name, "windowed": stats["windowed"], "costmodel": stats["costmodel"]}
-            )
+            assert stats.costmodel is not None  # an engine's stats always have its cost model
+            self.store.put_meta("last_run", LastRun(self.loaded.name, stats.windowed, stats.costmodel).to_json())
             self.store.close(extra_counters={"engine": self.totals.to_dict()})
         if self.prefix_caches is not None:
             self.prefix_caches.close()

@@ -7,8 +7,9 @@ persisted counters read (the same keys, in the same order, as before it was type
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, replace
-from typing import TYPE_CHECKING
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, fields, replace
+from typing import TYPE_CHECKING, Any
 
 from kvtier.tiers.counters import add_into
 
@@ -59,6 +60,19 @@ class EngineTotals:
     def to_dict(self) -> dict:
         """The JSON shape (a copy: later counting does not change it)."""
         return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> EngineTotals:
+        """Totals a store persisted (``to_dict`` summed over processes): the numbers
+        under known names, a damaged or unknown field left at its default."""
+        known = {
+            f.name: d[f.name]
+            for f in fields(cls)
+            if f.name != "sources" and isinstance(d.get(f.name), int | float) and not isinstance(d.get(f.name), bool)
+        }
+        raw = d.get("sources")
+        sources = {str(k): int(v) for k, v in raw.items() if isinstance(v, int)} if isinstance(raw, Mapping) else {}
+        return cls(**known, sources=sources)
 
 
 def request_record(request: Request, loaded: LoadedModel, page_size: int) -> dict:

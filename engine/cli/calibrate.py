@@ -58,9 +58,9 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         "calibrating (quick)" if args.quick else "calibrating",
     )
     summary = profile.summary()
-    for name, link in summary["links"].items():
-        print(f"{name}: setup {link['setup_s'] * 1e3:.3f} ms, {link['gib_s']:.2f} GiB/s")
-    c = summary["compute"]
-    print(f"prefill: T(n, p) = {c['c0']:.4g} + {c['c1']:.4g}*n + {c['c2']:.4g}*n*(p + n/2) s")
+    for name, link in summary.links.items():
+        print(f"{name}: setup {link.setup_s * 1e3:.3f} ms, {link.gib_s:.2f} GiB/s")
+    if (c := summary.compute) is not None:
+        print(f"prefill: T(n, p) = {c.c0:.4g} + {c.c1:.4g}*n + {c.c2:.4g}*n*(p + n/2) s")
     print(f"profile saved in {store_dir}")
     return 0

@@ -62,6 +62,6 @@ class Printer:
 
 def print_summary(stats: EngineStats) -> None:
     print()
-    print(format_tier_table(stats.to_json()))
-    if not stats.costmodel["calibrated"]:
+    print(format_tier_table(stats.store))
+    if stats.costmodel is not None and not stats.costmodel.calibrated:
         print("\ncost model: defaults (run `kvtier calibrate` to measure this machine)")

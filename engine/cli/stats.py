@@ -5,8 +5,12 @@ from __future__ import annotations
 import argparse
 import json
 
+from kvtier.tiers.counters import TierStats
+from kvtier.tiers.stats import L3Place
 from kvtier.tiers.text import format_bytes
 
+from ..serve.prometheus import format_stats
+from ..stats import EngineStats
 from .common import open_store
 from .report import format_engine_totals, format_last_run, format_tier_table
 
@@ -19,47 +23,41 @@ def cmd_stats(args: argparse.Namespace) -> int:
             print(f"counters of {disk.location} reset")
         return 0
     with open_store(args.store, readonly=True) as disk:
-        counters = disk.tables.persistent_counters()
-        counters["last_run"] = disk.tables.get_meta("last_run") or {}
-        counters.setdefault("tiers", {}).setdefault("L3", {}).update(
-            capacity=disk.counters.capacity,
-            bytes_used=disk.counters.bytes_used,
-            pages=disk.counters.pages,
-            file_bytes=disk.file_bytes,
-        )
-        counters["l3"] = {"backend": disk.backend, "location": disk.location}
+        place = L3Place(disk.backend, disk.location, disk.file_bytes)
+        now = TierStats(disk.counters.capacity, disk.counters.bytes_used, disk.counters.pages)
+        stats = EngineStats.persisted(disk.tables.persistent_counters(), disk.tables.get_meta("last_run"), place, now)
     if args.json:
-        print(json.dumps(counters))
+        print(json.dumps(stats.to_json()))
     elif args.prometheus:
-        from ..serve.prometheus import format_stats
-
-        print(format_stats(counters), end="")
+        print(format_stats(stats), end="")
     else:
-        _print_tables(counters)
+        _print_tables(stats)
     return 0
 
 
-def _print_tables(counters: dict) -> None:
-    l3 = counters["tiers"]["L3"]
-    print(format_tier_table(counters))
-    if counters["l3"]["backend"] == "redis":
+def _print_tables(stats: EngineStats) -> None:
+    store = stats.store
+    assert store is not None and store.l3 is not None  # a store's persisted counters always have both
+    l3, place = store.tiers["L3"], store.l3
+    print(format_tier_table(store))
+    if place.backend == "redis":
         print(
-            f"\nL3 is the Redis store {counters['l3']['location']}: it uses {format_bytes(l3['bytes_used'])} "
-            f"of its maxmemory {format_bytes(l3['capacity']) if l3['capacity'] else '(none set)'}. "
+            f"\nL3 is the Redis store {place.location}: it uses {format_bytes(l3.bytes_used)} "
+            f"of its maxmemory {format_bytes(l3.capacity) if l3.capacity else '(none set)'}. "
             "L1 and L2 capacities belong to each run (-)."
         )
     else:
         print(
-            f"\nL3 holds {format_bytes(l3['bytes_used'])} of its {format_bytes(l3['capacity'])} cap; "
-            f"data.mdb is {format_bytes(l3['file_bytes'])} on disk (`kvtier store compact` shrinks it). "
+            f"\nL3 holds {format_bytes(l3.bytes_used)} of its {format_bytes(l3.capacity)} cap; "
+            f"data.mdb is {format_bytes(place.file_bytes or 0)} on disk (`kvtier store compact` shrinks it). "
             "L1 and L2 capacities belong to each run (-)."
         )
-    if counters.get("snapshots"):
+    if store.snapshots is not None and store.snapshots.tiers:
         print("\nState snapshots of hybrid models (their L3 records count in L3 above):")
-        print(format_tier_table(counters["snapshots"]))
-    if counters.get("engine"):
+        print(format_tier_table(store.snapshots))
+    if stats.totals is not None:
         print()
-        print(format_engine_totals(counters["engine"]))
-    if counters["last_run"]:
+        print(format_engine_totals(stats.totals))
+    if stats.last_run is not None:
         print()
-        print(format_last_run(counters["last_run"]))
+        print(format_last_run(stats.last_run))

@@ -79,7 +79,7 @@ class KVTierServer:
         self.conversations = Conversations(engine.config.page_size)
         store = engine.store
         self.holds = Holds(store, store.view().l1.max_pages // 2 if store is not None else 0)
-        self.metrics = ServerMetrics(lambda: engine.stats().to_json(), self._gauges)
+        self.metrics = ServerMetrics(engine.stats, self._gauges)
         self.app = Starlette(
             routes=[
                 Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),

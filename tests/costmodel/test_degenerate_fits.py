@@ -62,8 +62,8 @@ def test_a_stored_degenerate_profile_loads_with_the_defaults_and_stats_show_no_a
     saved["links"]["L3->L1"]["coef"] = [9.113e-3, 1e-30]
     saved["links"]["L2->L1"]["coef"] = [-1e-3, 1e-9]
     saved["compute"]["coef"] = [float("nan"), 1e-3, 0.0]
-    summary = Profile.from_dict(saved).summary()
-    defaults = Profile.defaults().summary()
+    summary = Profile.from_dict(saved).summary().to_json()
+    defaults = Profile.defaults().summary().to_json()
     for name in ("L3->L1", "L2->L1"):
         assert summary["links"][name]["gib_s"] == pytest.approx(defaults["links"][name]["gib_s"])
         assert summary["links"][name]["setup_s"] == pytest.approx(defaults["links"][name]["setup_s"])
