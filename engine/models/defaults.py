@@ -42,6 +42,7 @@ from pathlib import Path
 import numpy as np
 
 from . import gguf
+from .imported import register_import
 from .paths import kvtier_home
 from .tool_template import TOOLS_CHAT_TEMPLATE
 
@@ -123,7 +124,7 @@ def ensure_real_model(progress: Callable[[int, int], None] | None = None) -> Pat
     version = importlib.metadata.version(REAL_MODEL_DISTRIBUTION)
     directory = kvtier_home() / "models" / f"{REAL_MODEL}-{version}-{_REAL_MODEL_DTYPE}"
     if gguf.is_imported(directory, _REAL_MODEL_DTYPE):
-        gguf.register_import(directory)
+        register_import(directory)
         return directory
     return gguf.import_gguf(source, directory, _REAL_MODEL_DTYPE, progress)
 

@@ -28,29 +28,31 @@ matches; a lost entry (two processes writing the index at once) only costs a cop
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
-import json
 import logging
-import os
 import re
-import shutil
-import uuid
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
-from .paths import kvtier_home
+from .imported import (
+    MARKER,
+    ImportDirError,
+    default_import_dir,
+    import_lock,
+    imported_as,
+    read_marker,
+    register_import,
+    replacing,
+    write_json,
+)
 
 log = logging.getLogger(__name__)
 
 # Bump when the output for a given file changes, so stale imports are redone.
 IMPORTER_VERSION = 1
 DTYPES = ("float32", "float16", "bfloat16", "keep")
-MARKER = "kvtier-import.json"
-IMPORTS_INDEX = "imports.json"  # under <kvtier home>/models: {digest-dtype-version: directory}
 _GGUF_MAGIC = b"GGUF"
 _GROUP_SIZE = 32  # every GGUF block type mx.load understands has 32 weights per block
 
@@ -116,7 +118,7 @@ def import_gguf(
         raise GGUFError(f"unknown dtype {dtype!r} (choose from {', '.join(DTYPES)})")
     source = Path(source)
     marker = {"importer_version": IMPORTER_VERSION, "dtype": dtype, "source_blake2b": _digest(source)}
-    if out is None and (known := _imported_as(marker)) is not None:
+    if out is None and (known := imported_as(marker)) is not None:
         log.info("%s is already imported as %s", source.name, known)
         return known
     out = Path(out) if out is not None else default_import_dir(source, dtype)
@@ -128,87 +130,40 @@ def import_gguf(
     arch = _architecture(metadata)
     config = _config(arch, metadata, tensors)
     tokenizer, tokenizer_config = _tokenizer(metadata)
-    with _import_lock(out):  # a second importer waits, then finds the first one's import
-        if _holds(out, marker, source):
-            return out
-        weights = _weights(tensors, dtype, config, progress)
-        log.info("importing %s (%s) into %s as %s", source.name, arch.model_type, out, dtype)
-        try:
-            with _replacing(out) as tmp:
-                _save_model(tmp, config, weights)
-                tokenizer.save(str(tmp / "tokenizer.json"))
-                _write_json(tmp / "tokenizer_config.json", tokenizer_config)
-                _write_json(tmp / MARKER, marker)
-        except OSError as err:
-            raise GGUFError(f"cannot write {out}: {err.strerror or err}") from None
+    try:
+        with import_lock(out):  # a second importer waits, then finds the first one's import
+            if _holds(out, marker, source):
+                return out
+            weights = _weights(tensors, dtype, config, progress)
+            log.info("importing %s (%s) into %s as %s", source.name, arch.model_type, out, dtype)
+            try:
+                with replacing(out) as tmp:
+                    _save_model(tmp, config, weights)
+                    tokenizer.save(str(tmp / "tokenizer.json"))
+                    write_json(tmp / "tokenizer_config.json", tokenizer_config)
+                    write_json(tmp / MARKER, marker)
+            except OSError as err:
+                raise GGUFError(f"cannot write {out}: {err.strerror or err}") from None
+    except ImportDirError as err:
+        raise GGUFError(str(err)) from None
     register_import(out)
     return out
 
 
 def _holds(out: Path, marker: dict, source: Path) -> bool:
     """Whether ``out`` already holds this import (then it is listed in the index)."""
-    if _read_marker(out) != marker:
+    if read_marker(out) != marker:
         return False
     log.info("%s already holds %s", out, source.name)
     register_import(out)
     return True
 
 
-def register_import(directory: Path) -> None:
-    """List the import in ``directory`` by its source's digest (read from its marker, so
-    an import made before the index existed registers without hashing its source
-    again). An index kvtier cannot write is logged, not an error: it only saves copies."""
-    marker = _read_marker(directory)
-    if marker is None:
-        return
-    index, listed = _read_index(), str(Path(directory).resolve())
-    if index.get(_index_key(marker)) == listed:
-        return  # the default model's every start comes here: no write
-    index[_index_key(marker)] = listed
-    index = {key: path for key, path in index.items() if _read_marker(Path(path)) is not None}  # drop removed ones
-    path = _index_path()
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        _write_json(tmp, index)
-        os.replace(tmp, path)
-    except OSError as err:
-        log.warning("cannot update %s: %s", path, err.strerror or err)
-        tmp.unlink(missing_ok=True)
-
-
-def _imported_as(marker: dict) -> Path | None:
-    """The directory the index lists for this source digest, dtype and importer version,
-    if it still holds that import."""
-    listed = _read_index().get(_index_key(marker))
-    return Path(listed) if listed is not None and _read_marker(Path(listed)) == marker else None
-
-
-def _index_key(marker: dict) -> str:
-    return f"{marker.get('source_blake2b')}-{marker.get('dtype')}-v{marker.get('importer_version')}"
-
-
-def _index_path() -> Path:
-    return kvtier_home() / "models" / IMPORTS_INDEX
-
-
-def _read_index() -> dict[str, str]:
-    try:
-        index = json.loads(_index_path().read_text())
-    except (OSError, ValueError):
-        return {}
-    return {k: v for k, v in index.items() if isinstance(v, str)} if isinstance(index, dict) else {}
-
-
 def is_imported(directory: Path, dtype: str) -> bool:
     """Whether ``directory`` holds a complete import by this importer version in ``dtype``
     (whatever the source; :func:`import_gguf` also compares the source's digest)."""
-    marker = _read_marker(directory) or {}
+    marker = read_marker(directory) or {}
     return marker.get("importer_version") == IMPORTER_VERSION and marker.get("dtype") == dtype
-
-
-def default_import_dir(source: Path, dtype: str) -> Path:
-    return kvtier_home() / "models" / f"{Path(source).stem}-{dtype}"
 
 
 def _read(source: Path) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -447,45 +402,6 @@ def _tokenizer(meta: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
     return tok, config
 
 
-@contextmanager
-def _import_lock(directory: Path) -> Iterator[None]:
-    """Hold the lock of imports into ``directory`` (a file under the kvtier home, named
-    by the directory's path, so nothing is left beside it; released when the process
-    ends, however it ends). Two processes importing at once, such as two first runs of
-    one kvtier home, would each convert the file and swap their copy in while the
-    other's was being loaded."""
-    name = hashlib.blake2b(str(directory.resolve()).encode(), digest_size=8).hexdigest()
-    lock = kvtier_home() / "locks" / f"import-{name}.lock"
-    try:
-        lock.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
-    except OSError as err:
-        raise GGUFError(f"cannot write {lock.parent}: {err.strerror or err}") from None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)
-
-
-@contextmanager
-def _replacing(directory: Path) -> Iterator[Path]:
-    """Build in a temporary sibling, then swap it in for ``directory``: readers see the
-    old import or the new one, never half of one."""
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    tag = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    tmp, old = (directory.with_name(f".{directory.name}.{kind}-{tag}") for kind in ("tmp", "old"))
-    try:
-        tmp.mkdir()
-        yield tmp
-        if directory.exists():
-            os.rename(directory, old)
-        os.rename(tmp, directory)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-        shutil.rmtree(old, ignore_errors=True)
-
-
 def _digest(path: Path) -> str:
     digest = hashlib.blake2b(digest_size=16)
     try:
@@ -495,17 +411,6 @@ def _digest(path: Path) -> str:
     except OSError as err:
         raise GGUFError(f"cannot read {path}: {err.strerror}") from None
     return digest.hexdigest()
-
-
-def _read_marker(directory: Path) -> dict | None:
-    try:
-        return json.loads((directory / MARKER).read_text())
-    except (OSError, ValueError):
-        return None
-
-
-def _write_json(path: Path, obj: dict) -> None:
-    path.write_text(json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
 def _one_line(err: BaseException) -> str:

@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 
 from kvtier.engine.models.defaults import ensure_real_model, packaged_gguf
-from kvtier.engine.models.gguf import IMPORTS_INDEX, MARKER, GGUFError, default_import_dir, import_gguf
+from kvtier.engine.models.gguf import GGUFError, import_gguf
+from kvtier.engine.models.imported import IMPORTS_INDEX, MARKER, default_import_dir
 from kvtier.engine.models.paths import kvtier_home
 
 from .. import cli
