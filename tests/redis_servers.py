@@ -181,10 +181,12 @@ class RedisCluster:
 
 class SlowProxy:
     """A TCP forwarder that holds every request ``delay`` seconds before passing it on:
-    a Redis across a slow network."""
+    a Redis across a slow network. ``round_trips`` counts the requests it passed on (each
+    read from a client: a pipeline's commands go in one write, so they count once)."""
 
-    def __init__(self, port: int, delay: float) -> None:
+    def __init__(self, port: int, delay: float = 0.0) -> None:
         self.target, self.delay = port, delay
+        self.round_trips = 0
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.port = self.listener.getsockname()[1]
         threading.Thread(target=self._accept, daemon=True).start()
@@ -200,13 +202,13 @@ class SlowProxy:
             except OSError:
                 return
             server = socket.create_connection(("127.0.0.1", self.target))
-            threading.Thread(target=self._pipe, args=(client, server, self.delay), daemon=True).start()
-            threading.Thread(target=self._pipe, args=(server, client, 0.0), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(client, server, self.delay, True), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(server, client, 0.0, False), daemon=True).start()
 
-    @staticmethod
-    def _pipe(source: socket.socket, sink: socket.socket, delay: float) -> None:
+    def _pipe(self, source: socket.socket, sink: socket.socket, delay: float, requests: bool) -> None:
         try:
             while data := source.recv(1 << 16):
+                self.round_trips += requests
                 time.sleep(delay)
                 sink.sendall(data)
         except OSError:

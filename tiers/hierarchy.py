@@ -54,7 +54,7 @@ import mlx.core as mx
 
 from .counters import add_into
 from .join import keep_buffers_for_restores
-from .l3.base import L3Store, StoreError
+from .l3.base import L3Store, ReadThrough, StoreError
 from .l3.open import open_l3
 from .links import LinkLedger, Throttle
 from .page import Namespace, PageGeometry, PageKey, Source, page_tokens, partial_key, shared_start
@@ -323,10 +323,10 @@ class TieredStore:
         if self.disk is not None:
             self.disk.tables.put_meta(name, value)
 
-    def read_through_l3(self, keys: Sequence[PageKey]) -> int:
+    def read_through_l3(self, keys: Sequence[PageKey]) -> ReadThrough:
         """Read and hash L3's records of ``keys``, keeping nothing: the floor under a
-        restore that benchmarks compare against. Bytes read; 0 without L3."""
-        return self.disk.read_through(keys) if self.disk is not None else 0
+        restore that benchmarks compare against (nothing read without L3)."""
+        return self.disk.read_through(keys) if self.disk is not None else ReadThrough()
 
     def drop_l2(self) -> None:
         """Forget L2's copies, of pages and snapshots (calibration: the next restore reads

@@ -111,19 +111,20 @@ def test_a_restore_takes_a_bounded_number_of_round_trips(redis_server):
     fill(redis_server.url, n)
     client = redis_server.client()
     client.config_resetstat()
-    store = make_store(redis_server.url, l2_pages=n)
-    executes = []
-    pipeline = store.disk._client.pipeline
-    store.disk._client.pipeline = lambda **kw: executes.append(1) or pipeline(**kw)
+    proxy = SlowProxy(redis_server.port)
+    store = make_store(proxy.url, l2_pages=n)
+    before = proxy.round_trips
     assert store.locate(KEYS[:n], TOKENS) == [Source.L3] * n
+    assert proxy.round_trips == before + 1  # one pipelined EXISTS for all pages
     restored = store.restore(KEYS[:n], TOKENS)
     assert restored.num_pages == n
+    assert proxy.round_trips == before + 2  # one MGET
     stats = client.info("commandstats")
     assert stats["cmdstat_mget"]["calls"] == 1 and "cmdstat_get" not in stats
-    assert len(executes) == 1  # locate: one pipelined EXISTS for all pages
     assert store.links["L3->L1"].pages == n and store.links["L3->L1"].seconds > 0
     store.release(restored.keys)
     store.close()
+    proxy.close()
 
 
 def test_the_server_evicts_under_its_cap_and_an_evicted_page_is_a_miss(redis_server):

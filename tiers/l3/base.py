@@ -27,9 +27,11 @@ import threading
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from typing import TypeVar
 
 import numpy as np
+from xxhash import xxh3_64_intdigest
 
 from ..counters import TierStats
 from .check import RecordCheck
@@ -42,6 +44,19 @@ from .writer import Batch, PendingPut, Writer
 class StoreError(Exception):
     """L3 cannot be used (unwritable dir, damaged env, unreachable server, other format
     version); the message is one line."""
+
+
+@dataclass(frozen=True)
+class ReadThrough:
+    """What ``L3Store.read_through`` read: bytes, and the xxh3_64 of each record found,
+    in the order of the keys asked for (so a caller can tell every byte was hashed)."""
+
+    nbytes: int = 0
+    digests: tuple[int, ...] = ()
+
+    @classmethod
+    def of(cls, values: Sequence[memoryview | bytes]) -> ReadThrough:
+        return cls(sum(len(v) for v in values), tuple(xxh3_64_intdigest(v) for v in values))
 
 
 class Snapshot(ABC):
@@ -137,9 +152,9 @@ class L3Store(ABC):
         """Reload the store-wide gauges (every process changes them)."""
 
     @abstractmethod
-    def read_through(self, keys: Sequence[bytes]) -> int:
+    def read_through(self, keys: Sequence[bytes]) -> ReadThrough:
         """Read and hash every byte of these records, keeping nothing: the floor under a
-        restore (benchmarks compare against it). Returns bytes read."""
+        restore (benchmarks compare against it)."""
 
     @abstractmethod
     def clear(self, namespaces: set[bytes] | None = None) -> tuple[int, int]: ...

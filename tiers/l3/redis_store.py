@@ -39,10 +39,9 @@ import redis
 from redis.backoff import NoBackoff
 from redis.cluster import ClusterNode, RedisCluster
 from redis.retry import Retry
-from xxhash import xxh3_64_intdigest
 
 from ..text import format_bytes, one_line
-from .base import L3Store, Snapshot, StoreError
+from .base import L3Store, ReadThrough, Snapshot, StoreError
 from .record import FORMAT_VERSION, encode_record
 from .redis_tables import RedisTables
 from .writer import Batch
@@ -261,15 +260,13 @@ class RedisTier(L3Store):
     def _fingerprint(self, value: memoryview | bytes) -> str:
         return hashlib.sha1(value).hexdigest()
 
-    def read_through(self, keys: Sequence[bytes]) -> int:
-        total = 0
+    def read_through(self, keys: Sequence[bytes]) -> ReadThrough:
         window = max(1, _BATCH_BYTES // (1 << 20))
-        for i in range(0, len(keys), window):
-            for value in self.mget(list(keys[i : i + window])):
-                if value is not None:
-                    xxh3_64_intdigest(value)
-                    total += len(value)
-        return total
+        parts = [
+            ReadThrough.of([v for v in self.mget(list(keys[i : i + window])) if v is not None])
+            for i in range(0, len(keys), window)
+        ]
+        return ReadThrough(sum(p.nbytes for p in parts), tuple(d for p in parts for d in p.digests))
 
     # --- writer thread -------------------------------------------------------------------
 
