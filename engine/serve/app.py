@@ -204,7 +204,8 @@ class KVTierServer:
             banned=prompt.banned,
         )
         gen = await self._submit(prompt, params, body.stop_sequences, "messages", "toolu_")
-        gen.turn = (shape.id, (body.metadata or {}).get("user_id"), (body.diagnostics or {}).get("previous_message_id"))
+        previous = body.diagnostics.previous_message_id if body.diagnostics else None
+        gen.turn = (shape.id, (body.metadata or {}).get("user_id"), previous)
         gen.diagnose = body.diagnostics is not None
         if not body.stream:
             return JSONResponse(shape.response(await self._collect(gen, http)))
