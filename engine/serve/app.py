@@ -33,7 +33,7 @@ from starlette.routing import Route
 from kvtier.tiers.page import page_keys
 
 from ..engine import Engine
-from ..limits import InputError, context_length
+from ..limits import InputError, TextLimit, context_length
 from ..request import Request, SamplingParams
 from ..text import OutputText
 from . import api, render, responses
@@ -42,7 +42,7 @@ from .conversations import Conversations, log_loss, miss_reason
 from .generation import Generation, cancel_on_disconnect
 from .holds import Holds
 from .prometheus import ServerMetrics
-from .prompt import Prompt
+from .prompt import Prompt, check_text
 from .prompt import render as render_prompt
 from .responses import Finished
 from .tools import ToolCallText
@@ -74,6 +74,7 @@ class KVTierServer:
         self.config = config
         self.tokenizer = engine.loaded.tokenizer
         self.context = context_length(engine.loaded) or 32768
+        self.text_limit = TextLimit.measure(self.tokenizer, self.context)  # refuses huge prompts untokenized
         self.created = int(time.time())
         self._live: dict[int, Request] = {}  # by rid
         self.conversations = Conversations(engine.config.page_size)
@@ -135,6 +136,8 @@ class KVTierServer:
     async def completions(self, http: HTTPRequest) -> Response:
         body = api.parse_body(await self._read(http), api.CompletionRequest)
         prompt = body.prompt
+        if isinstance(prompt, str):
+            check_text(self.text_limit, len(prompt.encode()), "prompt")
         tokens = await anyio.to_thread.run_sync(self.tokenizer.encode, prompt) if isinstance(prompt, str) else prompt
         return await self._openai(http, body, Prompt(list(tokens)), chat=False)
 
@@ -149,6 +152,7 @@ class KVTierServer:
                 render.chat_tool_choice(body),
                 render.chat_has_tool_history(body),
                 render.chat_breakpoints(body),
+                self.text_limit,
             )
         )
         return await self._openai(http, body, prompt, chat=True)
@@ -250,6 +254,7 @@ class KVTierServer:
             render.anthropic_tool_choice(body),
             render.anthropic_has_tool_history(body),
             render.anthropic_breakpoints(body, origins),
+            self.text_limit,
         )
 
     # -- the rest of the API -----------------------------------------------------------
