@@ -63,6 +63,7 @@ class ServerConfig:
     max_waiting: int = 64  # requests queued for a batch slot; past it, 429
     default_max_tokens: int = 512  # when a request names none (capped by the context)
     max_body_bytes: int = 8 << 20  # larger bodies answer 413
+    body_timeout_s: float = 60.0  # a body not all received by then answers 408 (a trickling client)
     tool_warm_s: float = 120.0  # an answer that ends in a tool call is held this long (0: not held)
 
 
@@ -280,17 +281,22 @@ class KVTierServer:
     # -- steps shared by the endpoints ------------------------------------------------
 
     async def _read(self, http: HTTPRequest) -> bytes:
-        """The body, refused with 413 as soon as it passes the limit."""
+        """The body, refused with 413 as soon as it passes the limit, and with 408 when it
+        has not all come within ``body_timeout_s``."""
         limit = self.config.max_body_bytes
         declared = http.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > limit:
             raise APIError(413, f"body is {declared} bytes; the limit is {limit}", code="body_too_large")
         chunks, size = [], 0
-        async for chunk in http.stream():
-            size += len(chunk)
-            if size > limit:
-                raise APIError(413, f"body is over the limit of {limit} bytes", code="body_too_large")
-            chunks.append(chunk)
+        with anyio.move_on_after(self.config.body_timeout_s) as waited:
+            async for chunk in http.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise APIError(413, f"body is over the limit of {limit} bytes", code="body_too_large")
+                chunks.append(chunk)
+        if waited.cancelled_caught:
+            timeout = self.config.body_timeout_s
+            raise APIError(408, f"body not received within {timeout:g} s ({size} bytes came)", code="body_timeout")
         return b"".join(chunks)
 
     def _model(self, name: str | None) -> str:

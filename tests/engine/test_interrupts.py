@@ -191,10 +191,15 @@ def test_ctrl_c_before_the_server_serves(tmp_path):
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_a_signal_to_an_idle_server(tmp_path, sig):
+    """It stops, and the store keeps the counters of what it served (``kvtier stats``)."""
     child = Child(serve_args(tmp_path))
     url = child.wait_for("err", r"on (http://\S+)\n").group(1)
     assert httpx.get(url + "/health", timeout=60).json()["status"] == "ok"
+    served = httpx.post(url + "/v1/completions", json={"prompt": SHORT_PROMPT, "max_tokens": 2}, timeout=60).json()
     assert_stopped(child, child.signal_and_wait(sig), tmp_path)
+    done = cli.run(["stats", "--json", "--store", str(tmp_path)])
+    counted = json.loads(done.stdout)["engine"]
+    assert (counted["requests"], counted["prompt_tokens"]) == (1, served["usage"]["prompt_tokens"])
 
 
 def test_ctrl_c_with_a_request_in_flight_drains_and_flushes(tmp_path):
