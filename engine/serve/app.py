@@ -36,6 +36,7 @@ from ..engine import Engine
 from ..limits import InputError, TextLimit, context_length
 from ..request import Request, SamplingParams
 from ..text import OutputText
+from ..text import verbatim as verbatim_text
 from . import api, render, responses
 from .api import APIError
 from .conversations import Conversations, log_loss, miss_reason
@@ -169,7 +170,9 @@ class KVTierServer:
             banned=prompt.banned,
             **body.sampling(),
         )
-        gen = await self._submit(prompt, params, body.stop_strings(), "prompt" if not chat else "messages", "call_")
+        gen = await self._submit(
+            prompt, params, body.stop_strings(), "prompt" if not chat else "messages", "call_", verbatim=not chat
+        )
         gen.turn = (shape.id, body.prompt_cache_key or body.user or body.safety_identifier, None)
         if not body.stream:
             return JSONResponse(shape.response(await self._collect(gen, http)))
@@ -310,10 +313,17 @@ class KVTierServer:
         return self.config.model_name
 
     async def _submit(
-        self, prompt: Prompt, params: SamplingParams, stops: list[str], param: str, call_ids: str
+        self,
+        prompt: Prompt,
+        params: SamplingParams,
+        stops: list[str],
+        param: str,
+        call_ids: str,
+        verbatim: bool = False,
     ) -> Generation:
         """Check and submit; ``params.max_tokens`` 0 takes the server's default (capped by the
-        context). ``call_ids`` starts the ids of the tool calls read from the answer."""
+        context). ``call_ids`` starts the ids of the tool calls read from the answer. A
+        ``verbatim`` text (a completion's) keeps the space its first token starts with."""
         tokens = prompt.tokens
         if len(tokens) >= self.context:
             raise api.invalid(f"the prompt is {len(tokens)} tokens; this model's context is {self.context}", param)
@@ -343,7 +353,7 @@ class KVTierServer:
         return Generation(
             request,
             prompt,
-            OutputText(self.tokenizer.detokenizer, stops),
+            OutputText(verbatim_text(self.tokenizer.detokenizer) if verbatim else self.tokenizer.detokenizer, stops),
             self.engine.config.page_size,
             self.tokenizer,
             calls,

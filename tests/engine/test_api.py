@@ -5,7 +5,7 @@ import json
 import pytest
 
 from kvtier.engine.serve import api, render, responses
-from kvtier.engine.text import OutputText
+from kvtier.engine.text import OutputText, verbatim
 
 
 class _Detokenizer:
@@ -177,6 +177,17 @@ def test_anthropic_events_in_order():
 # -- whole characters only -------------------------------------------------------------
 
 H, E_ACUTE, EURO = [0x68], [0xC3, 0xA9], [0xE2, 0x82, 0xAC]  # "h", "é", "€" as the byte tokenizer's ids
+
+
+def test_a_completion_keeps_the_space_its_first_token_starts_with(loaded):
+    """mlx-lm's byte-level detokenizer drops the space that starts the text (an answer's
+    first word); a completion's text is what the model generated, " Paris." included."""
+    tokens = loaded.tokenizer.encode(" Paris.")
+    kept = OutputText(verbatim(loaded.tokenizer.detokenizer), ["."])
+    pieces = [kept.add(token) for token in tokens] + [kept.finish()]
+    assert "".join(pieces) == kept.text == " Paris" and kept.stop_string == "."
+    trimmed = OutputText(loaded.tokenizer.detokenizer, [])
+    assert "".join([trimmed.add(token) for token in tokens] + [trimmed.finish()]) == "Paris."
 
 
 @pytest.mark.parametrize(
