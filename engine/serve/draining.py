@@ -46,7 +46,7 @@ class DrainingServer(uvicorn.Server):
                 log_level=log_level,
                 timeout_graceful_shutdown=math.ceil(drain_timeout + _DRAIN_GRACE_S),
                 # Connections that send no request are closed (``slow_clients``).
-                http=HeadTimeoutProtocol.with_timeout(head_timeout),  # type: ignore[arg-type]
+                http=HeadTimeoutProtocol.with_timeout(head_timeout),
                 timeout_keep_alive=keep_alive,
             )
         )
