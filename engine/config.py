@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvtier.tiers.checkpoints import COUNTERS_EVERY_S
 from kvtier.tiers.hierarchy import StoreConfig
 from kvtier.tiers.policy import DEFAULT_POLICY
 
@@ -23,3 +24,4 @@ class EngineConfig:
     refresh_window: int = 128  # waiting requests whose L1 pages are touched before admission
     window_s: float = 30.0  # cached tokens per second are measured over this window
     policy: str = DEFAULT_POLICY  # eviction policy of the store's tiers (tiers.policy)
+    counters_every_s: float = COUNTERS_EVERY_S  # a serving engine adds its counters to the store this often

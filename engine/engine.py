@@ -169,6 +169,8 @@ class Engine:
             raise RuntimeError("the engine was already started (or stopped): an Engine serves once")
         self._serving = threading.Thread(target=self._serve, name="kvtier-engine", daemon=True)
         self._serving.start()
+        if self.store is not None:  # a serving process may be killed: its counters reach the store as it runs
+            self.store.checkpoint_every(self.config.counters_every_s, lambda: {"engine": self.totals.to_dict()})
 
     def stop(self, cancel: bool = False) -> None:
         """Stop taking requests and end those already queued or running: finished (or,

@@ -8,7 +8,8 @@ sizes its prompts to the same context.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from .request import SamplingParams
 
@@ -55,3 +56,43 @@ def check_prompt(loaded: LoadedModel, tokens: Sequence[int], params: SamplingPar
     bad = [t for t in params.logit_bias or {} if t < 0 or (vocab and t >= vocab)]
     if bad:  # mlx-lm would fail the whole batch on it
         raise InputError(f"logit_bias token id {bad[0]} is outside {vocabulary}", "logit_bias")
+
+
+# Unicode normalization can shrink text before a tokenizer splits it: NFC composes a
+# Hangul syllable's three jamo (9 bytes) into one character (3 bytes), the most any
+# composition shrinks; NFKC's compatibility forms shrink less.
+_NORMALIZED_SHRINK = 3
+
+
+@dataclass(frozen=True)
+class TextLimit:
+    """The most text a context can hold, known without tokenizing it: no token stands for
+    more than ``token_bytes`` bytes of UTF-8 text, so text of ``n`` bytes is at least
+    ``n / token_bytes`` tokens. A prompt past the context is refused from its size
+    before the tokenizer spends time and memory on all of it; text under the bound is
+    tokenized and checked exactly, as before."""
+
+    context: int
+    token_bytes: int  # bytes of text one token may stand for, normalization included
+
+    @classmethod
+    def measure(cls, tokenizer: Any, context: int) -> TextLimit | None:
+        """From the vocabulary: its longest token's text, one byte more (a decoder may drop
+        a token's leading space, SentencePiece's ``▁``), times ``_NORMALIZED_SHRINK``.
+        None for a tokenizer that does not list its vocabulary."""
+        try:
+            ids = list(tokenizer.get_vocab().values())
+            texts = tokenizer.batch_decode([[i] for i in ids])
+        except AttributeError:
+            return None
+        longest = max((len(text.encode()) for text in texts), default=0)
+        return cls(context, (longest + 1) * _NORMALIZED_SHRINK)
+
+    def check(self, text_bytes: int) -> None:
+        """InputError when text of ``text_bytes`` bytes cannot fit in the context."""
+        fewest = -(-text_bytes // self.token_bytes)
+        if fewest >= self.context:
+            raise InputError(
+                f"the prompt is {text_bytes} bytes of text, at least {fewest} tokens "
+                f"(a token is at most {self.token_bytes} bytes); this model's context is {self.context}"
+            )

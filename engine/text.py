@@ -12,6 +12,8 @@ which is dropped here.
 
 from __future__ import annotations
 
+from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, SPMStreamingDetokenizer, StreamingDetokenizer
+
 REPLACEMENT = "\ufffd"  # what a UTF-8 decoder makes of bytes that are not a whole character
 
 
@@ -20,6 +22,26 @@ def without_broken_end(text: str) -> str:
     whose rest was never generated. (A model that generates U+FFFD itself as the very last
     character loses it too; after decoding the two cannot be told apart.)"""
     return text.rstrip(REPLACEMENT)
+
+
+def verbatim(detokenizer: StreamingDetokenizer) -> StreamingDetokenizer:
+    """``detokenizer`` (a copy of its own, as ``TokenizerWrapper.detokenizer`` gives),
+    made to keep the space that starts the first token's text.
+
+    mlx-lm's SentencePiece and byte-level BPE detokenizers drop it, so that an answer
+    starts at its first word; but a completion continues its prompt, and its text is
+    what the model generated: " Paris." after "The capital of France is", as OpenAI's
+    completions return it. Other detokenizers decode the tokens as they are."""
+    if isinstance(detokenizer, SPMStreamingDetokenizer):
+        detokenizer.trim_space = False
+    elif isinstance(detokenizer, BPEStreamingDetokenizer):
+        detokenizer.__class__ = _VerbatimBPE  # its state stays; only the trimming goes
+    return detokenizer
+
+
+class _VerbatimBPE(BPEStreamingDetokenizer):
+    def _maybe_trim_space(self, current_text: str) -> str:
+        return current_text
 
 
 class OutputText:

@@ -45,13 +45,14 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
 
 import mlx.core as mx
 
+from .checkpoints import CounterCheckpoints, repeat
 from .counters import add_into
 from .join import keep_buffers_for_restores
 from .l3.base import L3Store, ReadThrough, StoreError
@@ -185,6 +186,8 @@ class TieredStore:
         )
         self._lock = threading.RLock()
         self._closed = False
+        self._closing = threading.Event()  # ends the counter checkpoints
+        self._checkpoints = CounterCheckpoints(self.disk.tables) if self.disk is not None else None
 
     # -- queries -------------------------------------------------------------
 
@@ -424,15 +427,30 @@ class TieredStore:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
+    def checkpoint_counters(self, extra_counters: dict | None = None) -> None:
+        """Add what this process counted since its last checkpoint (and ``extra_counters``,
+        cumulative for the process, e.g. the engine's) to the store's counters."""
+        with self._lock:
+            if self._checkpoints is None or self._closed:
+                return
+            now = self._cumulative()
+            add_into(now, extra_counters or {})
+            self._checkpoints.write(now)
+
+    def checkpoint_every(self, seconds: float, extra_counters: Callable[[], dict]) -> None:
+        """``checkpoint_counters(extra_counters())`` every ``seconds`` until the store
+        closes (``tiers.checkpoints``: a killed process loses at most that window)."""
+        if self._checkpoints is not None:
+            repeat(seconds, self._closing, lambda: self.checkpoint_counters(extra_counters()))
+
     def close(self, extra_counters: dict | None = None) -> None:
         """Flush to L3, add this process's counters to the store's, close L3 (once)."""
+        self._closing.set()
         with self._lock:
             if self.disk is None or self._closed:
                 return
             self.flush()
-            delta = self._cumulative()
-            add_into(delta, extra_counters or {})
-            self.disk.tables.add_persistent_counters(delta)
+            self.checkpoint_counters(extra_counters)
             self.disk.close()
             self._closed = True
 

@@ -2,8 +2,8 @@
 
 The namespace of every page starts from ``model_fingerprint``: a hash of the
 config and weight files' contents, so two models with one name never share KV.
-Hashing gigabytes is slow, so fingerprints are remembered per (path, size,
-mtime) of each file.
+Hashing gigabytes is slow, so fingerprints are remembered per file stamp
+(``_stamp``), which changes whenever a file's contents may have.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import re
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -171,9 +172,19 @@ def _loadable_reference(name: str | None, path: Path) -> str:
 
 
 def model_fingerprint(path: Path) -> str:
-    """BLAKE2b over config and weight file contents (cached by size and mtime)."""
+    """BLAKE2b over config and weight file contents, remembered by each file's stamp.
+
+    The stamp is (name, device, inode, size, mtime_ns, ctime_ns). Size and mtime alone
+    are not enough: ``rsync -a``, ``cp -p`` or ``touch -r`` of another checkpoint of the
+    same shape keeps both. The kernel sets ctime on every write, rename or ``utime`` and
+    no call sets it back, and a replaced file has a new inode. The stamp is taken before
+    the hash, so a write during hashing leaves a stamp the next load does not match.
+    A file whose ctime is within ``_RACY_NS`` of the stamp's time (a write in the same
+    timestamp tick could keep it, as in git's "racily clean" index entries) is hashed
+    but not remembered, so the next load hashes it again."""
     files = sorted(p for p in path.iterdir() if p.suffix in (".json", ".safetensors"))
-    stamp = [[p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in files]
+    taken = time.time_ns()
+    stamp = [_stamp(p) for p in files]
     cache_file = kvtier_home() / "fingerprints.json"
     known = _read_json(cache_file)
     entry = known.get(str(path.resolve()))
@@ -186,9 +197,20 @@ def model_fingerprint(path: Path) -> str:
             while chunk := f.read(1 << 24):
                 digest.update(chunk)
     fingerprint = digest.hexdigest()
-    known[str(path.resolve())] = {"stamp": stamp, "fingerprint": fingerprint}
-    _write_json(cache_file, known)
+    if all(ctime < taken - _RACY_NS for *_, ctime in stamp):
+        known[str(path.resolve())] = {"stamp": stamp, "fingerprint": fingerprint}
+        _write_json(cache_file, known)
     return fingerprint
+
+
+# Coarser than any timestamp tick a model may sit on: Linux filesystems update ctime
+# once per clock tick (at most 10 ms), HFS+ and some NFS servers once per second.
+_RACY_NS = 2_000_000_000
+
+
+def _stamp(file: Path) -> list:
+    st = file.stat()
+    return [file.name, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
 
 
 def _read_json(path: Path) -> dict:

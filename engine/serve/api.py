@@ -7,12 +7,13 @@ into tokens and sampling settings and runs them.
 
 from __future__ import annotations
 
-import json
 from abc import abstractmethod
 from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 from pydantic_core import PydanticCustomError
+
+from . import body_json
 
 # -- errors -----------------------------------------------------------------------
 
@@ -51,6 +52,22 @@ def refuse_unless(ok: bool, param: str, what: str) -> None:
     """A setting the server does not implement, given another value than the one it always uses."""
     if not ok:
         raise unsupported(param, what)
+
+
+# Every generated token is checked against every stop string (``text.OutputText``), so
+# their number and length bound that work; real clients send a handful of short ones.
+MAX_STOPS, MAX_STOP_CHARS = 64, 1000
+
+
+def checked_stops(stops: list[str], param: str) -> list[str]:
+    """``stops``, or the 400 for an empty one, too many, or one too long."""
+    if any(not s for s in stops):
+        raise invalid(f"{param}: stop strings must not be empty", param)
+    if len(stops) > MAX_STOPS:
+        raise invalid(f"{param}: {len(stops)} stop strings; the limit is {MAX_STOPS}", param)
+    if any(len(s) > MAX_STOP_CHARS for s in stops):
+        raise invalid(f"{param}: a stop string is longer than {MAX_STOP_CHARS} characters", param)
+    return stops
 
 
 # -- request bodies ---------------------------------------------------------------
@@ -104,7 +121,7 @@ class _OpenAISampling(_Request):
     temperature: float = Field(1.0, ge=0.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=0, lt=1 << 64)  # mlx's random.key takes an unsigned 64-bit seed
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -121,9 +138,7 @@ class _OpenAISampling(_Request):
 
     def stop_strings(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        if any(not s for s in stops):
-            raise invalid("stop strings must not be empty", "stop")
-        return stops
+        return checked_stops(stops, "stop")
 
     def checked(self: _S) -> _S:
         refuse_unless(self.n == 1, "n", "more than one choice (n = 1 only)")
@@ -139,7 +154,7 @@ class _OpenAISampling(_Request):
         """``logit_bias`` by token id; its keys are token ids written as text, as OpenAI's."""
         if self.logit_bias is None:
             return None
-        if not all(key.isdigit() for key in self.logit_bias):
+        if not all(key.isascii() and key.isdigit() for key in self.logit_bias):  # int() refuses "²"
             raise invalid('logit_bias: keys must be token ids (e.g. "1234")', "logit_bias")
         if not all(-100 <= bias <= 100 for bias in self.logit_bias.values()):
             raise invalid("logit_bias: biases must be in [-100, 100]", "logit_bias")
@@ -311,6 +326,12 @@ class AnthropicToolChoice(_Body):
     disable_parallel_tool_use: bool | None = None  # accepted and ignored, as OpenAI's parallel_tool_calls
 
 
+class Diagnostics(_Body):
+    """Anthropic's ``diagnostics``: the response says why the cache missed (``conversations``)."""
+
+    previous_message_id: str | None = None
+
+
 class AnthropicPrompt(_Request):
     """What makes an Anthropic prompt: the Messages body and count_tokens share it."""
 
@@ -326,8 +347,7 @@ class AnthropicPrompt(_Request):
     # the whole conversation (a prompt past the context is a 400), so nothing is cleared.
     context_management: dict | None = None
     betas: list[str] | None = None
-    # {"previous_message_id": id or null}: the response says why the cache missed (conversations)
-    diagnostics: dict | None = None
+    diagnostics: Diagnostics | None = None
 
     def checked(self: _P) -> _P:
         refuse_unless(self.thinking in (None, {"type": "disabled"}), "thinking", "extended thinking")
@@ -356,8 +376,7 @@ class MessagesRequest(AnthropicPrompt):
     service_tier: str | None = None
 
     def checked(self) -> MessagesRequest:
-        if any(not s for s in self.stop_sequences):
-            raise invalid("stop_sequences must not hold empty strings", "stop_sequences")
+        checked_stops(self.stop_sequences, "stop_sequences")
         return super().checked()
 
 
@@ -376,9 +395,9 @@ def _field_path(loc: tuple) -> str:
 def parse_body(raw: bytes, model: type[_R]) -> _R:
     """A checked request body, or the 400 that says what is wrong with it (one line)."""
     try:
-        data = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as err:
-        raise invalid(f"body is not valid JSON: {err}") from None
+        data = body_json.load(raw)
+    except body_json.BodyError as err:
+        raise invalid(str(err), err.param) from None
     if not isinstance(data, dict):
         raise invalid("body must be a JSON object")
     try:

@@ -33,16 +33,17 @@ from starlette.routing import Route
 from kvtier.tiers.page import page_keys
 
 from ..engine import Engine
-from ..limits import InputError, context_length
+from ..limits import InputError, TextLimit, context_length
 from ..request import Request, SamplingParams
 from ..text import OutputText
+from ..text import verbatim as verbatim_text
 from . import api, render, responses
 from .api import APIError
 from .conversations import Conversations, log_loss, miss_reason
 from .generation import Generation, cancel_on_disconnect
 from .holds import Holds
 from .prometheus import ServerMetrics
-from .prompt import Prompt
+from .prompt import Prompt, check_text
 from .prompt import render as render_prompt
 from .responses import Finished
 from .tools import ToolCallText
@@ -63,6 +64,7 @@ class ServerConfig:
     max_waiting: int = 64  # requests queued for a batch slot; past it, 429
     default_max_tokens: int = 512  # when a request names none (capped by the context)
     max_body_bytes: int = 8 << 20  # larger bodies answer 413
+    body_timeout_s: float = 60.0  # a body not all received by then answers 408 (a trickling client)
     tool_warm_s: float = 120.0  # an answer that ends in a tool call is held this long (0: not held)
 
 
@@ -74,6 +76,7 @@ class KVTierServer:
         self.config = config
         self.tokenizer = engine.loaded.tokenizer
         self.context = context_length(engine.loaded) or 32768
+        self.text_limit = TextLimit.measure(self.tokenizer, self.context)  # refuses huge prompts untokenized
         self.created = int(time.time())
         self._live: dict[int, Request] = {}  # by rid
         self.conversations = Conversations(engine.config.page_size)
@@ -135,6 +138,8 @@ class KVTierServer:
     async def completions(self, http: HTTPRequest) -> Response:
         body = api.parse_body(await self._read(http), api.CompletionRequest)
         prompt = body.prompt
+        if isinstance(prompt, str):
+            check_text(self.text_limit, len(prompt.encode()), "prompt")
         tokens = await anyio.to_thread.run_sync(self.tokenizer.encode, prompt) if isinstance(prompt, str) else prompt
         return await self._openai(http, body, Prompt(list(tokens)), chat=False)
 
@@ -149,6 +154,7 @@ class KVTierServer:
                 render.chat_tool_choice(body),
                 render.chat_has_tool_history(body),
                 render.chat_breakpoints(body),
+                self.text_limit,
             )
         )
         return await self._openai(http, body, prompt, chat=True)
@@ -164,7 +170,9 @@ class KVTierServer:
             banned=prompt.banned,
             **body.sampling(),
         )
-        gen = await self._submit(prompt, params, body.stop_strings(), "prompt" if not chat else "messages", "call_")
+        gen = await self._submit(
+            prompt, params, body.stop_strings(), "prompt" if not chat else "messages", "call_", verbatim=not chat
+        )
         gen.turn = (shape.id, body.prompt_cache_key or body.user or body.safety_identifier, None)
         if not body.stream:
             return JSONResponse(shape.response(await self._collect(gen, http)))
@@ -204,7 +212,8 @@ class KVTierServer:
             banned=prompt.banned,
         )
         gen = await self._submit(prompt, params, body.stop_sequences, "messages", "toolu_")
-        gen.turn = (shape.id, (body.metadata or {}).get("user_id"), (body.diagnostics or {}).get("previous_message_id"))
+        previous = body.diagnostics.previous_message_id if body.diagnostics else None
+        gen.turn = (shape.id, (body.metadata or {}).get("user_id"), previous)
         gen.diagnose = body.diagnostics is not None
         if not body.stream:
             return JSONResponse(shape.response(await self._collect(gen, http)))
@@ -249,6 +258,7 @@ class KVTierServer:
             render.anthropic_tool_choice(body),
             render.anthropic_has_tool_history(body),
             render.anthropic_breakpoints(body, origins),
+            self.text_limit,
         )
 
     # -- the rest of the API -----------------------------------------------------------
@@ -274,17 +284,22 @@ class KVTierServer:
     # -- steps shared by the endpoints ------------------------------------------------
 
     async def _read(self, http: HTTPRequest) -> bytes:
-        """The body, refused with 413 as soon as it passes the limit."""
+        """The body, refused with 413 as soon as it passes the limit, and with 408 when it
+        has not all come within ``body_timeout_s``."""
         limit = self.config.max_body_bytes
         declared = http.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > limit:
             raise APIError(413, f"body is {declared} bytes; the limit is {limit}", code="body_too_large")
         chunks, size = [], 0
-        async for chunk in http.stream():
-            size += len(chunk)
-            if size > limit:
-                raise APIError(413, f"body is over the limit of {limit} bytes", code="body_too_large")
-            chunks.append(chunk)
+        with anyio.move_on_after(self.config.body_timeout_s) as waited:
+            async for chunk in http.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise APIError(413, f"body is over the limit of {limit} bytes", code="body_too_large")
+                chunks.append(chunk)
+        if waited.cancelled_caught:
+            timeout = self.config.body_timeout_s
+            raise APIError(408, f"body not received within {timeout:g} s ({size} bytes came)", code="body_timeout")
         return b"".join(chunks)
 
     def _model(self, name: str | None) -> str:
@@ -298,10 +313,17 @@ class KVTierServer:
         return self.config.model_name
 
     async def _submit(
-        self, prompt: Prompt, params: SamplingParams, stops: list[str], param: str, call_ids: str
+        self,
+        prompt: Prompt,
+        params: SamplingParams,
+        stops: list[str],
+        param: str,
+        call_ids: str,
+        verbatim: bool = False,
     ) -> Generation:
         """Check and submit; ``params.max_tokens`` 0 takes the server's default (capped by the
-        context). ``call_ids`` starts the ids of the tool calls read from the answer."""
+        context). ``call_ids`` starts the ids of the tool calls read from the answer. A
+        ``verbatim`` text (a completion's) keeps the space its first token starts with."""
         tokens = prompt.tokens
         if len(tokens) >= self.context:
             raise api.invalid(f"the prompt is {len(tokens)} tokens; this model's context is {self.context}", param)
@@ -331,7 +353,7 @@ class KVTierServer:
         return Generation(
             request,
             prompt,
-            OutputText(self.tokenizer.detokenizer, stops),
+            OutputText(verbatim_text(self.tokenizer.detokenizer) if verbatim else self.tokenizer.detokenizer, stops),
             self.engine.config.page_size,
             self.tokenizer,
             calls,

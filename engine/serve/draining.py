@@ -11,6 +11,7 @@ import threading
 import uvicorn
 
 from .app import KVTierServer
+from .slow_clients import HEAD_TIMEOUT_S, KEEP_ALIVE_S, HeadTimeoutProtocol
 
 # After the drain timeout the requests left are cancelled and end at the engine's next
 # step; uvicorn kills what is still open this much later (it logs each as a traceback).
@@ -25,16 +26,28 @@ class DrainingServer(uvicorn.Server):
     flight; ``drain_timeout`` seconds later those left are cancelled (:meth:`KVTierServer.cancel_live`),
     so every response ends as the API says (an error event, a 503) instead of being cut
     by uvicorn, whose own timeout comes ``_DRAIN_GRACE_S`` later as a backstop. A
-    second Ctrl-C is uvicorn's forced exit.
+    second Ctrl-C is uvicorn's forced exit. A connection closes ``keep_alive`` seconds
+    after its last response, or ``head_timeout`` seconds into a request head that has
+    not all arrived.
     """
 
-    def __init__(self, server: KVTierServer, drain_timeout: float, log_level: str) -> None:
+    def __init__(
+        self,
+        server: KVTierServer,
+        drain_timeout: float,
+        log_level: str,
+        head_timeout: float = HEAD_TIMEOUT_S,
+        keep_alive: int = KEEP_ALIVE_S,
+    ) -> None:
         super().__init__(
             uvicorn.Config(
                 server.app,
                 lifespan="on",
                 log_level=log_level,
                 timeout_graceful_shutdown=math.ceil(drain_timeout + _DRAIN_GRACE_S),
+                # Connections that send no request are closed (``slow_clients``).
+                http=HeadTimeoutProtocol.with_timeout(head_timeout),
+                timeout_keep_alive=keep_alive,
             )
         )
         self._cancel_later = threading.Timer(drain_timeout, server.cancel_live)

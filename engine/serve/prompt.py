@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..limits import InputError, TextLimit
 from . import tools as tool_calls
 from .api import invalid
 from .tools import ToolChoice
@@ -55,9 +56,14 @@ def render(
     choice: ToolChoice,
     tool_history: bool,
     marks: list[tuple[int, float]],
+    limit: TextLimit | None = None,
 ) -> Prompt:
-    """The prompt, or a 400: a template that cannot take tools (or render these messages).
-    ``marks`` are the cache_control breakpoints as (the template message they end, TTL)."""
+    """The prompt, or a 400: a template that cannot take tools (or render these messages),
+    or messages whose text alone is more than ``limit`` lets the context hold (checked
+    before anything is rendered). ``marks`` are the cache_control breakpoints as (the
+    template message they end, TTL)."""
+    text = sum(len(m["content"].encode()) for m in messages if isinstance(m.get("content"), str))
+    check_text(limit, text, "messages")
     tool_calls.check_tools(tokenizer, tools, tool_history, "tools" if tools else "messages")
     tokens = list(_apply(tokenizer, messages, tools, True))
     call_text = None
@@ -69,6 +75,16 @@ def render(
     forced, banned = tool_calls.constraints(tokenizer, choice, tools, call_text)
     breakpoints = [(min(len(tokens), _length(tokenizer, messages[: j + 1], tools)), ttl) for j, ttl in marks]
     return Prompt(tokens, tools, forced, banned, messages, origins, breakpoints)
+
+
+def check_text(limit: TextLimit | None, text_bytes: int, param: str) -> None:
+    """A 400 for text of ``text_bytes`` bytes that cannot fit in the context (``TextLimit``)."""
+    if limit is None:
+        return
+    try:
+        limit.check(text_bytes)
+    except InputError as err:
+        raise invalid(str(err), param) from None
 
 
 def _length(tokenizer, messages: list[dict], tools: list[dict] | None) -> int:

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from kvtier.engine.serve import api, render, responses
-from kvtier.engine.text import OutputText
+from kvtier.engine.text import OutputText, verbatim
 
 
 class _Detokenizer:
@@ -177,6 +177,17 @@ def test_anthropic_events_in_order():
 # -- whole characters only -------------------------------------------------------------
 
 H, E_ACUTE, EURO = [0x68], [0xC3, 0xA9], [0xE2, 0x82, 0xAC]  # "h", "é", "€" as the byte tokenizer's ids
+
+
+def test_a_completion_keeps_the_space_its_first_token_starts_with(loaded):
+    """mlx-lm's byte-level detokenizer drops the space that starts the text (an answer's
+    first word); a completion's text is what the model generated, " Paris." included."""
+    tokens = loaded.tokenizer.encode(" Paris.")
+    kept = OutputText(verbatim(loaded.tokenizer.detokenizer), ["."])
+    pieces = [kept.add(token) for token in tokens] + [kept.finish()]
+    assert "".join(pieces) == kept.text == " Paris" and kept.stop_string == "."
+    trimmed = OutputText(loaded.tokenizer.detokenizer, [])
+    assert "".join([trimmed.add(token) for token in tokens] + [trimmed.finish()]) == "Paris."
 
 
 @pytest.mark.parametrize(
@@ -371,3 +382,53 @@ def test_logprobs_in_openai_shapes():
     assert shape.logprobs(None) is None
     plain = responses.OpenAIShape(chat=False, model="m").response(_done({"L1": 0, "L2": 0, "L3": 0, "recomputed": 1}))
     assert plain["choices"][0]["logprobs"] is None
+
+
+DEEP = b"[" * 100 + b"]" * 100
+
+
+@pytest.mark.parametrize(
+    "raw, kind, param, words",
+    [
+        (b'{"prompt": "x", "seed": -1}', api.CompletionRequest, "seed", "greater than or equal to 0"),
+        (b'{"prompt": "x", "seed": 18446744073709551616}', api.CompletionRequest, "seed", "less than"),
+        (b'{"prompt": "ab\\ud800"}', api.CompletionRequest, "prompt", "U+D800, at character 2"),
+        (
+            b'{"messages": [{"role": "user", "content": "\\udc00"}]}',
+            api.ChatCompletionRequest,
+            "messages.0.content",
+            None,
+        ),
+        (b'{"max_tokens": 1, "system": "\\udfff", "messages": []}', api.MessagesRequest, "system", "surrogate"),
+        (b'{"prompt": "x", "metadata": {"\\ud800": 1}}', api.CompletionRequest, "metadata", "surrogate"),
+        ('{"prompt": "x\\ud800"}'.encode("utf-16"), api.CompletionRequest, "prompt", "surrogate"),
+        (b'{"prompt": "x", "metadata": {"k": ' + DEEP + b"}}", api.CompletionRequest, "metadata", "deeper than 64"),
+        (b"[" * 5000 + b"]" * 5000, api.CompletionRequest, None, "deeper than 64"),
+        (b'{"prompt": "x", "logit_bias": {"\\u00b2": 1}}', api.CompletionRequest, "logit_bias", "token ids"),
+        (json.dumps({"prompt": "x", "stop": ["s"] * 65}).encode(), api.CompletionRequest, "stop", "limit is 64"),
+        (json.dumps({"prompt": "x", "stop": "s" * 1001}).encode(), api.CompletionRequest, "stop", "longer"),
+        (json.dumps({**MESSAGES, "stop_sequences": ["s"] * 65}).encode(), api.MessagesRequest, "stop_sequences", None),
+        (
+            json.dumps({**MESSAGES, "diagnostics": {"previous_message_id": [1]}}).encode(),
+            api.MessagesRequest,
+            "diagnostics.previous_message_id",
+            "string",
+        ),
+    ],
+)
+def test_what_once_reached_mlx_or_the_recursion_limit_is_a_400(raw, kind, param, words):
+    """Each of these answered 500: a seed mlx's random.key refuses, a lone UTF-16
+    surrogate the tokenizer refuses, nesting past the decoder's recursion, int() of a
+    non-ASCII digit, an unhashable conversation id; and stop strings bound the per-token work."""
+    with pytest.raises(api.APIError) as caught:
+        api.parse_body(raw, kind)
+    err = caught.value
+    assert err.status == 400 and err.param == param and "\n" not in err.message
+    assert words is None or words in err.message, err.message
+
+
+def test_nesting_up_to_the_bound_and_paired_surrogates_are_accepted():
+    body = api.parse_body(
+        b'{"prompt": "\\ud83d\\ude00", "metadata": {"k": ' + b"[" * 62 + b"]" * 62 + b"}}", api.CompletionRequest
+    )
+    assert body.prompt == "\U0001f600"

@@ -191,10 +191,15 @@ def test_ctrl_c_before_the_server_serves(tmp_path):
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_a_signal_to_an_idle_server(tmp_path, sig):
+    """It stops, and the store keeps the counters of what it served (``kvtier stats``)."""
     child = Child(serve_args(tmp_path))
     url = child.wait_for("err", r"on (http://\S+)\n").group(1)
     assert httpx.get(url + "/health", timeout=60).json()["status"] == "ok"
+    served = httpx.post(url + "/v1/completions", json={"prompt": SHORT_PROMPT, "max_tokens": 2}, timeout=60).json()
     assert_stopped(child, child.signal_and_wait(sig), tmp_path)
+    done = cli.run(["stats", "--json", "--store", str(tmp_path)])
+    counted = json.loads(done.stdout)["engine"]
+    assert (counted["requests"], counted["prompt_tokens"]) == (1, served["usage"]["prompt_tokens"])
 
 
 def test_ctrl_c_with_a_request_in_flight_drains_and_flushes(tmp_path):
@@ -237,3 +242,46 @@ def test_a_ctrl_c_while_the_store_closes_is_raised_once_the_close_is_done():
             finished.append(True)
     assert finished == [True]
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+# A serving engine on the small model that checkpoints its counters every 0.2 s: it
+# prints the prompt's length once its one request is done, then waits to be killed.
+_SERVING = """
+import sys, time
+import kvtier
+from kvtier.engine.engine import Engine, EngineConfig
+from kvtier.engine.models.load import load_model
+from kvtier.tiers.hierarchy import StoreConfig
+config = EngineConfig(page_size=16, store=StoreConfig(store_dir=sys.argv[1]), counters_every_s=0.2)
+engine = Engine(load_model("kvtier-tiny"), config)
+engine.start()
+request = engine.submit(sys.argv[2])
+for _ in request.stream():
+    pass
+print(len(request.prompt), flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_killed_servers_counters_reach_the_store_while_it_runs(tmp_path):
+    """SIGKILL skips every flush: what the store knows of the process is what its
+    checkpoints wrote while it ran (``tiers.checkpoints``)."""
+    child = subprocess.Popen(
+        [sys.executable, "-c", _SERVING, str(tmp_path), SHORT_PROMPT], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        line = child.stdout.readline()
+        assert line, "the serving engine exited before its request was done"
+        deadline = time.monotonic() + 60
+        while (counted := _engine_counters(tmp_path)).get("requests") != 1:
+            assert time.monotonic() < deadline, f"no checkpoint of the request in 60 s: {counted}"
+            time.sleep(0.2)
+    finally:
+        child.kill()
+        child.wait(60)
+    assert _engine_counters(tmp_path) == {**counted, "requests": 1, "prompt_tokens": int(line)}
+
+
+def _engine_counters(store: Path) -> dict:
+    done = cli.run(["stats", "--json", "--store", str(store)])
+    return json.loads(done.stdout).get("engine", {}) if done.returncode == 0 else {}

@@ -18,6 +18,8 @@ import httpx
 import openai
 import pytest
 
+from kvtier.engine.models.defaults import packaged_gguf
+
 from .conftest import on_tiny_model
 
 pytestmark = pytest.mark.slow  # starts processes or loads the real model
@@ -194,6 +196,11 @@ def test_without_model_flags_the_id_is_the_one_the_readme_sends(tmp_path):
         )
         assert raw.status_code == 200 and raw.json()["model"] == "kvtier-default"
         assert srv.http.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 2}).status_code == 200
+        if packaged_gguf() is not None:  # the real model: a completion's text is what it generated, space and all
+            paris = dict(model="kvtier-default", prompt="The capital of France is", max_tokens=2, temperature=0)
+            assert srv.openai.completions.create(**paris).choices[0].text == " Paris."
+            streamed = [c.choices[0].text for c in srv.openai.completions.create(**paris, stream=True) if c.choices]
+            assert "".join(streamed) == " Paris." and " Paris" in streamed
         other = srv.http.post("/v1/completions", json={"model": "gpt-4o", "prompt": "Hello", "max_tokens": 2})
         assert other.status_code == 404 and "'kvtier-default'" in other.json()["error"]["message"]
     finally:

@@ -23,7 +23,7 @@ sampling = {
     "model": st.just("kvtier-default"),
     "temperature": st.floats(0, 2),
     "top_p": st.floats(0.05, 1),
-    "seed": st.integers(0, 2**31),
+    "seed": st.integers(0, 2**64 - 1),
     "stream": st.booleans(),
 }
 openai = {
@@ -84,6 +84,46 @@ json_values = st.recursive(
 FIELDS = sorted({*completion, *chat, "prompt", "messages", "system", "stop_sequences"})
 
 
+# Shapes that reached mlx, a tokenizer or the interpreter's recursion limit unchecked
+# (each answered 500 once): always a 400 with the endpoint's error object.
+surrogate = st.characters(categories=["Cs"])  # lone UTF-16 halves: json.dumps escapes them
+unpaired = st.tuples(text, surrogate, text).map("".join)
+hostile_fields = {
+    "seed": st.integers(max_value=-1) | st.integers(min_value=2**64),
+    "logit_bias": st.sampled_from(["²", "٣", "1.5", "-1", " 1"]).map(lambda key: {key: 1}),
+    "stop": st.lists(st.just("x"), min_size=65, max_size=80) | st.just("y" * 1001),
+    "stop_sequences": st.just(["z"] * 65),
+    "top_k": st.integers(max_value=0),
+    "diagnostics": json_values.filter(lambda v: not isinstance(v, str) and v is not None).map(
+        lambda v: {"previous_message_id": v}
+    ),
+}
+
+
+def _with_surrogate(path: str, body: dict, value: str) -> dict:
+    """A lone surrogate in the body's text: the prompt, a message, the system prompt."""
+    if path == "/v1/completions":
+        return {**body, "prompt": value}
+    if path == "/v1/chat/completions":
+        return {**body, "messages": [{"role": "user", "content": value}]}
+    return {**body, "system": value}
+
+
+def hostile(path: str):
+    fields = sorted({"seed", "logit_bias", "stop"} if path != "/v1/messages" else {"stop_sequences", "top_k", "seed"})
+    if path == "/v1/messages":
+        fields.append("diagnostics")
+    field = st.sampled_from(fields).flatmap(lambda name: st.tuples(st.just(name), hostile_fields[name]))
+    one_field = st.tuples(valid[path], field).map(lambda t: json.dumps({**t[0], t[1][0]: t[1][1]}).encode())
+    unicode = st.tuples(valid[path], unpaired).map(lambda t: json.dumps(_with_surrogate(path, *t)).encode())
+    # Nested past the bound, up to past the decoder's own recursion limit, in a field
+    # the server accepts and ignores.
+    deep = st.tuples(valid[path], st.integers(64, 3000)).map(
+        lambda t: json.dumps(t[0]).encode()[:-1] + b', "metadata": {"k": ' + b"[" * t[1] + b"]" * t[1] + b"}}"
+    )
+    return one_field | unicode | deep
+
+
 def _refusing(path: str):
     """A valid body with one refused field (an image block goes into the first message)."""
 
@@ -103,7 +143,7 @@ def _refusing(path: str):
 
 def bodies(path: str):
     broken = st.tuples(valid[path], st.sampled_from(FIELDS), json_values).map(lambda t: {**t[0], t[1]: t[2]})
-    return valid[path] | broken | json_values | st.binary(max_size=40)
+    return valid[path] | broken | json_values | st.binary(max_size=40) | hostile(path)
 
 
 requests = st.sampled_from(sorted(valid)).flatmap(lambda path: st.tuples(st.just(path), bodies(path)))
@@ -145,6 +185,19 @@ def test_any_body_gets_a_result_or_an_error_object(client, before, request):
         assert response.text.rstrip().endswith(("data: [DONE]", '{"type":"message_stop"}'))
     else:
         assert response.json()["usage"]
+
+
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
+)
+@given(request=st.sampled_from(sorted(valid)).flatmap(lambda path: st.tuples(st.just(path), hostile(path))))
+def test_out_of_range_seeds_lone_surrogates_and_deep_nesting_are_400s(client, before, request):
+    path, content = request
+    response = client.post(path, content=content, headers={"content-type": "application/json"})
+    assert response.status_code == 400, response.text
+    body = response.json()
+    assert set(body["error"]) == ERROR_KEYS and "\n" not in body["error"]["message"]
+    assert body.get("type") == ("error" if path == "/v1/messages" else None)  # Anthropic's shape there
 
 
 @settings(

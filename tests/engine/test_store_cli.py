@@ -255,10 +255,12 @@ def test_store_ls_clear_resize_compact(tmp_path):
     assert result["sources"]["L3"] == 112  # the compacted store still serves its pages
 
     page = listing["namespaces"][0]["bytes"] // 7
+    evictions = json.loads(kvtier("stats", "--json", "--store", str(tmp_path)).stdout)["tiers"]["L3"]["evictions"]
     done = kvtier("store", "resize", "--l3-bytes", str(3 * page), "--store", str(tmp_path))
     assert "4 pages evicted" in done.stdout
     stats = json.loads(kvtier("stats", "--json", "--store", str(tmp_path)).stdout)["tiers"]["L3"]
     assert stats["capacity"] == 3 * page and stats["pages"] == 3
+    assert stats["evictions"] == evictions + 4  # counted in the store, as every other eviction
 
     assert "removed 3 pages" in kvtier("store", "clear", "--store", str(tmp_path)).stdout
     assert json.loads(kvtier("store", "ls", "--json", "--store", str(tmp_path)).stdout)["pages"] == 0

@@ -202,9 +202,11 @@ class DiskTier(L3Store):
         return removed
 
     def resize(self, capacity: int) -> int:
-        """Set the store's cap and evict down to it; how many pages were evicted."""
+        """Set the store's cap and evict down to it; how many pages were evicted (added to
+        the store's L3 evictions: no process's own counters saw them)."""
         self.flush()
         evicted = resize_store(self._tables, capacity)
+        self.tables.add_persistent_counters({"tiers": {"L3": {"evictions": evicted}}})
         self.refresh()
         return evicted
 
