@@ -47,6 +47,7 @@ import logging
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from types import MappingProxyType
 
@@ -55,8 +56,9 @@ import mlx.core as mx
 from .checkpoints import CounterCheckpoints, repeat
 from .counters import add_into
 from .join import keep_buffers_for_restores
-from .l3.base import L3Store, ReadThrough, StoreError
+from .l3.base import L3Store, ReadThrough
 from .l3.open import open_l3
+from .l3_join import join_later, open_disk
 from .links import LinkLedger, Throttle
 from .page import Namespace, PageGeometry, PageKey, Source, page_tokens, partial_key, shared_start
 from .placement import Pins, Placement
@@ -123,17 +125,8 @@ class TieredStore:
         self.l1 = DeviceTier(config.l1_bytes, page_bytes, make_policy(config.policy))
         self.l2 = HostTier(config.l2_bytes, geometry.nbytes, page_bytes, make_policy(config.policy))
         self.admission = L3Admission(config.l3_admit)
-        self.disk = _open_disk(config)
-        if self.disk is not None:
-            self.disk.tables.describe_namespace(
-                self.ns_digest,
-                {
-                    "model": config.label or namespace.model_fingerprint[:12],
-                    "page_size": geometry.page_size,
-                    "dtype": geometry.dtype,
-                    "salted": bool(namespace.cache_salt),
-                },
-            )
+        self.disk: L3Store | None = None  # set by _join: now, or once an unreachable server answers
+        self.config = config
         self.throttle = Throttle(config.throttle)
         self.ledger = LinkLedger()
         self.links = self.ledger.links  # link name -> LinkStats of this process
@@ -141,7 +134,7 @@ class TieredStore:
         self.placement = Placement(
             self.l1,
             self.l2,
-            self.disk,
+            None,
             self.ns_digest,
             geometry.page_size,
             self.admission,
@@ -155,29 +148,19 @@ class TieredStore:
                 self.ns_digest,
                 config.snapshot_l1_bytes,
                 config.snapshot_l2_bytes,
-                self.disk,
+                None,
                 self.admission,
                 config.policy,
             )
             if geometry.snapshot_nbytes
             else None
         )
-        if self.snapshots is not None and self.disk is not None:
-            self.disk.tables.describe_namespace(
-                self.snapshots.ns_digest,
-                {
-                    "model": f"{config.label or namespace.model_fingerprint[:12]} (state snapshots)",
-                    "page_size": 0,
-                    "dtype": "uint8",
-                    "salted": bool(namespace.cache_salt),
-                },
-            )
         self.restorer = Restorer(
             geometry,
             self.ns_digest,
             self.l1,
             self.l2,
-            self.disk,
+            None,
             self.placement,
             self.pins,
             self.admission,
@@ -186,8 +169,46 @@ class TieredStore:
         )
         self._lock = threading.RLock()
         self._closed = False
-        self._closing = threading.Event()  # ends the counter checkpoints
-        self._checkpoints = CounterCheckpoints(self.disk.tables) if self.disk is not None else None
+        self._closing = threading.Event()  # ends the counter checkpoints and a late join
+        self._checkpoints: CounterCheckpoints | None = None
+        if config.store_dir is None:
+            return
+        opener = partial(
+            open_l3,
+            config.store_dir,
+            config.l3_bytes,
+            codec=config.codec,
+            queue_pages=config.l3_queue_pages,
+            record_bytes=config.page_bytes,
+            policy=config.policy,
+        )
+        disk, retry = open_disk(opener)
+        if disk is not None:
+            self._join(disk)
+        elif retry:
+            join_later(opener, self._closing, self._join)
+
+    def _join(self, disk: L3Store) -> bool:
+        """Start using ``disk`` as L3 (at open, or late: ``tiers.l3_join``); False once closing."""
+        with self._lock:
+            if self._closing.is_set():
+                return False
+            label = self.config.label or self.namespace.model_fingerprint[:12]
+            salted = bool(self.namespace.cache_salt)
+            disk.tables.describe_namespace(
+                self.ns_digest,
+                {"model": label, "page_size": self.geometry.page_size, "dtype": self.geometry.dtype, "salted": salted},
+            )
+            if self.snapshots is not None:
+                disk.tables.describe_namespace(
+                    self.snapshots.ns_digest,
+                    {"model": f"{label} (state snapshots)", "page_size": 0, "dtype": "uint8", "salted": salted},
+                )
+                self.snapshots.disk = self.snapshots.placement.disk = disk
+            self.placement.disk = self.restorer.disk = disk
+            self._checkpoints = CounterCheckpoints(disk.tables)
+            self.disk = disk
+            return True
 
     # -- queries -------------------------------------------------------------
 
@@ -339,18 +360,14 @@ class TieredStore:
                 for key in list(tier):
                     tier.pop(key)
 
-    def has(self, key: PageKey) -> bool:
-        """Whether some tier holds ``key`` (unverified: a restore checks it)."""
-        with self._lock:
-            return key in self.l1 or key in self.l2 or (self.disk is not None and self.disk.contains(key))
-
     def publish(
         self, key: PageKey, tokens: Sequence[int], kv: mx.array, cost: float = 1.0, parent: bytes | None = None
     ) -> bool:
-        """Add a computed full page to L1; False if L1 has it, or if L1 has no room and a
-        tier below has it. A page computed over a copy in L2 or L3 (a plan that loads
-        only some pages, or computes the first ones while later ones load) is kept in L1
-        like a restored page: the next request reads it from L1, not from below again.
+        """Add a computed full page to L1; False if L1 has it, or if L1 has no room and L2
+        has it (L3 is not asked: a page it holds is skipped by its writer). A page
+        computed over a copy in L2 or L3 (a plan that loads only some pages, or computes
+        the first ones while later ones load) is kept in L1 like a restored page: the
+        next request reads it from L1, not from below again.
         ``cost``: the seconds its recompute takes, for the ``cost`` eviction policy;
         ``parent``: the key of the page before it (``match_partial`` finds it by that)."""
         with self._lock:
@@ -361,7 +378,7 @@ class TieredStore:
             if self.placement.make_room(self.l1):
                 self.l1.add(key, page, cost)
                 return True
-            if self.has(key):
+            if key in self.l2:
                 return False
             self.placement.place_below_l1(key, page.tokens, kv, cost)
             return True
@@ -467,22 +484,3 @@ class TieredStore:
                 place = L3Place(self.disk.backend, self.disk.location)
             snapshots = self.snapshots.stats() if self.snapshots is not None else None
             return StoreStats(tiers, self.ledger.stats(), place, snapshots)
-
-
-def _open_disk(config: StoreConfig) -> L3Store | None:
-    """L3 (the backend ``store_dir`` names) if it can be used; otherwise warn once and
-    run without it."""
-    if config.store_dir is None:
-        return None
-    try:
-        return open_l3(
-            config.store_dir,
-            config.l3_bytes,
-            codec=config.codec,
-            queue_pages=config.l3_queue_pages,
-            record_bytes=config.page_bytes,
-            policy=config.policy,
-        )
-    except StoreError as err:
-        log.warning("running without L3: %s", err)
-        return None

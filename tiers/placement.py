@@ -5,8 +5,16 @@ Invariants (``tiers.hierarchy`` lists them all):
 - a pinned page is never a victim (``Pins``); a tier that has only pinned pages
   refuses (``make_room`` is False), it never overflows its cap;
 - a page leaving L1 is copied to L2 only if L2 lacks it, and goes straight to L3
-  (``L1->L3``) when L2 has no room; a page leaving L2 is queued for L3 only if L3 lacks
-  it and L3's admission lets it in; a page that finds no place is dropped and counted;
+  (``L1->L3``) when L2 has no room; a page leaving L2 is queued for L3 unless it is
+  known to be there (``in_l3`` on its entry: restored from L3, or queued by this
+  process) or queued already, and only if L3's admission lets it in; a page that finds
+  no place is dropped and counted;
+- nothing here asks L3 anything: queueing a page costs no round trip on the caller's
+  thread. The writer finds out whether L3 holds it already (Redis: one pipelined
+  ``EXISTS`` per batch, LMDB: in its write transaction) and sends only the pages it
+  lacks. ``L1->L3`` and ``L2->L3`` count a page when it is handed to the writer (the
+  copy the caller makes); one the writer then finds stored is not sent and not counted
+  again, nor as an L3 insert;
 - a partial page (fewer tokens than a page) lives in L1 only: evicted, it is dropped,
   and a flush never writes it.
 
@@ -86,31 +94,43 @@ class Placement:
                 cost = self.l1.policy.cost_of(victim)
                 page = self.l1.pop(victim)
                 if len(page.tokens) >= self.page_size:  # a partial page is dropped
-                    self.place_below_l1(victim, page.tokens, page.kv, cost)
+                    self.place_below_l1(victim, page.tokens, page.kv, cost, page.in_l3)
             else:
-                self.write_l3(victim, self.l2.entries[victim].tokens, self.l2.read(victim), Link.L2_L3)
+                entry = self.l2.entries[victim]
+                self.write_l3(victim, entry.tokens, self.l2.read(victim), Link.L2_L3, in_l3=entry.in_l3)
                 self.l2.pop(victim)
         return True
 
-    def place_below_l1(self, key: PageKey, page_tokens: tuple[int, ...], kv: mx.array, cost: float) -> None:
-        """Give a page leaving (or refused by) L1 a place in L2, else L3, else drop it."""
+    def place_below_l1(
+        self, key: PageKey, page_tokens: tuple[int, ...], kv: mx.array, cost: float, in_l3: bool = False
+    ) -> None:
+        """Give a page leaving (or refused by) L1 a place in L2, else L3, else drop it
+        (``in_l3``: L3 is known to hold it)."""
         if key in self.l2:
             return
         t0 = time.perf_counter()
         data = kv_to_host(kv)
         if self.make_room(self.l2):
-            self.l2.write(key, page_tokens, data, cost)
+            self.l2.write(key, page_tokens, data, cost, in_l3)
             self.ledger.record(Link.L1_L2, len(data), time.perf_counter() - t0)
-        elif not self.write_l3(key, page_tokens, data, Link.L1_L3):
+        elif not self.write_l3(key, page_tokens, data, Link.L1_L3, in_l3=in_l3):
             self.l2.counters = self.l2.counters.plus(writes_dropped=1)
 
     def write_l3(
-        self, key: PageKey, page_tokens: tuple[int, ...], data: np.ndarray, link: Link, wait: bool = False
+        self,
+        key: PageKey,
+        page_tokens: tuple[int, ...],
+        data: np.ndarray,
+        link: Link,
+        wait: bool = False,
+        in_l3: bool = False,
     ) -> bool:
-        """Queue a page for L3 unless it is already there; True if L3 has or will have it."""
+        """Queue a page for L3 unless it is known to be there (``in_l3``) or queued; True
+        if L3 has or will have it (the writer skips a page it finds stored). Asks L3
+        nothing (module docstring)."""
         if self.disk is None:
             return False
-        if self.disk.contains(key):
+        if in_l3 or self.disk.writer.queued(key):
             return True
         if not self.admission.admits(key):
             return False
@@ -129,7 +149,10 @@ class Placement:
         for key in self.l1:
             page = self.l1.entries[key]
             if key not in self.l2 and len(page.tokens) >= self.page_size:
-                self.write_l3(key, page.tokens, kv_to_host(page.kv), Link.L1_L3, wait=True)
+                if self.write_l3(key, page.tokens, kv_to_host(page.kv), Link.L1_L3, wait=True, in_l3=page.in_l3):
+                    self.l1.mark_in_l3(key)
         for key in self.l2:
-            self.write_l3(key, self.l2.entries[key].tokens, self.l2.read(key), Link.L2_L3, wait=True)
+            entry = self.l2.entries[key]
+            if self.write_l3(key, entry.tokens, self.l2.read(key), Link.L2_L3, wait=True, in_l3=entry.in_l3):
+                self.l2.mark_in_l3(key)
         self.disk.flush()

@@ -252,8 +252,10 @@ class Restorer:
                 continue  # no room when every L1 page is pinned: the page stays where it was
             kv = mx.array(page.host)
             kv = kv.view(mx.bfloat16) if self.geometry.dtype == "bfloat16" else kv
-            cost = self.l2.policy.cost_of(page.key) if page.key in self.l2 else 1.0
-            self.l1.add(page.key, DevicePage(page.tokens, kv, page.parent), cost)
+            below = self.l2.entries.get(page.key)
+            cost = self.l2.policy.cost_of(page.key) if below is not None else 1.0
+            in_l3 = page.source is Source.L3 or (below is not None and below.in_l3)  # evicted again: not rewritten
+            self.l1.add(page.key, DevicePage(page.tokens, kv, page.parent, in_l3=in_l3), cost)
 
     def join(self, pending: PendingRestore) -> Joined:
         """The pages joined (L1 pages read from the device here), raw L3 pages not
@@ -349,7 +351,7 @@ class Restorer:
         for page in reads:  # a page decoded whole is kept in L2, even past the cut
             if page.slot is not None:
                 if page.data is not None:
-                    self.l2.fill(page.key, page.tokens, page.slot)
+                    self.l2.fill(page.key, page.tokens, page.slot, in_l3=True)
                 else:
                     self.l2.give_back(page.slot)
         return self._cut(pages, next((i for i, p in enumerate(pages) if p.compressed and p.data is None), len(pages)))

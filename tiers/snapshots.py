@@ -84,12 +84,10 @@ class Snapshots:
     def points(self, keys: Sequence[PageKey]) -> list[int]:
         """The page counts ``j`` (1..len(keys)) after which some tier holds a snapshot
         (unverified: ``attach`` checks it)."""
-        found = []
-        for j, page in enumerate(keys, 1):
-            key = snapshot_key(page)
-            if key in self.l1 or key in self.l2 or (self.disk is not None and self.disk.contains(key)):
-                found.append(j)
-        return found
+        wanted = [snapshot_key(page) for page in keys]
+        below = [k for k in wanted if k not in self.l1 and k not in self.l2]
+        in_l3 = {k for k, n in zip(below, self.disk.present(below)) if n} if self.disk is not None and below else set()
+        return [j for j, key in enumerate(wanted, 1) if key in self.l1 or key in self.l2 or key in in_l3]
 
     def fetch(self, page: PageKey, tokens: Sequence[int]) -> tuple[mx.array, Source] | None:
         """The snapshot after page ``page`` (whose tokens are ``tokens``) and the tier it
@@ -117,11 +115,11 @@ class Snapshots:
         raw, stored = found
         state = mx.array(np.frombuffer(raw, np.uint8))
         self.ledger.record(Link.L3_L1, stored, time.perf_counter() - t0)
-        return self._keep(key, own, state), Source.L3
+        return self._keep(key, own, state, in_l3=True), Source.L3
 
-    def _keep(self, key: PageKey, tokens: tuple[int, ...], state: mx.array) -> mx.array:
+    def _keep(self, key: PageKey, tokens: tuple[int, ...], state: mx.array, in_l3: bool = False) -> mx.array:
         if key not in self.l1 and self.placement.make_room(self.l1):
-            self.l1.add(key, DevicePage(tokens, state))
+            self.l1.add(key, DevicePage(tokens, state, in_l3=in_l3))
         return state
 
     def attach(

@@ -23,7 +23,7 @@ from .layout import slot_arena
 from .page import PageKey
 from .policy import EvictionPolicy
 
-Entry = TypeVar("Entry")
+Entry = TypeVar("Entry", "DevicePage", "HostPage")
 
 
 @dataclass(frozen=True)
@@ -80,6 +80,12 @@ class Tier(Generic[Entry]):
         self.counters = self.counters.plus(inserts=1)
         self._update_gauges()
 
+    def mark_in_l3(self, key: PageKey) -> None:
+        """Note on ``key``'s entry that L3 holds it (or its write is queued): moving down
+        it is then never queued for L3 again, and nobody asks L3. Recency unchanged."""
+        if key in self.entries:
+            self.entries[key] = replace(self.entries[key], in_l3=True)
+
     def pop(self, key: PageKey) -> Entry:
         entry = self.entries.pop(key)
         self.policy.removed(key)
@@ -96,12 +102,15 @@ class Tier(Generic[Entry]):
 @dataclass(frozen=True)
 class DevicePage:
     """An L1 page: its token ids, one mx array of shape ``geometry.shape`` (a partial
-    page: fewer tokens along axis 3) and the key of the page before it (None: unknown)."""
+    page: fewer tokens along axis 3) and the key of the page before it (None: unknown).
+    ``in_l3``: L3 is known to hold it (restored from L3, or written there by this
+    process), so it leaves the in-process tiers without an L3 write or lookup."""
 
     tokens: tuple[int, ...]
     kv: mx.array
     parent: bytes | None = None
     state: mx.array | None = None  # a hybrid model's partial page: the state after its tokens (uint8)
+    in_l3: bool = False
 
 
 class DeviceTier(Tier[DevicePage]):
@@ -141,10 +150,12 @@ class DeviceTier(Tier[DevicePage]):
 
 @dataclass(frozen=True)
 class HostPage:
-    """An L2 page: its token ids and the arena slot holding its bytes."""
+    """An L2 page: its token ids and the arena slot holding its bytes (``in_l3``: as
+    ``DevicePage``'s)."""
 
     tokens: tuple[int, ...]
     slot: int
+    in_l3: bool = False
 
 
 class HostTier(Tier[HostPage]):
@@ -161,11 +172,13 @@ class HostTier(Tier[HostPage]):
         self.arena = slot_arena(self.max_pages, slot_nbytes)
         self.free_slots = list(range(self.max_pages - 1, -1, -1))
 
-    def write(self, key: PageKey, tokens: tuple[int, ...], data: np.ndarray | bytes, cost: float = 1.0) -> None:
+    def write(
+        self, key: PageKey, tokens: tuple[int, ...], data: np.ndarray | bytes, cost: float = 1.0, in_l3: bool = False
+    ) -> None:
         """Copy one page's bytes into a free slot."""
         slot = self.take_slot()
         self.arena[slot] = np.frombuffer(data, dtype=np.uint8)
-        self.fill(key, tokens, slot, cost)
+        self.fill(key, tokens, slot, cost, in_l3)
 
     def has_room(self) -> bool:
         """A slot is free (slots reserved by ``take_slot`` and not yet filled are not)."""
@@ -177,9 +190,9 @@ class HostTier(Tier[HostPage]):
             raise MemoryError("L2 is full")
         return self.free_slots.pop()
 
-    def fill(self, key: PageKey, tokens: tuple[int, ...], slot: int, cost: float = 1.0) -> None:
+    def fill(self, key: PageKey, tokens: tuple[int, ...], slot: int, cost: float = 1.0, in_l3: bool = False) -> None:
         """Index a reserved slot whose bytes are in place."""
-        self.add(key, HostPage(tokens, slot), cost)
+        self.add(key, HostPage(tokens, slot, in_l3), cost)
 
     def give_back(self, slot: int) -> None:
         self.free_slots.append(slot)

@@ -497,11 +497,11 @@ TestTierMachine = TierMachine.TestCase
 TestTierMachine.settings = settings(max_examples=40, stateful_step_count=30, deadline=None)
 
 
-def test_has_sees_every_tier(tmp_path):
+def test_locate_sees_every_tier(tmp_path):
     store = make_store(1, 1, tmp_path)
     publish(store, 0, 1, 2)  # 2 in L1, 1 in L2, 0 spilled to L3
     store.flush()
-    assert [store.has(k) for k in KEYS[:4]] == [True, True, True, False]
+    assert store.locate(KEYS[:4], TOKENS) == [Source.L3, Source.L2, Source.L1]
     assert KEYS[0] not in store.l1 and KEYS[0] not in store.l2
     store.close()
 

@@ -143,15 +143,16 @@ def test_the_server_evicts_under_its_cap_and_an_evicted_page_is_a_miss(redis_ser
         assert tier.counters.capacity == int(client.config_get("maxmemory")["maxmemory"])
 
 
-def test_redis_down_at_start_runs_without_l3(caplog):
+def test_redis_down_at_start_runs_without_l3_until_it_answers(caplog):
     url = f"redis://127.0.0.1:{free_port()}"
     with caplog.at_level(logging.WARNING):
         store = make_store(url)
     assert store.disk is None
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == [
-        f"running without L3: cannot use Redis store {url}: Error 111 connecting to 127.0.0.1:{url.rsplit(':', 1)[1]}. "
-        "Connection refused."
+        f"running without L3 until it answers (retried in the background): cannot use Redis store {url}: "
+        f"Error 111 connecting to 127.0.0.1:{url.rsplit(':', 1)[1]}. Connection refused."
     ]
+    store.close()
     with pytest.raises(StoreError):
         open_l3(url)
 

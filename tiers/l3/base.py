@@ -15,8 +15,9 @@ Invariants kept here for every backend:
 - a record failing its header or checksum check is never served: it reads as a miss, is
   counted in ``checksum_failures`` and deleted unless it was rewritten meanwhile
   (delete-if-unchanged, by the fingerprint of the bad value).
-- ``put`` never waits for the backend: a full queue drops the write and counts it; the
-  writer thread commits queued writes, deletes and uses in batches, off the request path.
+- ``put`` never waits for the backend, nor asks it anything: a full queue drops the
+  write and counts it; the writer thread commits queued writes, deletes and uses in
+  batches, off the request path, and skips a page it finds stored (write-once).
 - backend errors after open never reach a caller: a failed read is a miss, a failed write
   a dropped write, each kind logged once as a warning (``tiers.l3.failures``).
 """
@@ -44,6 +45,10 @@ from .writer import Batch, PendingPut, Writer
 class StoreError(Exception):
     """L3 cannot be used (unwritable dir, damaged env, unreachable server, other format
     version); the message is one line."""
+
+
+class StoreUnreachable(StoreError):
+    """L3's server did not answer (refused, timed out): it may later (``tiers.l3_join``)."""
 
 
 @dataclass(frozen=True)
@@ -173,9 +178,13 @@ class L3Store(ABC):
         """A record exists and is not being deleted (unverified: a read verifies)."""
         return not self.check.doomed(key) and self._exists(key)
 
+    def present(self, keys: Sequence[bytes]) -> list[bool]:
+        """``contains`` of each key (a remote backend asks in one round trip)."""
+        return [self.contains(key) for key in keys]
+
     def stored_prefix(self, keys: Sequence[bytes]) -> int:
-        """How many leading ``keys`` have a record (a remote backend asks in one round trip)."""
-        return next((i for i, key in enumerate(keys) if not self.contains(key)), len(keys))
+        """How many leading ``keys`` have a record (``present``: one round trip remote)."""
+        return next((i for i, n in enumerate(self.present(keys)) if not n), len(keys))
 
     def get(
         self, key: bytes, namespace_digest: bytes, tokens: Sequence[int], raw_nbytes: int, out: np.ndarray | None = None
@@ -206,8 +215,9 @@ class L3Store(ABC):
         ``wait=True`` waits for room instead of dropping (for flushes, off the request path).
         ``segments``: byte lengths of the payload's separately checked segments.
         """
-        if self.writer.queued(key) or self.contains(key):
+        if self.writer.queued(key):
             return True  # write-once: nothing to copy or write
+        # whether L3 holds it already is the writer's question (one per batch), not the caller's
         pending = PendingPut(bytes(key), bytes(namespace_digest), token_bytes(tokens), bytes(payload), segments)
         if self._never_fits(len(payload)) or not self.writer.put(pending, wait=wait):  # never fits: nothing crosses
             self.count(writes_dropped=1)

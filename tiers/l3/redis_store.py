@@ -14,7 +14,8 @@ What differs from LMDB, and why:
   this process opened the store. Open warns when there is no cap or the policy never evicts.
 - Reads are copies into host memory, fetched in a few pipelined ``MGET`` s per restore
   (``Snapshot.expect``): a raw page is then joined from those bytes, as from LMDB's map.
-- Writes are ``SET NX`` (write-once) from the writer thread; deletes of rejected records
+- Writes are ``SET NX`` (write-once) from the writer thread, after one pipelined
+  ``EXISTS`` per batch so that a page the server holds is not sent again; deletes of rejected records
   are a server-side compare-and-delete on the value's SHA-1, so a rewritten record survives.
 - Nothing waits long on a server that is down or slow: every call has a short socket
   timeout (``?socket_timeout=`` overrides it) and no client-side retries; after a connection
@@ -41,10 +42,10 @@ from redis.cluster import ClusterNode, RedisCluster
 from redis.retry import Retry
 
 from ..text import format_bytes, one_line
-from .base import L3Store, ReadThrough, Snapshot, StoreError
+from .base import L3Store, ReadThrough, Snapshot, StoreError, StoreUnreachable
 from .record import FORMAT_VERSION, encode_record
 from .redis_tables import RedisTables
-from .writer import Batch
+from .writer import Batch, PendingPut
 
 log = logging.getLogger(__name__)
 
@@ -166,7 +167,10 @@ class RedisTier(L3Store):
             self._open(capacity_bytes)
         except redis.RedisError as exc:
             self._client.close()
-            raise StoreError(f"cannot use Redis store {self.location}: {one_line(exc)}") from None
+            down = isinstance(exc, (redis.ConnectionError, redis.TimeoutError))
+            raise (StoreUnreachable if down else StoreError)(
+                f"cannot use Redis store {self.location}: {one_line(exc)}"
+            ) from None
         self._delete_if_same = self._client.register_script(_DELETE_IF_SAME)
         self._start()
 
@@ -242,16 +246,22 @@ class RedisTier(L3Store):
     def _exists(self, key: bytes) -> bool:
         return bool(self._call("lookup", lambda: self._client.exists(self._page(key)), 0))
 
-    def stored_prefix(self, keys: Sequence[bytes]) -> int:
-        def run() -> list:
+    def present(self, keys: Sequence[bytes]) -> list[bool]:
+        found = self._exist_all(keys)
+        return [bool(n) and not self.check.doomed(k) for k, n in zip(keys, found)]
+
+    def _exist_all(self, keys: Sequence[bytes]) -> list:
+        """``EXISTS`` of each key in one pipelined round trip (0s when none is sent or it fails)."""
+        if not keys:
+            return []
+
+        def ask() -> list:
             pipe = self._client.pipeline(transaction=False)
             for key in keys:
                 pipe.exists(self._page(key))
             return pipe.execute()
 
-        found: list = self._call("lookup", run, []) if keys else []
-        doomed = [self.check.doomed(k) for k in keys]
-        return next((i for i, (n, d) in enumerate(zip(found, doomed)) if not n or d), len(found))
+        return self._call("lookup", ask, [0] * len(keys))
 
     @contextmanager
     def snapshot(self) -> Iterator[Snapshot]:
@@ -274,11 +284,12 @@ class RedisTier(L3Store):
         for key, fingerprint in batch.deletes.items():
             sha1 = str(fingerprint)  # this backend's fingerprints are SHA-1 hex digests (_fingerprint)
             self._call("delete", partial(self._delete_if_same, keys=[self._page(key)], args=[sha1]), 0)
-        if not batch.puts:
+        puts = self._absent(batch.puts)
+        if not puts:
             return
         records = [
             (p.key, encode_record(p.namespace, p.tokens, p.payload, self._codec, self._level, segments=p.segments))
-            for p in batch.puts
+            for p in puts
         ]
 
         def write() -> list:
@@ -296,6 +307,12 @@ class RedisTier(L3Store):
             self.failures.report("write", errors[0], f" ({len(errors)} pages dropped)")
         self.count(inserts=sum(r is True for r in results), writes_dropped=len(errors))
         self.refresh()
+
+    def _absent(self, puts: list[PendingPut]) -> list[PendingPut]:
+        """The batch's pages the server lacks, asked in one pipelined ``EXISTS``, so a page
+        already stored is never sent (``SET NX`` would refuse it, after its bytes crossed)."""
+        found = self._exist_all([p.key for p in puts])  # unknown (0s): SET NX still keeps write-once
+        return [p for p, n in zip(puts, found) if not n]
 
     def _close_backend(self) -> None:
         self._client.close()
