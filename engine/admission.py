@@ -55,7 +55,7 @@ class Admission:
     def plan(self, request: Request, profile: Profile) -> list[Source] | None:
         """Plan ``request`` with ``profile`` and return the sources of its matched pages;
         None when it was held instead."""
-        matched = self.store.locate(request.keys, request.prompt)
+        matched = self.store.locate(request.keys, request.prompt, request.l3_read)
         profile = profile.capped(self.config.store.throttle)
         if self.prefix_flight and self.hold_for_prefix(request, matched, profile):
             return None

@@ -38,11 +38,13 @@ from mlx_lm.generate import BatchGenerator
 from kvtier.costmodel.plan import Profile
 from kvtier.costmodel.spacing import choose_spacing, prefill_segments, snapshot_pages
 from kvtier.tiers.hierarchy import TieredStore
+from kvtier.tiers.l3_reads import nothing_read
 from kvtier.tiers.page import page_keys, reusable_pages
 
 from .admission import Admission, l1_tokens
 from .config import EngineConfig as EngineConfig  # re-exported: where callers have always found it
 from .flights import FlightCoordinator, FlightsView
+from .l3_wait import L3Wait
 from .limits import InputError as InputError  # re-exported likewise
 from .limits import check_prompt
 from .metrics import RateWindow
@@ -107,7 +109,9 @@ class Engine:
         self.admission: Admission | None = None
         self.publisher: Publisher | None = None
         self.prefix_caches: PrefixCaches | None = None
+        self.l3_wait: L3Wait | None = None
         if self.store is not None:
+            self.l3_wait = L3Wait(self.store, self.scheduler, self.config.page_size)
             self.admission = Admission(
                 self.store,
                 self.scheduler,
@@ -141,7 +145,8 @@ class Engine:
         keys = page_keys(self.namespace, tokens)[: reusable_pages(len(tokens), self.config.page_size)]
         request = Request(next(self._rids), tokens, params, self.config.page_size, keys)
         if self.store:
-            request.l1_tokens_at_enqueue = l1_tokens(self.store.locate(keys, tokens), self.config.page_size)
+            resident = self.store.locate(keys, tokens, nothing_read())  # L3 not asked on the caller's thread
+            request.l1_tokens_at_enqueue = l1_tokens(resident, self.config.page_size)
         flight_key = hashlib.blake2b(np.asarray(tokens, "<u4").tobytes(), digest_size=16, key=self.root).digest()
         with self.scheduler.arrived:  # the lock under which the serving loop decides to exit
             if self._stop.is_set():
@@ -206,6 +211,8 @@ class Engine:
             self._end(request, CANCELLED)
         self.scheduler.expire(time.perf_counter())
         if self.store is not None:
+            assert self.l3_wait is not None  # built with the store
+            self.l3_wait.poll()
             for request in self.scheduler.refresh_candidates():
                 self.store.touch(request.keys)
         while admitted := self.scheduler.admit(len(self._running)):  # again while some were held
@@ -214,7 +221,9 @@ class Engine:
         for request in [r for r in self._running.values() if r.cancelled]:
             self._end(request, CANCELLED)
         if not self._running:
-            return  # everyone left is a held follower; their leader is done
+            if self.l3_wait is not None:
+                self.l3_wait.wait()  # requests whose L3 pages are being read
+            return  # everyone left is a held follower (their leader is done) or parked
         t0 = time.perf_counter()
         try:
             prompt_responses, generation_responses = self.generator.next()
@@ -251,13 +260,18 @@ class Engine:
             request.wait_s += time.perf_counter() - request.t_held
             request.t_held = None
         if self.store is not None:
-            assert self.admission is not None and self.prefix_caches is not None  # built with the store
+            assert self.admission is not None and self.prefix_caches is not None and self.l3_wait is not None
+            if self.l3_wait.park(request, self.profile):
+                return  # back once its L3 pages are read, or at its deadline
             t0 = time.perf_counter()
             matched = self.admission.plan(request, self.profile)
             if matched is None:
                 return  # held
             links_before = self.store.stats().links
-            cache = self.prefix_caches.build(request, len(matched))
+            try:
+                cache = self.prefix_caches.build(request, len(matched))
+            finally:
+                self.l3_wait.ended(request)
             assert request.restored is not None  # set by build, if only to nothing restored
             observe_links(self.profile, self.config.store.throttle, links_before, self.store.stats().links)
             request.published = request.prefix_tokens // self.config.page_size
@@ -337,6 +351,8 @@ class Engine:
             and reason in (CANCELLED, ERROR)
         ):
             self.generator.remove([request.uid])
+        if self.l3_wait is not None:
+            self.l3_wait.ended(request)
         if request.pinned and self.store is not None:  # pins are the store's
             pinned, request.pinned = request.pinned, []
             self.store.release(pinned)

@@ -50,14 +50,14 @@ class PrefixCaches:
         plan, size, keys = request.plan, self.config.page_size, request.keys
         assert plan is not None, "restoring a request admission did not plan"
         if not plan.overlap_pages or self.store.geometry.window is not None:  # a window model restores serially
-            request.restored = self.store.restore(keys[: plan.restore_pages], request.prompt)
+            request.restored = self.store.restore(keys[: plan.restore_pages], request.prompt, read=request.l3_read)
             request.pinned = list(request.restored.keys)
             request.prefix_tokens = request.restored.num_pages * size
             return self.cache_from(request.restored.layers, request.prefix_tokens)
-        head = self.store.restore(keys[: plan.l1_pages], request.prompt)
+        head = self.store.restore(keys[: plan.l1_pages], request.prompt, read=request.l3_read)
         request.pinned = list(head.keys)
         loading = self._loader.submit(
-            self.store.begin, keys[: plan.restore_pages], request.prompt, plan.first_loaded, ahead=True
+            self.store.begin, keys[: plan.restore_pages], request.prompt, plan.first_loaded, True, request.l3_read
         )
         try:
             cache = self.cache_from(head.layers, head.num_pages * size) or make_prompt_cache(self.model)
@@ -87,7 +87,7 @@ class PrefixCaches:
         if restore == matched_pages:
             parent = request.keys[restore - 1] if restore else self.root
             then = self.store.match_partial(parent, request.prompt[restore * size : len(request.prompt) - 1])
-        request.restored = self.store.restore(request.keys[:restore], request.prompt, then=then)
+        request.restored = self.store.restore(request.keys[:restore], request.prompt, then=then, read=request.l3_read)
         request.pinned = list(request.restored.keys)
         request.partial_tokens = request.restored.partial_tokens
         request.prefix_tokens = request.restored.num_pages * size + request.partial_tokens

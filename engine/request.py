@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from kvtier.costmodel.plan import RestorePlan
 from kvtier.tiers.hierarchy import RestoredPrefix
+from kvtier.tiers.l3_reads import AheadRead
 from kvtier.tiers.page import PageKey, Source
 
 # How a request ended: mlx-lm's two (an EOS or stop token, max_tokens), and ours.
@@ -81,6 +82,7 @@ class Request:
     wait_s: float = 0.0  # seconds held waiting for them
     wait_deadline: float | None = None  # perf_counter after which it never waits again
     t_held: float | None = None  # when it was last held
+    l3_read: AheadRead | None = None  # its L3 pages read off the step loop (``engine.l3_wait``)
     output: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output token, if params.logprobs is set
     finish_reason: str | None = None

@@ -86,6 +86,16 @@ class Scheduler:
             self._held[request.rid] = request
             self.prefix.hold(request.rid, leader, awaited, deadline)
 
+    def park(self, request: Request) -> None:
+        """Hold a request leaving admission while its L3 pages are read (``engine.l3_wait``)."""
+        with self._lock:
+            self._held[request.rid] = request
+
+    def unpark(self, request: Request) -> None:
+        """Send a parked request back to the front of the queue."""
+        with self._lock:
+            self._waiting.appendleft(self._held.pop(request.rid))
+
     def published(self, rid: int, keys: Sequence[PageKey]) -> None:
         """A request published ``keys`` (may release prefix followers)."""
         with self._lock:

@@ -45,10 +45,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
 from functools import partial
-from pathlib import Path
 from types import MappingProxyType
 
 import mlx.core as mx
@@ -59,53 +57,20 @@ from .join import keep_buffers_for_restores
 from .l3.base import L3Store, ReadThrough
 from .l3.open import open_l3
 from .l3_join import join_later, open_disk
+from .l3_reads import AheadRead, Readers
 from .links import LinkLedger, Throttle
 from .page import Namespace, PageGeometry, PageKey, Source, page_tokens, partial_key, shared_start
 from .placement import Pins, Placement
-from .policy import DEFAULT_POLICY, L3Admission, make_policy
+from .policy import L3Admission, make_policy
 from .restore import PartialMatch, PendingRestore, RestoredPrefix, Restorer
 from .snapshots import Snapshots
 from .stats import L3Place, StoreStats
-from .tier import DevicePage, DeviceTier, HostTier, TierView
+from .store_config import StoreConfig, StoreView
+from .tier import DevicePage, DeviceTier, HostTier
 
 __all__ = ["PartialMatch", "PendingRestore", "RestoredPrefix", "StoreConfig", "StoreView", "TieredStore"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class StoreView:
-    """The store's state at one moment, read-only: its in-process tiers and its pins."""
-
-    l1: TierView
-    l2: TierView
-    pins: Mapping[PageKey, int]  # pinned page -> pins held (a request's restore, each)
-    l3_open: bool  # an L3 backend is open (False once ``close`` has flushed and closed it)
-    snapshots: tuple[TierView, TierView] | None = None  # a hybrid model's snapshot L1 and L2
-
-
-@dataclass
-class StoreConfig:
-    l1_bytes: int = 1 << 30
-    l2_bytes: int = 4 << 30
-    l3_bytes: int | None = None  # None: the store's own cap (a new store: 32 GiB)
-    store_dir: Path | str | None = None  # an LMDB directory, or a redis:// URL (tiers.l3.open.open_l3)
-    codec: str = "raw"
-    # Tier ("L2" or "L3") -> bytes per second: reads from that tier take at least
-    # bytes / rate (the rest is slept), and the link counters show it (tests, demos).
-    # "L3" slows the reads of L3 pages (L3->L1, L3->L2); "L2" slows the L2->L1 join of
-    # every page that crosses it (so also of compressed L3 pages decoded into L2).
-    throttle: dict[str, float] = field(default_factory=dict)
-    policy: str = DEFAULT_POLICY  # eviction order of every tier (tiers.policy)
-    l3_admit: str = "always"  # or "second-use": write a page to L3 once it is seen twice
-    # What one page counts against every cap (None: its payload size). A trace replay
-    # stores payloads of a few bytes and counts them as full-size pages.
-    page_bytes: int | None = None
-    l3_queue_pages: int = 64  # L3 writes queued before more are dropped
-    label: str = ""  # what `kvtier store ls` calls these pages' model (its name)
-    # a hybrid model's recurrent-state snapshots (tiers.snapshots): their own L1 and L2 caps
-    snapshot_l1_bytes: int = 256 << 20
-    snapshot_l2_bytes: int = 1 << 30
 
 
 class TieredStore:
@@ -171,6 +136,8 @@ class TieredStore:
         self._closed = False
         self._closing = threading.Event()  # ends the counter checkpoints and a late join
         self._checkpoints: CounterCheckpoints | None = None
+        self.readers = Readers(self.throttle)
+        self._retrying = False  # L3 did not answer at open: a late join is being tried
         if config.store_dir is None:
             return
         opener = partial(
@@ -186,6 +153,7 @@ class TieredStore:
         if disk is not None:
             self._join(disk)
         elif retry:
+            self._retrying = True
             join_later(opener, self._closing, self._join)
 
     def _join(self, disk: L3Store) -> bool:
@@ -212,12 +180,16 @@ class TieredStore:
 
     # -- queries -------------------------------------------------------------
 
-    def locate(self, keys: Sequence[PageKey], tokens: Sequence[int]) -> list[Source]:
+    def locate(self, keys: Sequence[PageKey], tokens: Sequence[int], read: AheadRead | None = None) -> list[Source]:
         """Tier of each page of the longest prefix of ``keys`` that is stored (L3 is asked
-        once, for the pages L1 and L2 lack)."""
+        once, for the pages L1 and L2 lack; with ``read``, L3 is not asked: its pages are
+        those the read found)."""
         with self._lock:
             absent = [key for key in keys if key not in self.l1 and key not in self.l2]
-            in_l3 = set(absent[: self.disk.stored_prefix(absent)]) if self.disk is not None else set()
+            if read is not None:
+                in_l3 = set(read.found)
+            else:
+                in_l3 = set(absent[: self.disk.stored_prefix(absent)]) if self.disk is not None else set()
             found = []
             for i, key in enumerate(keys):
                 source = self._where(key, page_tokens(tokens, i, self.geometry.page_size), in_l3)
@@ -244,23 +216,66 @@ class TieredStore:
     # -- restore -------------------------------------------------------------
 
     def restore(
-        self, keys: Sequence[PageKey], tokens: Sequence[int], first: int = 0, then: PartialMatch | None = None
+        self,
+        keys: Sequence[PageKey],
+        tokens: Sequence[int],
+        first: int = 0,
+        then: PartialMatch | None = None,
+        read: AheadRead | None = None,
     ) -> RestoredPrefix:
         """Pin and load the longest loadable run of pages ``first..`` of ``keys`` as
-        per-layer device arrays (``begin`` then ``finish``; ``then``: see ``finish``).
+        per-layer device arrays (``begin`` then ``finish``; ``then``: see ``finish``;
+        ``read``: see ``begin``).
 
         A page that vanished or failed its check since ``locate`` ends the run; the
         caller recomputes from there.
         """
-        return self.finish(self.begin(keys, tokens, first), then)
+        return self.finish(self.begin(keys, tokens, first, read=read), then)
 
     def begin(
-        self, keys: Sequence[PageKey], tokens: Sequence[int], first: int = 0, ahead: bool = False
+        self,
+        keys: Sequence[PageKey],
+        tokens: Sequence[int],
+        first: int = 0,
+        ahead: bool = False,
+        read: AheadRead | None = None,
     ) -> PendingRestore:
         """:meth:`Restorer.begin` under the store's lock: safe on another thread while
-        the model runs."""
+        the model runs. With ``read`` (``read_ahead``, done), L3 pages come from what it
+        read, and L3 is asked nothing (its snapshot ends with ``end_read``)."""
         with self._lock:
-            return self.restorer.begin(keys, tokens, first, ahead)
+            return self.restorer.begin(keys, tokens, first, ahead, read)
+
+    # -- reads ahead (off the step loop: tiers.l3_reads) -----------------------------
+
+    def read_ahead(
+        self, keys: Sequence[PageKey], deadline: float, done: Callable[[], None] = lambda: None
+    ) -> AheadRead | None:
+        """Start reading the L3 records of ``keys`` on a reader thread (``done()`` once it
+        completes); None without L3. A restore given the read once it is done asks L3
+        nothing; ``deadline`` (perf_counter): when its caller stops waiting (``abandon``)."""
+        disk = self.disk
+        if disk is None or self._closing.is_set():
+            return None
+        return self.readers.start(disk, keys, self.geometry.nbytes, deadline, done)
+
+    def abandon(self, read: AheadRead) -> None:
+        """Stop waiting for ``read`` (its caller recomputes instead): counted in
+        ``reads_abandoned``; it holds no pin, and its snapshot ends when it completes."""
+        self.readers.abandon(read)
+
+    def end_read(self, read: AheadRead) -> None:
+        """End a done read's snapshot, once its restore is finished (or it went unused)."""
+        read.stack.close()
+
+    def degraded(self) -> list[str]:
+        """The tiers that answer slowly or not at all now: "L3" while a read has run past
+        its deadline, while its server backs off after a failure, or while a store
+        unreachable at start has not joined yet."""
+        disk = self.disk
+        late = disk is None and self.config.store_dir is not None and not self._closing.is_set() and self._retrying
+        down = disk is not None and (self.readers.stalled() or not disk.reachable())
+        return ["L3"] if late or down else []
 
     def finish(self, pending: PendingRestore, then: PartialMatch | None = None) -> RestoredPrefix:
         """Join a begun restore's pages into per-layer device arrays and end its snapshot;
@@ -463,6 +478,7 @@ class TieredStore:
     def close(self, extra_counters: dict | None = None) -> None:
         """Flush to L3, add this process's counters to the store's, close L3 (once)."""
         self._closing.set()
+        self.readers.close()
         with self._lock:
             if self.disk is None or self._closed:
                 return
@@ -483,4 +499,4 @@ class TieredStore:
                 tiers["L3"] = self.disk.counters
                 place = L3Place(self.disk.backend, self.disk.location)
             snapshots = self.snapshots.stats() if self.snapshots is not None else None
-            return StoreStats(tiers, self.ledger.stats(), place, snapshots)
+            return StoreStats(tiers, self.ledger.stats(), place, snapshots, reads_abandoned=self.readers.abandoned)

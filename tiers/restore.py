@@ -29,6 +29,7 @@ from xxhash import xxh3_64_intdigest
 from .join import Joined, in_parallel, join_pages, shares
 from .l3.base import L3Store, Snapshot
 from .l3.record import CorruptRecord, StoredRecord
+from .l3_reads import AheadRead
 from .links import LinkLedger, Throttle
 from .page import PageGeometry, PageKey, Source, page_tokens
 from .placement import Pins, Placement
@@ -141,17 +142,23 @@ class Restorer:
         self.throttle = throttle
 
     def begin(
-        self, keys: Sequence[PageKey], tokens: Sequence[int], first: int = 0, ahead: bool = False
+        self,
+        keys: Sequence[PageKey],
+        tokens: Sequence[int],
+        first: int = 0,
+        ahead: bool = False,
+        read: AheadRead | None = None,
     ) -> PendingRestore:
         """The host side of a restore: find and pin the pages (L3 records in a snapshot
         held until ``finish``), decode compressed L3 pages, wait out an L3 throttle.
         With ``ahead`` the raw L3 pages are also checked now, so ``finish`` only
         copies; without, the join hashes them as it copies them. Touches no mlx
         array (an L1 page is read by ``finish``): safe on another thread while the
-        model runs. On an error nothing stays pinned."""
+        model runs. On an error nothing stays pinned. With ``read`` (done), its snapshot
+        is used (and left open: the read's owner ends it) and L3 is asked nothing."""
         with ExitStack() as stack:
             t0 = time.perf_counter()
-            snap = stack.enter_context(self._snapshot())
+            snap = read.snapshot if read is not None else stack.enter_context(self._snapshot())
             pages = self._plan(keys, tokens, snap, first)
             try:
                 t1 = time.perf_counter()
@@ -159,7 +166,8 @@ class Restorer:
                 pages = self.decode_compressed(pages)
                 digests: list[int | None] = self._hash_raw_l3(pages) if ahead else [None] * len(pages)
                 l3_bytes = sum(p.stored for p in pages)
-                host_s = self.throttle.wait("L3", l3_bytes, read_s + time.perf_counter() - t1) if l3_bytes else 0.0
+                before = read_s + (snap.ahead_s if snap is not None else 0.0)  # a read ahead waited its throttle
+                host_s = self.throttle.wait("L3", l3_bytes, before + time.perf_counter() - t1) if l3_bytes else 0.0
             except BaseException:
                 self.pins.release([p.key for p in pages])
                 raise

@@ -65,6 +65,7 @@ class StoreStats:
     l3: L3Place | None = None
     snapshots: SnapshotStats | None = None
     ungauged: frozenset[str] = frozenset()
+    reads_abandoned: int = 0  # this process's L3 reads abandoned at their deadline (``tiers.l3_reads``)
 
     def gauged(self, tier: str) -> bool:
         """Whether ``tier``'s capacity, bytes used and pages are known."""
@@ -82,6 +83,8 @@ class StoreStats:
             if (file_bytes := place.pop("file_bytes")) is not None and "L3" in shape["tiers"]:
                 shape["tiers"]["L3"]["file_bytes"] = file_bytes
             shape["l3"] = place
+        if self.l3 is not None and not self.ungauged:  # a process's own, not persisted
+            shape["reads_abandoned"] = self.reads_abandoned
         return shape
 
     @classmethod

@@ -271,7 +271,12 @@ class KVTierServer:
         return JSONResponse(responses.model_object(self.config.model_name, self.created))
 
     async def health(self, http: HTTPRequest) -> Response:
-        return JSONResponse({"status": "ok", "model": self.config.model_name})
+        """200 while the engine serves; "degraded", naming the tiers, while one of the
+        store's answers slowly or not at all (requests recompute what it holds)."""
+        store = self.engine.store
+        degraded = store.degraded() if store is not None else []
+        body = {"status": "degraded" if degraded else "ok", "model": self.config.model_name}
+        return JSONResponse({**body, "degraded": degraded} if degraded else body)
 
     async def prometheus(self, http: HTTPRequest) -> Response:
         text = await anyio.to_thread.run_sync(self.metrics.render)

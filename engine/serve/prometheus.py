@@ -45,6 +45,12 @@ class StatsCollector(Collector):
         if (store := stats.store) is not None:
             yield from _tiers("tier", store.tiers, store.ungauged, store.l3.file_bytes if store.l3 else None)
             yield from _links("link", store.links)
+            if store.l3 is not None and not store.ungauged:  # a process's own count
+                yield CounterMetricFamily(
+                    "kvtier_l3_reads_abandoned",
+                    "L3 reads abandoned at their deadline for recompute",
+                    value=store.reads_abandoned,
+                )
             if (snapshots := store.snapshots) is not None:  # a hybrid model's state snapshots
                 yield from _tiers("snapshot_tier", snapshots.tiers, snapshots.ungauged, None)
                 yield from _links("snapshot_link", snapshots.links)

@@ -31,7 +31,7 @@ def test_stats_are_a_snapshot_and_their_json_keeps_its_keys_in_order(tmp_path):
     assert (stats.tiers["L1"].inserts, stats.tiers["L2"].inserts, stats.links[Link.L1_L2].pages) == (2, 1, 1)
     assert store.stats().tiers["L1"].inserts == 3
     shape = json.loads(json.dumps(stats.to_json()))
-    assert list(shape) == ["tiers", "links", "l3"]
+    assert list(shape) == ["tiers", "links", "l3", "reads_abandoned"]
     assert list(shape["tiers"]) == ["L1", "L2", "L3"]
     assert all(list(row) == TIER_KEYS for row in shape["tiers"].values())
     assert shape["tiers"]["L2"]["bytes_used"] == PAGE

@@ -71,6 +71,26 @@ class Snapshot(ABC):
     def __init__(self, store: L3Store) -> None:
         self.store = store
         self.read_s = 0.0  # seconds spent reading records from the backend (a network's round trips)
+        self.ahead_s = 0.0  # seconds ``read_ahead`` took (on a reader thread, before the restore)
+        self._ahead: dict[bytes, memoryview | bytes] = {}
+        self._only_ahead = False  # read ahead: a key it did not find is a miss, not asked again
+
+    def read_ahead(self, keys: Sequence[bytes], raw_nbytes: int) -> tuple[int, int]:
+        """Read the values of ``keys`` in order, up to the first absent one, and keep them
+        for ``find``, which then reads nothing (``tiers.l3_reads``: a reader thread does
+        this before a restore); (records found, their bytes). Counts nothing: ``find``
+        counts the lookups the restore makes."""
+        self.expect(keys, raw_nbytes)
+        nbytes = 0
+        for key in keys:
+            value = None if self.store.check.doomed(key) else self._value(key)
+            if value is None:
+                break
+            self._ahead[key] = value
+            nbytes += len(value)
+        self.read_s = 0.0  # spent here, not by the restore: see ahead_s
+        self._only_ahead = True
+        return len(self._ahead), nbytes
 
     def expect(self, keys: Sequence[bytes], raw_nbytes: int) -> None:  # noqa: B027 (a no-op unless a backend batches)
         """A hint: ``find`` will be asked for these keys, in this order (a remote backend
@@ -86,7 +106,9 @@ class Snapshot(ABC):
         self.store.count(lookups=1)
         if self.store.check.doomed(key):
             return None  # a rejected record whose delete is not committed yet: a miss
-        value = self._value(key)
+        value = self._ahead.get(key)
+        if value is None and not self._only_ahead:
+            value = self._value(key)
         if value is None:
             return None
         return self.store.check.found(key, value, namespace_digest, tokens, raw_nbytes)
@@ -173,6 +195,10 @@ class L3Store(ABC):
         return self.counters.bytes_used
 
     # --- caller threads ----------------------------------------------------------------
+
+    def reachable(self) -> bool:
+        """Whether the backend answers now (a server backing off after a failure does not)."""
+        return True
 
     def contains(self, key: bytes) -> bool:
         """A record exists and is not being deleted (unverified: a read verifies)."""

@@ -231,6 +231,9 @@ class RedisTier(L3Store):
             self._backoff = 0.0
         return result
 
+    def reachable(self) -> bool:
+        return time.monotonic() >= self._down_until
+
     def _page(self, key: bytes) -> bytes:
         return self._prefix + b"p:" + key
 

@@ -1,0 +1,95 @@
+"""Requests waiting for their L3 pages, read off the step loop (DESIGN §7, §9).
+
+At admission, a request whose stored prefix may go on past what L1 and L2 hold (the
+store has an L3) is parked: its L3 records are read on the store's reader threads
+(``TieredStore.read_ahead``) while the step loop goes on with the other requests. A
+read done by its deadline sends the request back to admission, which plans and
+restores from what was read: the restore asks L3 nothing. The deadline is when
+recomputing those pages would have finished (the cost model's prefill time of the
+prompt's tokens after its resident pages, from the moment it was parked); past it the
+read is abandoned (counted in the store's ``reads_abandoned``; it holds no pin, and its
+snapshot ends whenever it completes) and the request is admitted to recompute them, L3
+not asked again. Parked requests are held by the scheduler, so they count as pending.
+"""
+
+from __future__ import annotations
+
+import time
+
+from kvtier.costmodel.plan import Profile
+from kvtier.tiers.hierarchy import TieredStore
+from kvtier.tiers.l3_reads import nothing_read
+
+from .request import Request
+from .scheduler import Scheduler
+
+_IDLE_WAIT_S = 0.05  # the longest the idle step loop sleeps between looks at its parked reads
+
+
+class L3Wait:
+    """The parked requests and their reads."""
+
+    def __init__(self, store: TieredStore, scheduler: Scheduler, page_size: int) -> None:
+        self.store, self.scheduler, self.page_size = store, scheduler, page_size
+        self._parked: dict[int, Request] = {}
+
+    def park(self, request: Request, profile: Profile) -> bool:
+        """Start reading ``request``'s L3 pages and hold it; False when there is nothing
+        to read (no L3, every page resident, or read already)."""
+        if request.l3_read is not None:
+            return False
+        resident = len(self.store.locate(request.keys, request.prompt, nothing_read()))
+        if resident >= len(request.keys):
+            request.l3_read = nothing_read()
+            return False
+        done = resident * self.page_size
+        deadline = time.perf_counter() + profile.compute.predict(len(request.prompt) - done, done)
+        read = self.store.read_ahead(request.keys[resident:], deadline, self._wake)
+        request.l3_read = read or nothing_read()
+        if read is None:
+            return False
+        self._parked[request.rid] = request
+        self.scheduler.park(request)
+        return True
+
+    def poll(self) -> None:
+        """Send back to admission the parked requests whose read is done, and those whose
+        deadline has passed (their read abandoned: they recompute)."""
+        now = time.perf_counter()
+        for request in list(self._parked.values()):
+            read = request.l3_read
+            assert read is not None, "a parked request without its read"
+            if not read.done():
+                if now < read.deadline:
+                    continue
+                self.store.abandon(read)
+                request.l3_read = nothing_read()
+            del self._parked[request.rid]
+            self.scheduler.unpark(request)
+
+    def wait(self) -> None:
+        """With nothing running, sleep until a read completes, a request arrives or the
+        next deadline passes (never on the I/O itself)."""
+        if not self._parked:
+            return
+        now = time.perf_counter()
+        deadline = min(r.l3_read.deadline for r in self._parked.values() if r.l3_read is not None)
+        with self.scheduler.arrived:
+            if not any(r.l3_read is not None and r.l3_read.done() for r in self._parked.values()):
+                self.scheduler.arrived.wait(max(0.0, min(deadline - now, _IDLE_WAIT_S)))
+
+    def ended(self, request: Request) -> None:
+        """``request`` is admitted with its restore done, or has ended: its read's
+        snapshot ends (abandoned while still running)."""
+        read, request.l3_read = request.l3_read, None
+        if self._parked.pop(request.rid, None) is not None and read is not None and not read.done():
+            self.store.abandon(read)
+        elif read is not None:
+            self.store.end_read(read)
+
+    def _wake(self) -> None:
+        with self.scheduler.arrived:
+            self.scheduler.arrived.notify_all()
+
+    def __len__(self) -> int:
+        return len(self._parked)

@@ -1,0 +1,47 @@
+"""What a store is made with (``StoreConfig``) and what it shows of itself
+(``StoreView``); both re-exported by ``tiers.hierarchy``, where callers find them."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .page import PageKey
+from .policy import DEFAULT_POLICY
+from .tier import TierView
+
+
+@dataclass(frozen=True)
+class StoreView:
+    """The store's state at one moment, read-only: its in-process tiers and its pins."""
+
+    l1: TierView
+    l2: TierView
+    pins: Mapping[PageKey, int]  # pinned page -> pins held (a request's restore, each)
+    l3_open: bool  # an L3 backend is open (False once ``close`` has flushed and closed it)
+    snapshots: tuple[TierView, TierView] | None = None  # a hybrid model's snapshot L1 and L2
+
+
+@dataclass
+class StoreConfig:
+    l1_bytes: int = 1 << 30
+    l2_bytes: int = 4 << 30
+    l3_bytes: int | None = None  # None: the store's own cap (a new store: 32 GiB)
+    store_dir: Path | str | None = None  # an LMDB directory, or a redis:// URL (tiers.l3.open.open_l3)
+    codec: str = "raw"
+    # Tier ("L2" or "L3") -> bytes per second: reads from that tier take at least
+    # bytes / rate (the rest is slept), and the link counters show it (tests, demos).
+    # "L3" slows the reads of L3 pages (L3->L1, L3->L2); "L2" slows the L2->L1 join of
+    # every page that crosses it (so also of compressed L3 pages decoded into L2).
+    throttle: dict[str, float] = field(default_factory=dict)
+    policy: str = DEFAULT_POLICY  # eviction order of every tier (tiers.policy)
+    l3_admit: str = "always"  # or "second-use": write a page to L3 once it is seen twice
+    # What one page counts against every cap (None: its payload size). A trace replay
+    # stores payloads of a few bytes and counts them as full-size pages.
+    page_bytes: int | None = None
+    l3_queue_pages: int = 64  # L3 writes queued before more are dropped
+    label: str = ""  # what `kvtier store ls` calls these pages' model (its name)
+    # a hybrid model's recurrent-state snapshots (tiers.snapshots): their own L1 and L2 caps
+    snapshot_l1_bytes: int = 256 << 20
+    snapshot_l2_bytes: int = 1 << 30
