@@ -12,8 +12,11 @@ Invariants (DESIGN §4), each tested in ``tests/tiers/test_hierarchy.py``:
    decoded one stays in L2 meanwhile).
 3. Capacities are hard caps (see ``tiers.tier``); a page that finds no room in
    any tier is dropped and counted, never forced in.
-4. A page is written to L3 at most once: a page already there (or already
-   queued) is never sent again, so such a spill adds 0 bytes to ``L2->L3``.
+4. A page is written to L3 at most once: a page known to be there (``in_l3``:
+   restored from L3, or written by this process) or queued is never handed to the
+   writer again, so such a spill adds 0 bytes to ``L2->L3``; one L3 holds unknown to
+   this process is handed over (and counted on its link) but not sent: the writer
+   asks first, off the caller's thread (``tiers.placement``).
 
 Placement is inclusive, and a page is kept where the next request will find it
 fastest. L1 holds pages computed on this device (a page computed over a copy in L2 or L3
@@ -31,7 +34,7 @@ read (in a few batched round trips, counted in ``L3->L1``'s seconds). A compress
 L3 page is decoded into an L2 slot and kept there (``L3->L2``, then ``L2->L1``):
 decoding costs more than a copy. A page leaving
 L1 is copied to L2 only if L2 lacks it; a page leaving L2 is queued for L3 only if
-L3 lacks it. When L2 has no room (every page pinned) an L1 page goes straight to L3
+L3 is not known to hold it. When L2 has no room (every page pinned) an L1 page goes straight to L3
 (``L1->L3``).
 
 A restore plans the longest stored prefix (pins its pages, finds its L3 records in
