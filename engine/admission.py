@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping, Sequence
 
-from kvtier.costmodel.plan import Profile, plan_restore, plan_wait
+from kvtier.costmodel.plan import Profile, RestorePlan, plan_restore, plan_wait
 from kvtier.tiers.hierarchy import TieredStore
 from kvtier.tiers.page import PageGeometry, Source
 
@@ -59,20 +59,34 @@ class Admission:
         profile = profile.capped(self.config.store.throttle)
         if self.prefix_flight and self.hold_for_prefix(request, matched, profile):
             return None
-        size = self.config.page_size
-        after = request.prompt[len(matched) * size : len(request.prompt) - 1]
-        request.plan = plan_restore(
-            matched,
-            len(request.prompt),
-            size,
-            self.geometry.nbytes,
-            profile,
-            self.config.store.codec,
-            self.store.restore_points(request.keys[: len(matched)], after),
-            self.geometry,
+        after = request.prompt[len(matched) * self.config.page_size : len(request.prompt) - 1]
+        request.plan = self.restore_plan(
+            request, matched, profile, self.store.restore_points(request.keys[: len(matched)], after)
         )
         request.l1_tokens_at_admission = l1_tokens(matched, self.config.page_size)
         return matched
+
+    def restore_plan(
+        self, request: Request, matched: list[Source], profile: Profile, points: list[int] | None = None
+    ) -> RestorePlan:
+        """``costmodel.plan.plan_restore`` of ``request`` over the ``matched`` pages."""
+        return plan_restore(
+            matched,
+            len(request.prompt),
+            self.config.page_size,
+            self.geometry.nbytes,
+            profile,
+            self.config.store.codec,
+            points,
+            self.geometry,
+        )
+
+    def worth_reading(self, request: Request, resident: list[Source], profile: Profile) -> bool:
+        """Whether L3 could change the plan: were every page after the ``resident`` ones in
+        L3, the plan would restore some of them (a slow L3 is not even asked)."""
+        rest = [Source.L3] * (len(request.keys) - len(resident))
+        plan = self.restore_plan(request, resident + rest, profile.capped(self.config.store.throttle))
+        return plan.restore_pages > len(resident)
 
     def hold_for_prefix(self, request: Request, matched: list[Source], profile: Profile) -> bool:
         """Hold ``request`` if its pages after the ``matched`` ones are being computed by

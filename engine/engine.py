@@ -261,7 +261,10 @@ class Engine:
             request.t_held = None
         if self.store is not None:
             assert self.admission is not None and self.prefix_caches is not None and self.l3_wait is not None
-            if self.l3_wait.park(request, self.profile):
+            admission, profile = self.admission, self.profile
+            if self.l3_wait.park(
+                request, profile, lambda resident: admission.worth_reading(request, resident, profile)
+            ):
                 return  # back once its L3 pages are read, or at its deadline
             t0 = time.perf_counter()
             matched = self.admission.plan(request, self.profile)

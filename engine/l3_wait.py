@@ -9,16 +9,20 @@ recomputing those pages would have finished (the cost model's prefill time of th
 prompt's tokens after its resident pages, from the moment it was parked); past it the
 read is abandoned (counted in the store's ``reads_abandoned``; it holds no pin, and its
 snapshot ends whenever it completes) and the request is admitted to recompute them, L3
-not asked again. Parked requests are held by the scheduler, so they count as pending.
+not asked again. L3 is not asked at all when the plan would not restore from it even
+if it held every page after the resident ones (a slow link). Parked requests are held
+by the scheduler, so they count as pending.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from kvtier.costmodel.plan import Profile
 from kvtier.tiers.hierarchy import TieredStore
 from kvtier.tiers.l3_reads import nothing_read
+from kvtier.tiers.page import Source
 
 from .request import Request
 from .scheduler import Scheduler
@@ -33,13 +37,15 @@ class L3Wait:
         self.store, self.scheduler, self.page_size = store, scheduler, page_size
         self._parked: dict[int, Request] = {}
 
-    def park(self, request: Request, profile: Profile) -> bool:
+    def park(self, request: Request, profile: Profile, worth: Callable[[list[Source]], bool]) -> bool:
         """Start reading ``request``'s L3 pages and hold it; False when there is nothing
-        to read (no L3, every page resident, or read already)."""
+        to read (no L3, every page resident, read already, or L3 would not be restored
+        from even if it held every other page: ``worth`` of the resident pages)."""
         if request.l3_read is not None:
             return False
-        resident = len(self.store.locate(request.keys, request.prompt, nothing_read()))
-        if resident >= len(request.keys):
+        matched = self.store.locate(request.keys, request.prompt, nothing_read())
+        resident = len(matched)
+        if resident >= len(request.keys) or self.store.disk is None or not worth(matched):
             request.l3_read = nothing_read()
             return False
         done = resident * self.page_size

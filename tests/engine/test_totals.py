@@ -66,7 +66,7 @@ def test_engine_stats_json_keeps_its_parts_in_order():
     summary = Profile.defaults().summary()
     stats = EngineStats(EngineTotals(), window, summary, StoreStats({}, {}, L3Place("lmdb", "/s")))
     shape = stats.to_json()
-    assert list(shape) == ["engine", "windowed", "costmodel", "tiers", "links", "l3"]
+    assert list(shape) == ["engine", "windowed", "costmodel", "tiers", "links", "l3", "reads_abandoned"]
     assert shape["windowed"] == {"window_s": 30.0, "cached_tokens_per_s": 1.5} and list(shape["engine"]) == SHAPE
     assert list(EngineStats(EngineTotals(), window, summary).to_json()) == ["engine", "windowed", "costmodel"]
 
