@@ -59,7 +59,7 @@ from .counters import add_into
 from .join import keep_buffers_for_restores
 from .l3.base import L3Store, ReadThrough
 from .l3.open import open_l3
-from .l3_join import join_later, open_disk
+from .l3_join import describe, join_later, open_disk
 from .l3_reads import AheadRead, Readers
 from .links import LinkLedger, Throttle
 from .page import Namespace, PageGeometry, PageKey, Source, page_tokens, partial_key, shared_start
@@ -140,6 +140,7 @@ class TieredStore:
         self._closing = threading.Event()  # ends the counter checkpoints and a late join
         self._checkpoints: CounterCheckpoints | None = None
         self.readers = Readers(self.throttle)
+        self._checkpointing = threading.Lock()  # taken before the store's lock, never after
         self._retrying = False  # L3 did not answer at open: a late join is being tried
         if config.store_dir is None:
             return
@@ -164,17 +165,9 @@ class TieredStore:
         with self._lock:
             if self._closing.is_set():
                 return False
-            label = self.config.label or self.namespace.model_fingerprint[:12]
-            salted = bool(self.namespace.cache_salt)
-            disk.tables.describe_namespace(
-                self.ns_digest,
-                {"model": label, "page_size": self.geometry.page_size, "dtype": self.geometry.dtype, "salted": salted},
-            )
+            snapshots = self.snapshots.ns_digest if self.snapshots is not None else None
+            describe(disk, self.namespace, self.geometry, self.config.label, snapshots)
             if self.snapshots is not None:
-                disk.tables.describe_namespace(
-                    self.snapshots.ns_digest,
-                    {"model": f"{label} (state snapshots)", "page_size": 0, "dtype": "uint8", "salted": salted},
-                )
                 self.snapshots.disk = self.snapshots.placement.disk = disk
             self.placement.disk = self.restorer.disk = disk
             self._checkpoints = CounterCheckpoints(disk.tables)
@@ -464,11 +457,14 @@ class TieredStore:
 
     def checkpoint_counters(self, extra_counters: dict | None = None) -> None:
         """Add what this process counted since its last checkpoint (and ``extra_counters``,
-        cumulative for the process, e.g. the engine's) to the store's counters."""
-        with self._lock:
-            if self._checkpoints is None or self._closed:
-                return
-            now = self._cumulative()
+        cumulative for the process, e.g. the engine's) to the store's counters. The
+        counters are read under the store's lock, written to L3 outside it (a slow L3
+        never holds up the step loop); one checkpoint at a time."""
+        with self._checkpointing:
+            with self._lock:
+                if self._checkpoints is None or self._closed:
+                    return
+                now = self._cumulative()
             add_into(now, extra_counters or {})
             self._checkpoints.write(now)
 
@@ -486,9 +482,11 @@ class TieredStore:
             if self.disk is None or self._closed:
                 return
             self.flush()
-            self.checkpoint_counters(extra_counters)
-            self.disk.close()
-            self._closed = True
+        self.checkpoint_counters(extra_counters)  # takes the lock itself (see there)
+        with self._lock:
+            if not self._closed:
+                self.disk.close()
+                self._closed = True
 
     def _cumulative(self) -> dict:
         return self.stats().cumulative()

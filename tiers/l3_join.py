@@ -15,6 +15,7 @@ import threading
 from collections.abc import Callable
 
 from .l3.base import L3Store, StoreError, StoreUnreachable
+from .page import Namespace, PageGeometry
 
 log = logging.getLogger(__name__)
 
@@ -61,3 +62,17 @@ def join_later(
     thread = threading.Thread(target=run, name="kvtier-l3-join", daemon=True)
     thread.start()
     return thread
+
+
+def describe(disk: L3Store, namespace: Namespace, geometry: PageGeometry, label: str, snapshots: bytes | None) -> None:
+    """Name a store's namespaces in ``disk``'s table (``kvtier store ls``): its pages',
+    and its state snapshots' (``snapshots``: their namespace digest) if it keeps any."""
+    model, salted = label or namespace.model_fingerprint[:12], bool(namespace.cache_salt)
+    disk.tables.describe_namespace(
+        namespace.digest(),
+        {"model": model, "page_size": geometry.page_size, "dtype": geometry.dtype, "salted": salted},
+    )
+    if snapshots is not None:
+        disk.tables.describe_namespace(
+            snapshots, {"model": f"{model} (state snapshots)", "page_size": 0, "dtype": "uint8", "salted": salted}
+        )
