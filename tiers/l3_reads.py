@@ -53,7 +53,7 @@ class AheadRead:
         future = self.future
         if future is None or not future.done() or future.cancelled() or future.exception() is not None:
             return []
-        return self.keys[: self.future.result()]
+        return self.keys[: future.result()]
 
 
 def nothing_read() -> AheadRead:
