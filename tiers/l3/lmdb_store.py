@@ -218,7 +218,10 @@ class DiskTier(L3Store):
 
     def _commit(self, batch: Batch) -> None:
         records = [
-            (p.key, encode_record(p.namespace, p.tokens, p.payload, self._codec, self._level, _VALUE_AT, p.segments))
+            (
+                p.key,
+                encode_record(p.key, p.namespace, p.tokens, p.payload, self._codec, self._level, _VALUE_AT, p.segments),
+            )
             for p in batch.puts
         ]  # encode outside the txn
         try:

@@ -1,19 +1,33 @@
 """The L3 page record (DESIGN §4), the same in every backend (LMDB, Redis).
 
 A record is ``u32 little-endian header length | msgpack header | payload``. The header
-is ``{"v": format version, "ns": namespace digest, "tok": token ids as <u4 bytes,
-"codec": "raw" | "zstd" | "zstd-shuffle", "n": raw length, "xxh": xxh3_64 of the raw
-bytes}``, and a writer may add ``"pad"``: zero bytes that place the payload where its
-backend keeps it aligned (readers ignore keys they do not know); dtype and shape are
-implied by the namespace and the raw length. A page of a model with sliding-window
-layers adds ``"seg"``: ``[length, xxh3_64]`` of each segment of the raw bytes (global
-rows, window rows: ``tiers.page.PageGeometry.segments``), so that a restore reading one
-segment of a raw record checks it without reading the other. The payload is the raw bytes or a zstd
-frame (of the 2-byte planes for zstd-shuffle).
+is ``{"v": record format version (``RECORD_VERSION``), "key": the record's own 16-byte
+page key, "ns": namespace digest, "tok": token ids as <u4 bytes, "codec": "raw" | "zstd"
+| "zstd-shuffle", "n": raw length, "xxh": xxh3_64 of the raw bytes}``, and a writer may
+add ``"pad"``: zero bytes that place the payload where its backend keeps it aligned
+(readers ignore keys they do not know); dtype and shape are implied by the namespace and
+the raw length. A page of a model with sliding-window layers adds ``"seg"``: ``[length,
+xxh3_64]`` of each segment of the raw bytes (global rows, window rows:
+``tiers.page.PageGeometry.segments``), so that a restore reading one segment of a raw
+record checks it without reading the other. The payload is the raw bytes or a zstd frame
+(of the 2-byte planes for zstd-shuffle).
 
-A record is served only when its header names this format version, this namespace and
-these token ids, and its payload decodes to the raw length with this checksum; anything
-else raises ``CorruptRecord`` (the backend deletes such a record and counts it).
+A record is served only when its header names this format version, the very key it was
+looked up under, this namespace and these token ids, and its payload decodes to the raw
+length with this checksum; anything else raises ``CorruptRecord`` (the backend deletes
+such a record and counts it). The key is what binds a record to its place: a page key
+chains the parent's key with the page's tokens (``tiers.page``), so it commits to the whole
+prefix and the namespace, which the tokens and namespace alone do not. Without it a record
+of another prefix whose page has the same tokens, copied under this key (an LMDB file
+edited, any client of a shared Redis), passed every check and was served as this page.
+The check is ``check_header``, which every read of every backend passes through
+(``checked_record``, from ``Snapshot.find``) before a byte of the payload is used. The
+unkeyed checksum detects damage, not forgery: a writer who can put records can compute it.
+
+``FORMAT_VERSION`` is the store's layout (its tables, kept in meta); records carry their
+own ``RECORD_VERSION``, so a store of older records still opens and refuses each such
+record the first time it is read ("format version differs": counted, deleted, recomputed).
+Version 1 records had no ``key``.
 """
 
 from __future__ import annotations
@@ -31,9 +45,11 @@ from xxhash import xxh3_64_intdigest
 
 from ..layout import SLOT_OFFSET as RAW_PAYLOAD_OFFSET
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 1  # the store's layout (meta ``format_version``), not the records'
+RECORD_VERSION = 2  # the header's ``v``: 2 added ``key``
 CODECS = ("raw", "zstd", "zstd-shuffle")
 _LEN = struct.Struct("<I")
+_FIELDS = ("v", "key", "ns", "tok", "codec", "n", "xxh")  # the header's keys, in RecordHeader's order
 _PAD_FIELD = len(msgpack.packb({"pad": b""})) - 1  # bytes the "pad" key adds with no padding
 
 
@@ -44,6 +60,7 @@ class CorruptRecord(ValueError):
 @dataclass(frozen=True)
 class RecordHeader:
     version: int
+    key: bytes  # the page key the record was written under
     namespace: bytes
     tokens: bytes
     codec: str
@@ -53,7 +70,7 @@ class RecordHeader:
 
     def pack(self, pad: int = 0) -> bytes:
         """The header's bytes, ``pad`` bytes longer than without padding."""
-        fields = dict(zip(("v", "ns", "tok", "codec", "n", "xxh"), astuple(self)[:6]))
+        fields = dict(zip(_FIELDS, astuple(self)[: len(_FIELDS)]))
         if self.segments:
             fields["seg"] = [list(s) for s in self.segments]
         if pad:
@@ -76,13 +93,13 @@ class RecordHeader:
             raise CorruptRecord("header runs past the record")
         try:
             f = msgpack.unpackb(value[_LEN.size : end])
-            values = (f["v"], f["ns"], f["tok"], f["codec"], f["n"], f["xxh"])
+            values = (f["v"], f.get("key", b""), f["ns"], f["tok"], f["codec"], f["n"], f["xxh"])  # v1: no key
             segments = tuple((int(n), int(x)) for n, x in f.get("seg", ()))
         except Exception as exc:  # msgpack raises many types on garbage
             raise CorruptRecord(f"header does not parse ({type(exc).__name__})") from None
-        if tuple(map(type, values)) != (int, bytes, bytes, str, int, int):
+        if tuple(map(type, values)) != (int, bytes, bytes, bytes, str, int, int):
             raise CorruptRecord("header field of the wrong type")
-        if segments and sum(n for n, _ in segments) != values[4]:
+        if segments and sum(n for n, _ in segments) != values[5]:
             raise CorruptRecord("segments do not add up to the raw length")
         if f.get("pad", b"").strip(b"\0"):
             raise CorruptRecord("header padding is not zeros")
@@ -125,10 +142,12 @@ def header_or_none(value: memoryview | bytes) -> RecordHeader | None:
         return None
 
 
-def check_header(header: RecordHeader, namespace: bytes, tokens: bytes, raw_nbytes: int) -> None:
-    """CorruptRecord unless the header describes this page of this namespace."""
+def check_header(header: RecordHeader, key: bytes, namespace: bytes, tokens: bytes, raw_nbytes: int) -> None:
+    """CorruptRecord unless the header describes the page looked up under ``key`` (the
+    version first: an older record's other fields mean nothing)."""
     for ok, reason in (
-        (header.version == FORMAT_VERSION, "format version differs"),
+        (header.version == RECORD_VERSION, "format version differs"),
+        (header.key == key, "page key differs"),
         (header.namespace == namespace, "namespace digest differs"),
         (header.tokens == tokens, "token ids differ"),
         (header.raw_len == raw_nbytes, "raw length differs"),
@@ -144,13 +163,14 @@ def checked_record(
     """The record of a stored value whose header matches this page; CorruptRecord otherwise."""
     value = memoryview(value)
     header, offset = RecordHeader.unpack(value)
-    check_header(header, namespace, token_bytes(tokens), raw_nbytes)
+    check_header(header, bytes(key), namespace, token_bytes(tokens), raw_nbytes)
     if header.codec == "raw" and len(value) - offset != raw_nbytes:
         raise CorruptRecord("raw payload length differs from the raw length")
     return StoredRecord(bytes(key), header, value, value[offset:])
 
 
 def encode_record(
+    key: bytes,
     namespace: bytes,
     tokens: bytes,
     raw: bytes,
@@ -159,7 +179,7 @@ def encode_record(
     at: int | None = None,
     segments: Sequence[int] = (),
 ) -> bytes:
-    """The stored value of a page (``tokens`` as <u4 bytes). ``at``: where the backend
+    """The stored value of the page keyed ``key`` (``tokens`` as <u4 bytes). ``at``: where the backend
     places the value within a 4 KiB page, if it knows; a raw payload then starts at
     ``RAW_PAYLOAD_OFFSET`` modulo 64 (see ``tiers.layout.slot_arena``: copies from it into
     mlx's arrays pair aligned loads with aligned stores). ``segments``: byte lengths
@@ -167,7 +187,7 @@ def encode_record(
     codec, body = encode_payload(codec, raw, level)
     view, bounds = memoryview(raw), [0, *itertools.accumulate(segments)]
     checks = tuple((b - a, xxh3_64_intdigest(view[a:b])) for a, b in zip(bounds, bounds[1:]))
-    header = RecordHeader(FORMAT_VERSION, namespace, tokens, codec, len(raw), xxh3_64_intdigest(raw), checks)
+    header = RecordHeader(RECORD_VERSION, key, namespace, tokens, codec, len(raw), xxh3_64_intdigest(raw), checks)
     packed = header.pack() if at is None or codec != "raw" else header.pack_aligned(at, 64, RAW_PAYLOAD_OFFSET)
     return b"".join((packed, body))
 
@@ -185,12 +205,12 @@ def verify_payload(
 
 
 def decode_record(
-    value: memoryview, namespace: bytes, tokens: bytes, raw_nbytes: int, out: np.ndarray | None = None
+    key: bytes, value: memoryview, namespace: bytes, tokens: bytes, raw_nbytes: int, out: np.ndarray | None = None
 ) -> memoryview | np.ndarray | bytes:
-    """The raw page of a stored value, checked against the page it should hold
-    (namespace, token ids as <u4 bytes, raw length); CorruptRecord otherwise."""
+    """The raw page of a stored value, checked against the page it should hold (its key,
+    namespace, token ids as <u4 bytes, raw length); CorruptRecord otherwise."""
     header, offset = RecordHeader.unpack(value)
-    check_header(header, namespace, tokens, raw_nbytes)
+    check_header(header, key, namespace, tokens, raw_nbytes)
     return verify_payload(header, value[offset:], out)
 
 

@@ -280,7 +280,10 @@ class RedisTier(L3Store):
         if not batch.puts:
             return
         records = [
-            (p.key, encode_record(p.namespace, p.tokens, p.payload, self._codec, self._level, segments=p.segments))
+            (
+                p.key,
+                encode_record(p.key, p.namespace, p.tokens, p.payload, self._codec, self._level, segments=p.segments),
+            )
             for p in batch.puts
         ]
 
