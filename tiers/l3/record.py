@@ -44,6 +44,7 @@ import zstandard
 from xxhash import xxh3_64_intdigest
 
 from ..layout import SLOT_OFFSET as RAW_PAYLOAD_OFFSET
+from .cipher import RecordCipher
 
 FORMAT_VERSION = 1  # the store's layout (meta ``format_version``), not the records'
 RECORD_VERSION = 2  # the header's ``v``: 2 added ``key``
@@ -67,12 +68,20 @@ class RecordHeader:
     raw_len: int
     checksum: int
     segments: tuple[tuple[int, int], ...] = ()  # (length, xxh3_64) of each segment; () when one
+    nonce: bytes = b""  # an encrypted record's AES-GCM nonce; b"": not encrypted
+    sealed_tokens: int = 0  # an encrypted record's token count (its token ids are sealed)
+
+    @property
+    def token_count(self) -> int:
+        return self.sealed_tokens if self.nonce else len(self.tokens) // 4
 
     def pack(self, pad: int = 0) -> bytes:
         """The header's bytes, ``pad`` bytes longer than without padding."""
         fields = dict(zip(_FIELDS, astuple(self)[: len(_FIELDS)]))
         if self.segments:
             fields["seg"] = [list(s) for s in self.segments]
+        if self.nonce:
+            fields["nonce"], fields["ntok"] = self.nonce, self.sealed_tokens
         if pad:
             fields["pad"] = bytes(pad - _PAD_FIELD)
         head = msgpack.packb(fields)
@@ -95,15 +104,16 @@ class RecordHeader:
             f = msgpack.unpackb(value[_LEN.size : end])
             values = (f["v"], f.get("key", b""), f["ns"], f["tok"], f["codec"], f["n"], f["xxh"])  # v1: no key
             segments = tuple((int(n), int(x)) for n, x in f.get("seg", ()))
+            sealing = (f.get("nonce", b""), f.get("ntok", 0))
         except Exception as exc:  # msgpack raises many types on garbage
             raise CorruptRecord(f"header does not parse ({type(exc).__name__})") from None
-        if tuple(map(type, values)) != (int, bytes, bytes, bytes, str, int, int):
+        if tuple(map(type, values + sealing)) != (int, bytes, bytes, bytes, str, int, int, bytes, int):
             raise CorruptRecord("header field of the wrong type")
         if segments and sum(n for n, _ in segments) != values[5]:
             raise CorruptRecord("segments do not add up to the raw length")
         if f.get("pad", b"").strip(b"\0"):
             raise CorruptRecord("header padding is not zeros")
-        return cls(*values, segments), end
+        return cls(*values, segments, *sealing), end
 
 
 @dataclass
@@ -114,6 +124,7 @@ class StoredRecord:
     header: RecordHeader
     value: memoryview  # the whole record: in LMDB's map, or bytes read from Redis
     payload: memoryview
+    tokens: bytes  # the page's token ids as looked up (<u4 bytes): an encrypted record seals its own
 
     @property
     def stored(self) -> int:
@@ -122,7 +133,15 @@ class StoredRecord:
 
     @property
     def compressed(self) -> bool:
-        return self.header.codec != "raw"
+        """The payload must be decoded whole before use (compressed, or encrypted): it is
+        never read in place, nor checked segment by segment."""
+        return self.header.codec != "raw" or bool(self.header.nonce)
+
+    @property
+    def associated(self) -> bytes:
+        """What an encrypted record's tag also authenticates: the key it was looked up
+        under and its header's bytes."""
+        return self.key + bytes(self.value[: len(self.value) - len(self.payload)])
 
     def segment_checksum(self, index: int) -> int:
         """xxh3_64 of raw segment ``index`` (CorruptRecord when the header has none)."""
@@ -142,14 +161,22 @@ def header_or_none(value: memoryview | bytes) -> RecordHeader | None:
         return None
 
 
-def check_header(header: RecordHeader, key: bytes, namespace: bytes, tokens: bytes, raw_nbytes: int) -> None:
+def check_header(
+    header: RecordHeader, key: bytes, namespace: bytes, tokens: bytes, raw_nbytes: int, encrypted: bool = False
+) -> None:
     """CorruptRecord unless the header describes the page looked up under ``key`` (the
-    version first: an older record's other fields mean nothing)."""
+    version first: an older record's other fields mean nothing), encrypted exactly when
+    the reader holds a key (``encrypted``): an encrypted store serves no plain record,
+    which anyone who can write the store could forge."""
+    sealed = bool(header.nonce)
     for ok, reason in (
         (header.version == RECORD_VERSION, "format version differs"),
         (header.key == key, "page key differs"),
+        (sealed or not encrypted, "record is not encrypted"),
+        (encrypted or not sealed, "record is encrypted and this store has no key"),
         (header.namespace == namespace, "namespace digest differs"),
-        (header.tokens == tokens, "token ids differ"),
+        (header.tokens == (b"" if sealed else tokens), "token ids differ"),
+        (header.token_count == len(tokens) // 4, "token count differs"),
         (header.raw_len == raw_nbytes, "raw length differs"),
         (header.codec in CODECS, "unknown codec"),
     ):
@@ -158,15 +185,21 @@ def check_header(header: RecordHeader, key: bytes, namespace: bytes, tokens: byt
 
 
 def checked_record(
-    key: bytes, value: memoryview | bytes, namespace: bytes, tokens: Sequence[int], raw_nbytes: int
+    key: bytes,
+    value: memoryview | bytes,
+    namespace: bytes,
+    tokens: Sequence[int],
+    raw_nbytes: int,
+    encrypted: bool = False,
 ) -> StoredRecord:
-    """The record of a stored value whose header matches this page; CorruptRecord otherwise."""
-    value = memoryview(value)
+    """The record of a stored value whose header matches this page (``encrypted``: the
+    reader holds a key); CorruptRecord otherwise."""
+    value, own = memoryview(value), token_bytes(tokens)
     header, offset = RecordHeader.unpack(value)
-    check_header(header, bytes(key), namespace, token_bytes(tokens), raw_nbytes)
-    if header.codec == "raw" and len(value) - offset != raw_nbytes:
+    check_header(header, bytes(key), namespace, own, raw_nbytes, encrypted)
+    if header.codec == "raw" and not header.nonce and len(value) - offset != raw_nbytes:
         raise CorruptRecord("raw payload length differs from the raw length")
-    return StoredRecord(bytes(key), header, value, value[offset:])
+    return StoredRecord(bytes(key), header, value, value[offset:], own)
 
 
 def encode_record(
@@ -178,13 +211,17 @@ def encode_record(
     level: int,
     at: int | None = None,
     segments: Sequence[int] = (),
+    cipher: RecordCipher | None = None,
 ) -> bytes:
     """The stored value of the page keyed ``key`` (``tokens`` as <u4 bytes). ``at``: where the backend
     places the value within a 4 KiB page, if it knows; a raw payload then starts at
     ``RAW_PAYLOAD_OFFSET`` modulo 64 (see ``tiers.layout.slot_arena``: copies from it into
     mlx's arrays pair aligned loads with aligned stores). ``segments``: byte lengths
-    of the raw bytes' segments, each checksummed apart (module docstring)."""
+    of the raw bytes' segments, each checksummed apart (module docstring). With a
+    ``cipher`` the token ids and the payload are sealed instead (``sealed_record``)."""
     codec, body = encode_payload(codec, raw, level)
+    if cipher is not None:
+        return sealed_record(key, namespace, tokens, codec, len(raw), body, cipher)
     view, bounds = memoryview(raw), [0, *itertools.accumulate(segments)]
     checks = tuple((b - a, xxh3_64_intdigest(view[a:b])) for a, b in zip(bounds, bounds[1:]))
     header = RecordHeader(RECORD_VERSION, key, namespace, tokens, codec, len(raw), xxh3_64_intdigest(raw), checks)
@@ -192,14 +229,49 @@ def encode_record(
     return b"".join((packed, body))
 
 
+def sealed_record(
+    key: bytes, namespace: bytes, tokens: bytes, codec: str, raw_len: int, body: bytes, cipher: RecordCipher
+) -> bytes:
+    """An encrypted record: a header without token ids or checksums (the tag covers
+    them; a digest of the raw bytes would let whoever reads the store confirm a guessed
+    page), then AES-GCM of ``tokens || body`` with the page key and the header's bytes
+    as associated data. A window model's segments are not checksummed apart: the
+    record is decrypted whole, then used."""
+    nonce = cipher.nonce()
+    header = RecordHeader(RECORD_VERSION, key, namespace, b"", codec, raw_len, 0, (), nonce, len(tokens) // 4)
+    packed = header.pack()
+    return packed + cipher.seal(namespace, nonce, tokens + body, key + packed)
+
+
+def _unsealed(record: StoredRecord, cipher: RecordCipher | None) -> memoryview:
+    """The payload of an encrypted record, once its tag and sealed token ids hold."""
+    assert cipher is not None, "an encrypted record passed its header check without a key"
+    plain = cipher.open(record.header.namespace, record.header.nonce, record.payload, record.associated)
+    if plain is None:
+        raise CorruptRecord("authentication failed")
+    if plain[: len(record.tokens)] != record.tokens:
+        raise CorruptRecord("token ids differ")
+    return memoryview(plain)[len(record.tokens) :]
+
+
+def record_bytes(
+    record: StoredRecord, out: np.ndarray | None = None, cipher: RecordCipher | None = None
+) -> memoryview | np.ndarray | bytes:
+    """The raw bytes of a checked record (decrypted first when it is encrypted)."""
+    if not record.header.nonce:
+        return verify_payload(record.header, record.payload, out)
+    return verify_payload(record.header, _unsealed(record, cipher), out)
+
+
 def verify_payload(
     header: RecordHeader, payload: memoryview, out: np.ndarray | None = None
 ) -> memoryview | np.ndarray | bytes:
     """The raw bytes of a payload under a checked header (see ``decode_payload`` for
-    ``out``); CorruptRecord unless they have the header's length and checksum."""
+    ``out``); CorruptRecord unless they have the header's length and checksum (an
+    encrypted record's payload, already authenticated, has no checksum)."""
     raw = decode_payload(header.codec, payload, header.raw_len, out)
     view = raw.data if isinstance(raw, np.ndarray) else raw  # .data: tiers.join says why
-    if len(raw) != header.raw_len or xxh3_64_intdigest(view) != header.checksum:
+    if len(raw) != header.raw_len or (not header.nonce and xxh3_64_intdigest(view) != header.checksum):
         raise CorruptRecord("checksum mismatch")
     return raw
 
