@@ -29,10 +29,10 @@ SECRET = os.urandom(32)
 
 
 def cipher(secret: bytes = SECRET) -> RecordCipher:
-    return RecordCipher(functools.partial(derive, secret, b"encrypt"))
+    return RecordCipher(functools.partial(derive, secret, b"encrypt"), derive(secret, b"encrypt-id")[:8].hex())
 
 
-SEALED = replace(NS, encryption=RecordCipher.name)
+SEALED = replace(NS, encryption=cipher().name)
 KEYS = page_keys(SEALED, TOKENS)
 
 

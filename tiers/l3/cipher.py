@@ -7,6 +7,11 @@ The key of a namespace comes from ``key_of(namespace digest)``; the command line
 (the secret is never stored in L3). A tenant's namespace has its own digest, so its key
 is its own too; binding a tenant tag explicitly is one more part passed to ``derive``.
 
+A namespace names its cipher with the key's id (``name``: ``aes-256-gcm/<id>``), so pages
+under another secret, or plain ones, live under other page keys: a process given the
+wrong secret or none misses them (and recomputes) instead of finding them, failing
+their tags and deleting them from a store others share.
+
 What is sealed and what is authenticated is the record's business (``tiers.l3.record``):
 the caller passes the associated data (the page key and the record's header) and gets
 ``None`` back from ``open`` when the tag does not hold, for whatever reason (another key,
@@ -31,9 +36,12 @@ class RecordCipher:
     """Seal and open record payloads of any namespace; thread-safe (the writer thread
     seals, restore threads open)."""
 
-    name = "aes-256-gcm"  # what a namespace records (``tiers.page.Namespace.encryption``)
+    algorithm = "aes-256-gcm"
 
-    def __init__(self, key_of: Callable[[bytes], bytes]) -> None:
+    def __init__(self, key_of: Callable[[bytes], bytes], key_id: str) -> None:
+        """``key_of``: namespace digest -> 32-byte key; ``key_id``: names the secret they
+        come from, revealing nothing of it (for example a prefix of another HMAC of it)."""
+        self.name = f"{self.algorithm}/{key_id}"  # what a namespace records (``Namespace.encryption``)
         self._key_of = key_of
         self._aeads: dict[bytes, AESGCM] = {}
         self._lock = threading.Lock()
