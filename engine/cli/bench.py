@@ -29,7 +29,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     rounds = args.rounds or (bandwidth.QUICK_ROUNDS if args.quick else bandwidth.ROUNDS)
     pages = bandwidth.QUICK_PAGE_COUNTS if args.quick else bandwidth.PAGE_COUNTS
     with tqdm(total=bandwidth.steps(rounds, args.quick), desc="measuring", unit="step", file=sys.stderr) as bar:
-        report = bandwidth.run(loaded.model, geometry, store_dir, bar.update, pages, rounds, args.quick)
+        report = bandwidth.run(
+            loaded.model, geometry, store_dir, bar.update, pages, rounds, args.quick, args.encrypt_l3
+        )
     report["blas"] = blas_in_use()
     if args.json:
         print(json.dumps(report))
