@@ -25,6 +25,7 @@ import os
 import threading
 from collections.abc import Callable
 
+import numpy as np
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
@@ -60,12 +61,24 @@ class RecordCipher:
         """``plain`` encrypted under the namespace's key, its tag appended."""
         return self._aead(namespace).encrypt(nonce, plain, associated)
 
-    def open(self, namespace: bytes, nonce: bytes, sealed: bytes | memoryview, associated: bytes) -> bytes | None:
-        """The plain bytes of ``sealed``, or None unless its tag holds for this key,
-        nonce and associated data."""
+    def open(
+        self,
+        namespace: bytes,
+        nonce: bytes,
+        sealed: bytes | memoryview,
+        associated: bytes,
+        into: np.ndarray | None = None,
+    ) -> bytes | np.ndarray | None:
+        """The plain bytes of ``sealed`` (written into ``into`` when given, which must be
+        their length: no copy of them is made), or None unless its tag holds for this
+        key, nonce and associated data (``into`` then holds garbage)."""
         if len(nonce) != NONCE_BYTES or len(sealed) < TAG_BYTES:
             return None
+        aead = self._aead(namespace)
         try:
-            return self._aead(namespace).decrypt(nonce, bytes(sealed), associated)
+            if into is None:
+                return aead.decrypt(nonce, sealed, associated)
+            aead.decrypt_into(nonce, sealed, associated, into)
+            return into
         except InvalidTag:
             return None

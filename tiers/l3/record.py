@@ -44,7 +44,7 @@ import zstandard
 from xxhash import xxh3_64_intdigest
 
 from ..layout import SLOT_OFFSET as RAW_PAYLOAD_OFFSET
-from .cipher import RecordCipher
+from .cipher import TAG_BYTES, RecordCipher
 
 FORMAT_VERSION = 1  # the store's layout (meta ``format_version``), not the records'
 RECORD_VERSION = 2  # the header's ``v``: 2 added ``key``
@@ -124,7 +124,7 @@ class StoredRecord:
     header: RecordHeader
     value: memoryview  # the whole record: in LMDB's map, or bytes read from Redis
     payload: memoryview
-    tokens: bytes  # the page's token ids as looked up (<u4 bytes): an encrypted record seals its own
+    tokens: bytes  # the page's token ids as looked up (<u4 bytes): an encrypted record's tag covers them
 
     @property
     def stored(self) -> int:
@@ -140,8 +140,8 @@ class StoredRecord:
     @property
     def associated(self) -> bytes:
         """What an encrypted record's tag also authenticates: the key it was looked up
-        under and its header's bytes."""
-        return self.key + bytes(self.value[: len(self.value) - len(self.payload)])
+        under, its header's bytes and the page's token ids."""
+        return self.key + bytes(self.value[: len(self.value) - len(self.payload)]) + self.tokens
 
     def segment_checksum(self, index: int) -> int:
         """xxh3_64 of raw segment ``index`` (CorruptRecord when the header has none)."""
@@ -197,7 +197,7 @@ def checked_record(
     value, own = memoryview(value), token_bytes(tokens)
     header, offset = RecordHeader.unpack(value)
     check_header(header, bytes(key), namespace, own, raw_nbytes, encrypted)
-    if header.codec == "raw" and not header.nonce and len(value) - offset != raw_nbytes:
+    if header.codec == "raw" and len(value) - offset - (TAG_BYTES if header.nonce else 0) != raw_nbytes:
         raise CorruptRecord("raw payload length differs from the raw length")
     return StoredRecord(bytes(key), header, value, value[offset:], own)
 
@@ -232,35 +232,33 @@ def encode_record(
 def sealed_record(
     key: bytes, namespace: bytes, tokens: bytes, codec: str, raw_len: int, body: bytes, cipher: RecordCipher
 ) -> bytes:
-    """An encrypted record: a header without token ids or checksums (the tag covers
-    them; a digest of the raw bytes would let whoever reads the store confirm a guessed
-    page), then AES-GCM of ``tokens || body`` with the page key and the header's bytes
-    as associated data. A window model's segments are not checksummed apart: the
-    record is decrypted whole, then used."""
+    """An encrypted record: a header without token ids or checksums, then AES-GCM of the
+    payload with the page key, the header's bytes and the token ids as associated data.
+    The token ids are not stored (the key commits to them, the tag covers them); a
+    digest of the raw bytes would let whoever reads the store confirm a guessed page.
+    A window model's segments are not checksummed apart: the record is decrypted
+    whole, then used."""
     nonce = cipher.nonce()
     header = RecordHeader(RECORD_VERSION, key, namespace, b"", codec, raw_len, 0, (), nonce, len(tokens) // 4)
     packed = header.pack()
-    return packed + cipher.seal(namespace, nonce, tokens + body, key + packed)
-
-
-def _unsealed(record: StoredRecord, cipher: RecordCipher | None) -> memoryview:
-    """The payload of an encrypted record, once its tag and sealed token ids hold."""
-    assert cipher is not None, "an encrypted record passed its header check without a key"
-    plain = cipher.open(record.header.namespace, record.header.nonce, record.payload, record.associated)
-    if plain is None:
-        raise CorruptRecord("authentication failed")
-    if plain[: len(record.tokens)] != record.tokens:
-        raise CorruptRecord("token ids differ")
-    return memoryview(plain)[len(record.tokens) :]
+    return packed + cipher.seal(namespace, nonce, body, key + packed + tokens)
 
 
 def record_bytes(
     record: StoredRecord, out: np.ndarray | None = None, cipher: RecordCipher | None = None
 ) -> memoryview | np.ndarray | bytes:
-    """The raw bytes of a checked record (decrypted first when it is encrypted)."""
-    if not record.header.nonce:
-        return verify_payload(record.header, record.payload, out)
-    return verify_payload(record.header, _unsealed(record, cipher), out)
+    """The raw bytes of a checked record (see ``decode_payload`` for ``out``), decrypted
+    first when it is encrypted: a raw one straight into ``out``; CorruptRecord when its
+    tag or checksum does not hold."""
+    header = record.header
+    if not header.nonce:
+        return verify_payload(header, record.payload, out)
+    assert cipher is not None, "an encrypted record passed its header check without a key"
+    into = out if header.codec == "raw" else None
+    plain = cipher.open(header.namespace, header.nonce, record.payload, record.associated, into)
+    if plain is None:
+        raise CorruptRecord("authentication failed")
+    return plain if into is not None else verify_payload(header, memoryview(plain), out)
 
 
 def verify_payload(
