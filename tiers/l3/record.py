@@ -24,6 +24,13 @@ The check is ``check_header``, which every read of every backend passes through
 (``checked_record``, from ``Snapshot.find``) before a byte of the payload is used. The
 unkeyed checksum detects damage, not forgery: a writer who can put records can compute it.
 
+An encrypted record (``--encrypt-l3``, ``tiers.l3.cipher``) adds ``"nonce"`` and
+``"ntok"`` (its token count), holds ``"tok": b""`` and ``"xxh": 0`` (no digest of the
+raw bytes: it would confirm a guessed page), and its payload is AES-GCM of the codec's
+output with the page key, the header's bytes and the token ids as associated data
+(``sealed_record``); its tag is the check. A reader with a key serves only encrypted
+records, one without serves none.
+
 ``FORMAT_VERSION`` is the store's layout (its tables, kept in meta); records carry their
 own ``RECORD_VERSION``, so a store of older records still opens and refuses each such
 record the first time it is read ("format version differs": counted, deleted, recomputed).
