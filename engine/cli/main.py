@@ -260,6 +260,9 @@ def add_bench_parser(tree: Tree, sub) -> None:
         metavar="URL",
         help="also restore from this Redis / Valkey server, under a scratch prefix removed after",
     )
+    add_encryption_flags(
+        ttft, secret_file=False, help="also restore from a store of AES-256-GCM encrypted records (L3 aes)"
+    )
     ttft.add_argument("--json", action="store_true", help="the report as one JSON object")
     ttft.add_argument(
         "--plot",
