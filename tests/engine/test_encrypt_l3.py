@@ -12,9 +12,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from kvtier.engine.engine import Engine, EngineConfig
+from kvtier.engine.request import SamplingParams
+from kvtier.tiers.hierarchy import StoreConfig
+
 from .. import cli
 from ..redis_servers import needs_redis, redis_server  # noqa: F401
-from .conftest import on_tiny_model
+from ..tiers.test_encryption import cipher
+from .conftest import mlx_lm_greedy, on_tiny_model, stored_once, text_prompt
+from .kind_models import restoring_wins
+from .test_hybrid_models import lfm2  # noqa: F401
+from .test_window_models import gemma  # noqa: F401
 
 PROMPT = " ".join(["the system prompt of an agent with tools and a long history"] * 5)  # ~300 tokens
 PAGE = 128
@@ -88,3 +96,24 @@ def test_a_bad_secret_file_is_one_error_line(tmp_path, make, message):
     assert done.returncode == 2 and "Traceback" not in done.stderr
     (line,) = done.stderr.strip().splitlines()
     assert line.startswith("kvtier: error: ") and message in line, line
+
+
+@pytest.mark.parametrize("kind", ["gemma", "lfm2"])
+def test_window_and_hybrid_models_restore_encrypted_pages(request, tmp_path, kind):
+    """A window model's pages are decrypted whole (no segment read), a hybrid model's
+    snapshots too: the output is mlx-lm's, every reusable page from L3."""
+    loaded = request.getfixturevalue(kind)
+    page = 16
+    prompt = text_prompt(loaded, 150, seed=3)  # 9 full pages before the last token
+
+    def engine() -> Engine:
+        store = StoreConfig(l1_bytes=1 << 26, l2_bytes=1 << 26, store_dir=tmp_path, cipher=cipher())
+        return restoring_wins(Engine(loaded, EngineConfig(page_size=page, store=store, snapshot_spacing=2)))
+
+    stored_once(engine(), prompt)
+    restarted = engine()
+    (restored,) = restarted.generate([prompt], SamplingParams(max_tokens=8))
+    failures = restarted.stats().store.tiers["L3"].checksum_failures
+    restarted.close()
+    assert restored.output == mlx_lm_greedy(loaded, prompt, 8) and failures == 0
+    assert restored.sources()["L3"] == 9 * page
