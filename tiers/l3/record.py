@@ -76,7 +76,7 @@ class RecordHeader:
     checksum: int
     segments: tuple[tuple[int, int], ...] = ()  # (length, xxh3_64) of each segment; () when one
     nonce: bytes = b""  # an encrypted record's AES-GCM nonce; b"": not encrypted
-    sealed_tokens: int = 0  # an encrypted record's token count (its token ids are sealed)
+    sealed_tokens: int = 0  # an encrypted record's token count (its token ids are not stored)
 
     @property
     def token_count(self) -> int:
