@@ -78,7 +78,8 @@ class Engine:
         self.loaded = loaded
         self.config = config or EngineConfig()
         self.geometry = loaded.geometry(self.config.page_size)
-        self.namespace = loaded.namespace(self.geometry, self.config.cache_salt)
+        cipher = self.config.store.cipher if self.config.offload else None
+        self.namespace = loaded.namespace(self.geometry, self.config.cache_salt, cipher.name if cipher else "")
         self.root = self.namespace.digest()  # the key "before" a sequence's first page
         self.store = (
             TieredStore(self.geometry, self.namespace, replace(self.config.store, policy=self.config.policy))

@@ -56,6 +56,7 @@ from .checkpoints import CounterCheckpoints, repeat
 from .counters import add_into
 from .join import keep_buffers_for_restores
 from .l3.base import L3Store, ReadThrough, StoreError
+from .l3.cipher import RecordCipher
 from .l3.open import open_l3
 from .links import LinkLedger, Throttle
 from .page import Namespace, PageGeometry, PageKey, Source, page_tokens, partial_key, shared_start
@@ -104,6 +105,8 @@ class StoreConfig:
     # a hybrid model's recurrent-state snapshots (tiers.snapshots): their own L1 and L2 caps
     snapshot_l1_bytes: int = 256 << 20
     snapshot_l2_bytes: int = 1 << 30
+    # L3 records encrypted with this (``tiers.l3.cipher``); the namespace must say so
+    cipher: RecordCipher | None = None
 
 
 class TieredStore:
@@ -115,6 +118,8 @@ class TieredStore:
         namespace: Namespace,
         config: StoreConfig,
     ) -> None:
+        if namespace.encryption != (config.cipher.name if config.cipher is not None else ""):
+            raise ValueError("a store with an L3 cipher needs a namespace that names it, and only then")
         self.geometry = geometry
         self.namespace = namespace
         keep_buffers_for_restores()
@@ -482,6 +487,7 @@ def _open_disk(config: StoreConfig) -> L3Store | None:
             queue_pages=config.l3_queue_pages,
             record_bytes=config.page_bytes,
             policy=config.policy,
+            cipher=config.cipher,
         )
     except StoreError as err:
         log.warning("running without L3: %s", err)

@@ -61,13 +61,16 @@ class Namespace:
     adapter_id: str = ""
     cache_salt: str = ""
     layers: str = ""  # PageGeometry.describe_layers(): empty for a model of global-attention layers only
+    encryption: str = ""  # the L3 cipher's name (``tiers.l3.cipher``) when its records are encrypted
 
     def digest(self) -> bytes:
         """Stable 16-byte digest; the root of every page key in this namespace. ``layers``
-        is digested only when set, so a plain model's keys are what they always were."""
+        and ``encryption`` are digested only when set, so a plain model's keys are what
+        they always were; encrypted and plain pages never share a key."""
         fields = asdict(self)
-        if not self.layers:
-            del fields["layers"]
+        for name in ("layers", "encryption"):
+            if not fields[name]:
+                del fields[name]
         return _hash(msgpack.packb(fields, use_bin_type=True))
 
 

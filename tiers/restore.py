@@ -100,8 +100,13 @@ class _Page:
 
     @property
     def codec(self) -> str:
-        """How the page is stored where it was found (``tiers.links.links_crossed``)."""
-        return self.record.header.codec if self.record is not None else "raw"
+        """How the page is stored where it was found (``tiers.links.links_crossed``): an
+        encrypted raw page is decoded (decrypted) into L2 like a compressed one."""
+        if self.record is None:
+            return "raw"
+        return (
+            "encrypted" if self.record.header.nonce and self.record.header.codec == "raw" else self.record.header.codec
+        )
 
 
 @dataclass

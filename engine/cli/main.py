@@ -36,6 +36,7 @@ from .args import (
 from .bench import cmd_bench
 from .calibrate import cmd_calibrate
 from .common import UsageError, pages_kept
+from .encryption import add_encryption_flags
 from .import_gguf import cmd_import_gguf
 from .replay import cmd_replay
 from .run import cmd_run
@@ -120,6 +121,7 @@ def _add_engine_flags(tree: Tree, parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--page-size", type=positive_int, default=128, metavar="N", help="tokens per KV page")
     parser.add_argument("--codec", choices=["raw", "zstd"], default="raw", help="L3 payload codec")
+    add_encryption_flags(parser)
     parser.add_argument("--cache-salt", default="", help="isolate this tenant's pages")
     parser.add_argument(
         "--throttle",
@@ -221,6 +223,11 @@ def add_bench_parser(tree: Tree, sub) -> None:
         action="store_true",
         help="1, 4 and 16 pages, 2 rounds and the quick calibration's prefills: under a minute",
     )
+    add_encryption_flags(
+        restore,
+        secret_file=False,
+        help="also restore AES-256-GCM encrypted L3 pages, and report their cost against the plain ones",
+    )
     restore.add_argument("--json", action="store_true", help="the report as one JSON object")
     restore.add_argument("--plot", type=Path, metavar="FILE.png", help="draw bandwidth against size (needs matplotlib)")
     ttft = tree.command(
@@ -252,6 +259,9 @@ def add_bench_parser(tree: Tree, sub) -> None:
         type=redis_url,
         metavar="URL",
         help="also restore from this Redis / Valkey server, under a scratch prefix removed after",
+    )
+    add_encryption_flags(
+        ttft, secret_file=False, help="also restore from a store of AES-256-GCM encrypted records (L3 aes)"
     )
     ttft.add_argument("--json", action="store_true", help="the report as one JSON object")
     ttft.add_argument(

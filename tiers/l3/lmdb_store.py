@@ -26,11 +26,11 @@ from xxhash import xxh3_64_intdigest
 
 from ..policy import POLICIES
 from .base import L3Store, ReadThrough, Snapshot
+from .cipher import RecordCipher
 from .lmdb_admin import clear_pages, resize_store
 from .lmdb_open import open_readonly, open_writable
 from .lmdb_tables import LmdbTables
 from .lmdb_txn import Census, Outcome
-from .record import encode_record
 from .writer import Batch
 
 log = logging.getLogger(__name__)
@@ -96,6 +96,7 @@ class DiskTier(L3Store):
         readonly: bool = False,
         record_bytes: int | None = None,
         policy: str = "lru",
+        cipher: RecordCipher | None = None,
     ) -> None:
         super().__init__(
             DEFAULT_CAPACITY if capacity_bytes is None else capacity_bytes,  # until meta says
@@ -103,6 +104,7 @@ class DiskTier(L3Store):
             zstd_level=zstd_level,
             queue_pages=queue_pages,
             readonly=readonly,
+            cipher=cipher,
         )
         if policy not in POLICIES:
             raise ValueError(f"unknown eviction policy {policy!r}; expected one of {', '.join(POLICIES)}")
@@ -213,10 +215,7 @@ class DiskTier(L3Store):
     # --- writer thread -----------------------------------------------------------------
 
     def _commit(self, batch: Batch) -> None:
-        records = [
-            (p.key, encode_record(p.namespace, p.tokens, p.payload, self._codec, self._level, _VALUE_AT, p.segments))
-            for p in batch.puts
-        ]  # encode outside the txn
+        records = [(p.key, self.encoded(p, _VALUE_AT)) for p in batch.puts]  # encode outside the txn
         try:
             outcome = self._tables.write(batch, records)
         except lmdb.MapFullError:

@@ -153,7 +153,7 @@ class PageTables:
         state = StoreState()
         for _, value in txn.cursor(db=self.dbs.pages):
             if (header := header_or_none(value)) is not None:
-                state.tally(header.namespace, 1, self.size(value), len(header.tokens) // 4)
+                state.tally(header.namespace, 1, self.size(value), header.token_count)
         self.save_namespaces(txn, state)
 
     def write(self, batch: Batch, records: list[tuple[bytes, bytes]]) -> Outcome:
@@ -186,7 +186,7 @@ class PageTables:
         txn.put(key, value, db=self.dbs.pages)
         self.stamp(txn, state, key)
         header = RecordHeader.unpack(value)[0]  # encoded by the writer just now
-        state.tally(header.namespace, 1, self.size(value), len(header.tokens) // 4)
+        state.tally(header.namespace, 1, self.size(value), header.token_count)
         state.used.add(header.namespace)
         outcome.inserts += 1
 
@@ -222,7 +222,7 @@ class PageTables:
         """Delete a record and its lru/order entries (value None: the record is gone)."""
         if value is not None:
             header = header_or_none(value)
-            namespace, tokens = (None, 0) if header is None else (header.namespace, len(header.tokens) // 4)
+            namespace, tokens = (None, 0) if header is None else (header.namespace, header.token_count)
             state.tally(namespace, -1, -self.size(value), -tokens)
             txn.delete(key, db=self.dbs.pages)
         if (stamp := txn.get(key, db=self.dbs.lru)) is not None:

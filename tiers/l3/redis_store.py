@@ -42,7 +42,8 @@ from redis.retry import Retry
 
 from ..text import format_bytes, one_line
 from .base import L3Store, ReadThrough, Snapshot, StoreError
-from .record import FORMAT_VERSION, encode_record
+from .cipher import RecordCipher
+from .record import FORMAT_VERSION
 from .redis_tables import RedisTables
 from .writer import Batch
 
@@ -147,9 +148,12 @@ class RedisTier(L3Store):
         readonly: bool = False,
         record_bytes: int | None = None,
         policy: str = "lru",
+        cipher: RecordCipher | None = None,
     ) -> None:
         # policy and record_bytes are LMDB's: the server evicts by its own policy, by real size
-        super().__init__(0, codec=codec, zstd_level=zstd_level, queue_pages=queue_pages, readonly=readonly)
+        super().__init__(
+            0, codec=codec, zstd_level=zstd_level, queue_pages=queue_pages, readonly=readonly, cipher=cipher
+        )
         self.url = url
         try:
             self._client, self._prefix = _connect(url)
@@ -276,10 +280,7 @@ class RedisTier(L3Store):
             self._call("delete", partial(self._delete_if_same, keys=[self._page(key)], args=[sha1]), 0)
         if not batch.puts:
             return
-        records = [
-            (p.key, encode_record(p.namespace, p.tokens, p.payload, self._codec, self._level, segments=p.segments))
-            for p in batch.puts
-        ]
+        records = [(p.key, self.encoded(p)) for p in batch.puts]
 
         def write() -> list:
             pipe = self._client.pipeline(transaction=False)
