@@ -53,8 +53,7 @@ def open_writable(
     path: Path, map_size: int | None, asked: int | None, default_capacity: int, policy: str, record_bytes: int | None
 ) -> tuple[PageTables, int]:
     """The store at ``path`` (created if absent) and its cap: the stored one, else
-    ``asked``, else ``default_capacity``."""
-    writable_directory(path)
+    ``asked``, else ``default_capacity`` (the directory exists: ``writable_directory``)."""
     capacity = default_capacity if asked is None else asked
     if map_size is None:
         # Generous: if another process later grows the data past this map, every txn
@@ -81,9 +80,7 @@ def open_writable(
 
 
 def open_readonly(path: Path, policy: str, record_bytes: int | None) -> PageTables:
-    """The existing store, opened without writing to it (nor creating it)."""
-    if not (path / "data.mdb").is_file():
-        raise StoreError(f"no kvtier store at {path}")
+    """The existing store (``data.mdb`` is there), opened without writing to it."""
     env = None
     for lock in (True, False):  # without locks only where the lock file cannot be written
         try:

@@ -25,9 +25,10 @@ import lmdb
 from xxhash import xxh3_64_intdigest
 
 from ..policy import POLICIES
-from .base import L3Store, Snapshot
+from .base import L3Store, Snapshot, StoreError
 from .lmdb_admin import clear_pages, resize_store
-from .lmdb_open import open_readonly, open_writable
+from .lmdb_lock import EnvUsers, StoreLock, remove_partial_copies
+from .lmdb_open import open_readonly, open_writable, writable_directory
 from .lmdb_tables import LmdbTables
 from .lmdb_txn import Census, Outcome
 from .record import encode_record
@@ -37,6 +38,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_CAPACITY = 32 << 30  # the cap of a new store when none is asked for
 _MIB = 1 << 20
+_REOPEN_WAIT_S = 10.0  # a reopen waits this long for caller threads to leave the old environment
 _VALUE_AT = 16  # LMDB keeps a value larger than a page on overflow pages, past their 16-byte header
 
 
@@ -108,15 +110,42 @@ class DiskTier(L3Store):
             raise ValueError(f"unknown eviction policy {policy!r}; expected one of {', '.join(POLICIES)}")
         self.path = Path(path)
         self._record_bytes = record_bytes  # what a record counts against the cap; None: its size
-        if readonly:
+        self._options = (map_size, capacity_bytes, policy, record_bytes)  # to reopen a replaced store
+        self._users = EnvUsers()
+        if readonly and not (self.path / "data.mdb").is_file():
+            raise StoreError(f"no kvtier store at {self.path}")
+        if not readonly:
+            writable_directory(self.path)
+        self._held = StoreLock.shared(self.path)  # until close: no compaction meanwhile
+        try:
+            remove_partial_copies(self.path)
+            self._open()
+        except BaseException:
+            self._release()
+            raise
+        self._start()
+
+    def _open(self) -> None:
+        map_size, asked, policy, record_bytes = self._options
+        if self.readonly:
             self._tables = open_readonly(self.path, policy, record_bytes)
         else:
             self._tables, self._capacity = open_writable(
-                self.path, map_size, capacity_bytes, DEFAULT_CAPACITY, policy, record_bytes
+                self.path, map_size, asked, DEFAULT_CAPACITY, policy, record_bytes
             )
         self._env = self._tables.env
+        self._inode = self._data_inode()
         self.tables = LmdbTables(self.path, self._env, self._tables.dbs, self.failures.report)
-        self._start()
+
+    def _data_inode(self) -> int | None:
+        try:
+            return (self.path / "data.mdb").stat().st_ino
+        except OSError:
+            return None
+
+    def _release(self) -> None:
+        if self._held is not None:
+            self._held.release()
 
     backend = "lmdb"
 
@@ -130,7 +159,7 @@ class DiskTier(L3Store):
         """Hash every byte of these records through the map, copying nothing: the
         floor under ``get`` (benchmarks compare against it). Returns bytes read."""
         total = 0
-        with self._env.begin(db=self._tables.dbs.pages, buffers=True) as txn:
+        with self._users.using(), self._env.begin(db=self._tables.dbs.pages, buffers=True) as txn:
             for key in keys:
                 value = txn.get(key)
                 if value is not None:
@@ -140,7 +169,7 @@ class DiskTier(L3Store):
 
     def _exists(self, key: bytes) -> bool:
         try:
-            with self._env.begin(db=self._tables.dbs.pages, buffers=True) as txn:
+            with self._users.using(), self._env.begin(db=self._tables.dbs.pages, buffers=True) as txn:
                 return txn.get(key) is not None
         except lmdb.Error as exc:  # closed, or another process grew the map
             self.failures.report("lookup", exc)
@@ -150,16 +179,17 @@ class DiskTier(L3Store):
     def snapshot(self) -> Iterator[Snapshot]:
         """One read transaction for a batch of page lookups: payload views it hands out
         point into the map and stay valid, unchanged by any writer, until it ends."""
-        try:
-            txn = self._env.begin(db=self._tables.dbs.pages, buffers=True)
-        except lmdb.Error as exc:  # closed, or another process grew the map
-            self.failures.report("read", exc)
-            txn = None
-        try:
-            yield _LmdbSnapshot(self, txn)
-        finally:
-            if txn is not None:
-                txn.abort()
+        with self._users.using():
+            try:
+                txn = self._env.begin(db=self._tables.dbs.pages, buffers=True)
+            except lmdb.Error as exc:  # closed, or another process grew the map
+                self.failures.report("read", exc)
+                txn = None
+            try:
+                yield _LmdbSnapshot(self, txn)
+            finally:
+                if txn is not None:
+                    txn.abort()
 
     def _fingerprint(self, value: memoryview | bytes) -> int:
         return xxh3_64_intdigest(value)
@@ -169,11 +199,12 @@ class DiskTier(L3Store):
 
     def _close_backend(self) -> None:
         self._env.close()
+        self._release()
 
     def refresh(self) -> None:
         """Reload the store-wide gauges (every process changes them)."""
         try:
-            with self._env.begin() as txn:
+            with self._users.using(), self._env.begin() as txn:
                 state = self._tables.load_state(txn)
         except lmdb.Error as exc:
             self.failures.report("meta read", exc)
@@ -217,6 +248,8 @@ class DiskTier(L3Store):
     # --- writer thread -----------------------------------------------------------------
 
     def _commit(self, batch: Batch) -> None:
+        if self._data_inode() != self._inode:
+            self._reopen()
         records = [
             (p.key, encode_record(p.namespace, p.tokens, p.payload, self._codec, self._level, _VALUE_AT, p.segments))
             for p in batch.puts
@@ -240,3 +273,15 @@ class DiskTier(L3Store):
         except lmdb.MapFullError:
             log.warning("L3 map still full; dropping %d pages", len(records))
             return Outcome(writes_dropped=len(records))
+
+    def _reopen(self) -> None:
+        """``data.mdb`` is no longer the file open here (a process that bypassed the
+        store's lock replaced it): close this environment once no caller thread is
+        inside it and open the new file, so the write goes where every later opener
+        looks. Raises (the batch is dropped, counted) when readers stay inside."""
+        log.warning("store %s was replaced by another process; reopening it before writing", self.path)
+        with self._users.alone(_REOPEN_WAIT_S) as alone:
+            if not alone:
+                raise StoreError(f"store {self.path} was replaced; readers kept the old one open")
+            self._env.close()
+            self._open()
