@@ -30,12 +30,14 @@ def calibrate_into(loaded, geometry, store_dir: Path, quick: bool = False, desc:
 def calibrate_on_first_use(loaded, geometry, store_dir: Path) -> None:
     """Calibrate once per store, model and page size: the default cost model can be far
     off this machine, and online refinement needs many requests to correct it."""
+    from kvtier.costmodel.profile import Profile
     from kvtier.tiers.l3.open import StoreError, open_l3
 
     if not no_data(store_dir):
+        key = loaded.profile_key(geometry)
         try:
             with open_l3(store_dir, readonly=True) as disk:
-                if disk.tables.get_meta(loaded.profile_key(geometry)) is not None:
+                if Profile.stored(disk.tables.get_meta(key), key) is not None:  # a damaged one: measured anew
                     return
         except StoreError:
             return  # the engine warns and runs without L3

@@ -25,6 +25,24 @@ class UsageError(Exception):
     """Bad input from the user: one line on stderr, exit status 2."""
 
 
+class OncePerLine(logging.Filter):
+    """Drop a warning whose text this command already printed: a command may open its
+    store more than once (a read-only look, then the real work), and the person at the
+    terminal needs to hear about one damaged value once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._said: set[str] = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno != logging.WARNING:
+            return True
+        text = record.getMessage()
+        fresh = text not in self._said
+        self._said.add(text)
+        return fresh
+
+
 def no_data(store: Path | str) -> bool:
     """An LMDB directory holding no store yet (a URL always names a store to ask)."""
     return isinstance(store, Path) and not (store / "data.mdb").exists()

@@ -35,7 +35,7 @@ from .args import (
 )
 from .bench import cmd_bench
 from .calibrate import cmd_calibrate
-from .common import UsageError, pages_kept
+from .common import OncePerLine, UsageError, pages_kept
 from .import_gguf import cmd_import_gguf
 from .replay import cmd_replay
 from .run import cmd_run
@@ -411,6 +411,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         logging.basicConfig(
             level=logging.INFO if args.verbose else logging.WARNING, format="kvtier: %(levelname)s: %(message)s"
         )
+        for handler in logging.getLogger().handlers:
+            handler.addFilter(OncePerLine())
         return _COMMANDS[args.command](args)
     except UsageError as err:
         print(f"kvtier: error: {err}", file=sys.stderr)

@@ -21,6 +21,7 @@ from ..text import format_bytes, one_line
 from .base import StoreError
 from .lmdb_txn import Databases, PageTables
 from .record import FORMAT_VERSION
+from .tables import DamageLog, is_count, unpacked
 
 if TYPE_CHECKING:
     from .lmdb_txn import Database  # the stub's handle type: annotations only
@@ -33,8 +34,15 @@ _DBS = (b"pages", b"lru", b"order", b"counters", b"namespaces")
 
 
 def check_format_version(path: Path, stored: bytes | None) -> None:
-    version = FORMAT_VERSION if stored is None else msgpack.unpackb(stored)
-    if version != FORMAT_VERSION:
+    """StoreError when the store holds another format version. A damaged version is one
+    warning and taken as this one: every record carries its own, checked on read."""
+    readable, version = unpacked(stored)
+    if not readable or not (version is None or is_count(version)):
+        DamageLog(str(path)).report(
+            "meta value format_version", f"taken as {FORMAT_VERSION} (every record's own version is checked on read)"
+        )
+        return
+    if version not in (None, FORMAT_VERSION):
         raise StoreError(f"store at {path} has format version {version}, this kvtier reads version {FORMAT_VERSION}")
 
 
@@ -79,8 +87,9 @@ def open_writable(
         raise
 
 
-def open_readonly(path: Path, policy: str, record_bytes: int | None) -> PageTables:
-    """The existing store (``data.mdb`` is there), opened without writing to it."""
+def open_readonly(path: Path, policy: str, record_bytes: int | None, default_capacity: int) -> PageTables:
+    """The existing store (``data.mdb`` is there), opened without writing to it
+    (``default_capacity``: what a damaged cap reads as)."""
     env = None
     for lock in (True, False):  # without locks only where the lock file cannot be written
         try:
@@ -107,7 +116,8 @@ def open_readonly(path: Path, policy: str, record_bytes: int | None) -> PageTabl
     except BaseException:
         env.close()
         raise
-    return PageTables(env, Databases(meta, pages, lru, order, counters, namespaces), policy, record_bytes)
+    dbs = Databases(meta, pages, lru, order, counters, namespaces)
+    return PageTables(env, dbs, policy, record_bytes, default_capacity)
 
 
 def _check_file_size(path: Path, env: lmdb.Environment) -> None:
@@ -136,21 +146,22 @@ def _open_dbs(
             txn.put(b"format_version", msgpack.packb(FORMAT_VERSION), db=meta)
             fresh = b"namespaces" not in {bytes(k) for k, _ in txn.cursor()}
             dbs = Databases(meta, *(env.open_db(name, txn=txn) for name in _DBS))
-            tables = PageTables(env, dbs, policy, record_bytes)
+            tables = PageTables(env, dbs, policy, record_bytes, capacity)
             if fresh:
                 tables.count_namespaces(txn)
             return tables, _settle_capacity(path, txn, meta, asked, capacity)
-    except (lmdb.Error, ValueError) as exc:  # ValueError: msgpack, on a damaged version
+    except lmdb.Error as exc:
         raise StoreError(f"cannot open store at {path}: {one_line(exc)}") from None
 
 
 def _settle_capacity(path: Path, txn: lmdb.Transaction, meta: Database, asked: int | None, capacity: int) -> int:
     """The store's cap wins; a store without one takes the cap asked for."""
-    stored = txn.get(b"capacity", db=meta)
-    if stored is None:
+    readable, kept = unpacked(txn.get(b"capacity", db=meta))
+    if not readable or not is_count(kept):  # absent, or damaged
+        if not readable or kept is not None:
+            DamageLog(str(path)).report("meta value capacity", f"taken as {format_bytes(capacity)}")
         txn.put(b"capacity", msgpack.packb(capacity), db=meta)
         return capacity
-    kept = msgpack.unpackb(stored)
     if asked is not None and asked != kept:
         log.warning(
             "store %s keeps its L3 cap of %s; the %s asked for is ignored "

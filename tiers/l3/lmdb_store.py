@@ -9,8 +9,10 @@ digest -> its pages, bytes, tokens, last use and what the process that wrote it 
 about it).
 
 Laid out one job per module: opening and recovery (``lmdb_open``), the write
-transaction over the page tables (``lmdb_txn``), the side tables (``lmdb_tables``),
-clear / resize / compact (``lmdb_admin``); this module is the data path that ties them.
+transaction over the page tables (``lmdb_txn``) and the meta numbers it reads
+(``lmdb_meta``), the side tables (``lmdb_tables``), clear / resize / compact
+(``lmdb_admin``), the store's lock (``lmdb_lock``); this module is the data path that
+ties them.
 """
 
 from __future__ import annotations
@@ -128,14 +130,14 @@ class DiskTier(L3Store):
     def _open(self) -> None:
         map_size, asked, policy, record_bytes = self._options
         if self.readonly:
-            self._tables = open_readonly(self.path, policy, record_bytes)
+            self._tables = open_readonly(self.path, policy, record_bytes, DEFAULT_CAPACITY)
         else:
             self._tables, self._capacity = open_writable(
                 self.path, map_size, asked, DEFAULT_CAPACITY, policy, record_bytes
             )
         self._env = self._tables.env
         self._inode = self._data_inode()
-        self.tables = LmdbTables(self.path, self._env, self._tables.dbs, self.failures.report)
+        self.tables = LmdbTables(self.path, self._tables, self.failures.report, readonly=self.readonly)
 
     def _data_inode(self) -> int | None:
         try:
