@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -19,6 +18,7 @@ import msgpack
 
 from ..text import format_bytes, one_line
 from .base import StoreError
+from .lmdb_space import default_capacity, usage
 from .lmdb_txn import Databases, PageTables
 from .record import FORMAT_VERSION
 from .tables import DamageLog, is_count, unpacked
@@ -58,18 +58,19 @@ def writable_directory(path: Path) -> None:
 
 
 def open_writable(
-    path: Path, map_size: int | None, asked: int | None, default_capacity: int, policy: str, record_bytes: int | None
+    path: Path, map_size: int | None, asked: int | None, policy: str, record_bytes: int | None
 ) -> tuple[PageTables, int]:
     """The store at ``path`` (created if absent) and its cap: the stored one, else
-    ``asked``, else ``default_capacity`` (the directory exists: ``writable_directory``)."""
-    capacity = default_capacity if asked is None else asked
+    ``asked``, else the default the filesystem allows (``lmdb_space.default_capacity``).
+    The directory exists (``writable_directory``)."""
+    capacity, why = default_capacity(path) if asked is None else (asked, "as asked")
     if map_size is None:
         # Generous: if another process later grows the data past this map, every txn
         # here fails with MapResizedError (a miss or a dropped write, logged once). No
         # larger than the filesystem: a cap beyond it cannot be reached, nor mapped.
         data = path / "data.mdb"
         existing = data.stat().st_size if data.exists() else 0
-        wanted = min(2 * capacity + 64 * _MIB, shutil.disk_usage(path).total)
+        wanted = min(2 * capacity + 64 * _MIB, usage(path).total)
         map_size = max(wanted, 2 * existing, _MIN_MAP)
     try:
         # sync=True: every commit is durable and a crash never leaves a damaged B-tree;
@@ -81,15 +82,14 @@ def open_writable(
     try:
         _check_file_size(path, env)
         env.reader_check()  # free reader slots of killed processes (they pin old pages)
-        return _open_dbs(path, env, asked, capacity, policy, record_bytes)
+        return _open_dbs(path, env, asked, (capacity, why), policy, record_bytes)
     except BaseException:
         env.close()
         raise
 
 
-def open_readonly(path: Path, policy: str, record_bytes: int | None, default_capacity: int) -> PageTables:
-    """The existing store (``data.mdb`` is there), opened without writing to it
-    (``default_capacity``: what a damaged cap reads as)."""
+def open_readonly(path: Path, policy: str, record_bytes: int | None) -> PageTables:
+    """The existing store (``data.mdb`` is there), opened without writing to it."""
     env = None
     for lock in (True, False):  # without locks only where the lock file cannot be written
         try:
@@ -117,7 +117,7 @@ def open_readonly(path: Path, policy: str, record_bytes: int | None, default_cap
         env.close()
         raise
     dbs = Databases(meta, pages, lru, order, counters, namespaces)
-    return PageTables(env, dbs, policy, record_bytes, default_capacity)
+    return PageTables(env, dbs, policy, record_bytes, default_capacity(path)[0])  # what a damaged cap reads as
 
 
 def _check_file_size(path: Path, env: lmdb.Environment) -> None:
@@ -136,7 +136,12 @@ def _check_file_size(path: Path, env: lmdb.Environment) -> None:
 
 
 def _open_dbs(
-    path: Path, env: lmdb.Environment, asked: int | None, capacity: int, policy: str, record_bytes: int | None
+    path: Path,
+    env: lmdb.Environment,
+    asked: int | None,
+    capacity: tuple[int, str],
+    policy: str,
+    record_bytes: int | None,
 ) -> tuple[PageTables, int]:
     """Check the format version, create the databases, settle the cap (one transaction)."""
     try:
@@ -146,7 +151,7 @@ def _open_dbs(
             txn.put(b"format_version", msgpack.packb(FORMAT_VERSION), db=meta)
             fresh = b"namespaces" not in {bytes(k) for k, _ in txn.cursor()}
             dbs = Databases(meta, *(env.open_db(name, txn=txn) for name in _DBS))
-            tables = PageTables(env, dbs, policy, record_bytes, capacity)
+            tables = PageTables(env, dbs, policy, record_bytes, capacity[0])
             if fresh:
                 tables.count_namespaces(txn)
             return tables, _settle_capacity(path, txn, meta, asked, capacity)
@@ -154,12 +159,18 @@ def _open_dbs(
         raise StoreError(f"cannot open store at {path}: {one_line(exc)}") from None
 
 
-def _settle_capacity(path: Path, txn: lmdb.Transaction, meta: Database, asked: int | None, capacity: int) -> int:
-    """The store's cap wins; a store without one takes the cap asked for."""
+def _settle_capacity(
+    path: Path, txn: lmdb.Transaction, meta: Database, asked: int | None, chosen: tuple[int, str]
+) -> int:
+    """The store's cap wins; a store without one takes ``chosen`` (the cap asked for, or
+    the default) and says so in one line."""
+    capacity, why = chosen
     readable, kept = unpacked(txn.get(b"capacity", db=meta))
     if not readable or not is_count(kept):  # absent, or damaged
         if not readable or kept is not None:
             DamageLog(str(path)).report("meta value capacity", f"taken as {format_bytes(capacity)}")
+        else:
+            log.info("new store %s: its L3 cap is %s (%s)", path, format_bytes(capacity), why)
         txn.put(b"capacity", msgpack.packb(capacity), db=meta)
         return capacity
     if asked is not None and asked != kept:

@@ -27,10 +27,13 @@ import lmdb
 from xxhash import xxh3_64_intdigest
 
 from ..policy import POLICIES
+from ..text import format_bytes
+from . import lmdb_space
 from .base import L3Store, Snapshot, StoreError
 from .lmdb_admin import clear_pages, resize_store
 from .lmdb_lock import EnvUsers, StoreLock, remove_partial_copies
 from .lmdb_open import open_readonly, open_writable, writable_directory
+from .lmdb_space import DEFAULT_CAPACITY
 from .lmdb_tables import LmdbTables
 from .lmdb_txn import Census, Outcome
 from .record import encode_record
@@ -38,7 +41,6 @@ from .writer import Batch
 
 log = logging.getLogger(__name__)
 
-DEFAULT_CAPACITY = 32 << 30  # the cap of a new store when none is asked for
 _MIB = 1 << 20
 _REOPEN_WAIT_S = 10.0  # a reopen waits this long for caller threads to leave the old environment
 _VALUE_AT = 16  # LMDB keeps a value larger than a page on overflow pages, past their 16-byte header
@@ -114,6 +116,9 @@ class DiskTier(L3Store):
         self._record_bytes = record_bytes  # what a record counts against the cap; None: its size
         self._options = (map_size, capacity_bytes, policy, record_bytes)  # to reopen a replaced store
         self._users = EnvUsers()
+        self._told: set[str] = set()  # warnings about the disk already given
+        self._disk_cap: int | None = None  # what the disk holds, while it is nearly full (_fit_disk)
+        self._disk_file = 0  # data.mdb's size at the last commit, while it is
         if readonly and not (self.path / "data.mdb").is_file():
             raise StoreError(f"no kvtier store at {self.path}")
         if not readonly:
@@ -130,11 +135,9 @@ class DiskTier(L3Store):
     def _open(self) -> None:
         map_size, asked, policy, record_bytes = self._options
         if self.readonly:
-            self._tables = open_readonly(self.path, policy, record_bytes, DEFAULT_CAPACITY)
+            self._tables = open_readonly(self.path, policy, record_bytes)
         else:
-            self._tables, self._capacity = open_writable(
-                self.path, map_size, asked, DEFAULT_CAPACITY, policy, record_bytes
-            )
+            self._tables, self._capacity = open_writable(self.path, map_size, asked, policy, record_bytes)
         self._env = self._tables.env
         self._inode = self._data_inode()
         self.tables = LmdbTables(self.path, self._tables, self.failures.report, readonly=self.readonly)
@@ -256,24 +259,75 @@ class DiskTier(L3Store):
             (p.key, encode_record(p.namespace, p.tokens, p.payload, self._codec, self._level, _VALUE_AT, p.segments))
             for p in batch.puts
         ]  # encode outside the txn
+        evicted = self._fit_disk(records)
         try:
             outcome = self._tables.write(batch, records)
         except lmdb.MapFullError:
-            outcome = self._retry_map_full(batch, records)
+            log.warning("L3 map full; evicting and retrying")
+            outcome = self._evict_and_retry(batch, records)
+        except lmdb.Error:
+            if not self._disk_full(records):
+                raise
+            outcome = self._evict_and_retry(batch, records)
+        outcome.evictions += evicted
         self.count(**vars(outcome))
         self.refresh()
 
-    def _retry_map_full(self, batch: Batch, records: list[tuple[bytes, bytes]]) -> Outcome:
-        """Evict in a txn of its own (LMDB reuses freed pages only in later txns), retry once."""
+    def _fit_disk(self, records: list[tuple[bytes, bytes]]) -> int:
+        """Evict before a commit the filesystem may have no room for (a cap can be more
+        than the disk holds, and other files fill it too); how many pages went.
+
+        Once the file has no room to grow by twice the batch, the store is held at the
+        bytes it has (the disk's cap, below the store's) and every write first evicts
+        as much as it brings, so it lands in pages the file already has; when the file
+        grows into the reserve all the same (LMDB needs contiguous free pages for a
+        large record), that cap shrinks by an eighth; a disk that other files filled
+        does not shrink it (LMDB never gives the disk back). It lifts when the disk has
+        room again."""
+        incoming = sum(self._tables.size(value) for _, value in records)
+        room = lmdb_space.room(self.path)
+        if not records or room >= 2 * incoming + _MIB:
+            self._disk_cap = None
+            return 0
+        grown, self._disk_file = self.file_bytes > self._disk_file, self.file_bytes
+        if self._disk_cap is None:
+            self._disk_cap = self.counters.bytes_used
+        elif room < 0 and grown:  # evicting more frees pages in the file, never on the disk
+            self._disk_cap -= self._disk_cap // 8
+        self._tell(
+            "bound",
+            "store %s: its filesystem is nearly full; holding L3 at %s (below its cap of %s) "
+            "and evicting as much as each write brings",
+            format_bytes(self._disk_cap),
+            format_bytes(self._capacity),
+        )
+        return self._tables.evict_alone(lambda _: self._disk_cap - incoming)
+
+    def _disk_full(self, records: list[tuple[bytes, bytes]]) -> bool:
+        """Whether a failed commit ran out of disk (LMDB reports ENOSPC as an I/O error);
+        if so, one warning naming the store."""
+        if lmdb_space.usage(self.path).free >= 2 * sum(len(v) for _, v in records) + _MIB:
+            return False
+        self._tell("full", "store %s: its filesystem is full (ENOSPC); evicting and retrying")
+        return True
+
+    def _tell(self, kind: str, message: str, *args: object) -> None:
+        """A warning about the store's disk, once per kind in this process's tier."""
+        if kind not in self._told:
+            self._told.add(kind)
+            log.warning(message, self.path, *args)
+
+    def _evict_and_retry(self, batch: Batch, records: list[tuple[bytes, bytes]]) -> Outcome:
+        """Evict twice what the batch needs, in a txn of its own (LMDB reuses freed pages
+        only in later txns), and retry once; the batch is dropped (counted) if that fails."""
         need = 2 * sum(len(v) for _, v in records) + _MIB
-        log.warning("L3 map full; evicting %d more bytes and retrying", need)
         try:
             evicted = self._tables.evict_alone(lambda state: state.bytes_used - need)
             outcome = self._tables.write(batch, records)
             outcome.evictions += evicted
             return outcome
-        except lmdb.MapFullError:
-            log.warning("L3 map still full; dropping %d pages", len(records))
+        except lmdb.Error as exc:
+            self.failures.report("write", exc, f" (after evicting; {len(records)} pages dropped)")
             return Outcome(writes_dropped=len(records))
 
     def _reopen(self) -> None:
