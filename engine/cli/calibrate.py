@@ -6,6 +6,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from kvtier.tiers.l3.lmdb_open import read_only_store
+
 from .common import UsageError, load_model, no_data, page_geometry, usable_store
 
 
@@ -33,6 +35,8 @@ def calibrate_on_first_use(loaded, geometry, store_dir: Path) -> None:
     from kvtier.costmodel.profile import Profile
     from kvtier.tiers.l3.open import StoreError, open_l3
 
+    if isinstance(store_dir, Path) and read_only_store(store_dir):
+        return  # no profile could be kept: the engine uses the one the store holds, or defaults
     if not no_data(store_dir):
         key = loaded.profile_key(geometry)
         try:

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvtier.tiers.l3.base import StoreError
-from kvtier.tiers.l3.lmdb_open import writable_directory
+from kvtier.tiers.l3.lmdb_open import read_only_store, writable_directory
 from kvtier.tiers.text import format_bytes
 
 from ..blas import blas_in_use, openblas_hint
@@ -50,12 +50,15 @@ def no_data(store: Path | str) -> bool:
 
 def usable_store(path: Path | None) -> Path:
     """The store directory the user named (or the default), created if missing; a file
-    or a directory kvtier cannot write is the user's error, not a reason to run without L3."""
+    or a directory kvtier cannot write is the user's error, not a reason to run without
+    L3, unless it holds a store: that one is restored from (its opening warns)."""
     path = path or default_store_dir()
     if isinstance(path, str):  # a URL: the engine warns and runs without L3 if it cannot be reached
         return path
     if path.exists() and not path.is_dir():
         raise UsageError(f"store {path} is not a directory")
+    if read_only_store(path):
+        return path
     try:
         writable_directory(path)
     except StoreError as err:

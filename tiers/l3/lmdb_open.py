@@ -57,6 +57,13 @@ def writable_directory(path: Path) -> None:
         raise StoreError(f"store directory {path} is not writable")
 
 
+def read_only_store(path: Path) -> bool:
+    """A store is there (``data.mdb``) that this process cannot write: it can still be
+    read, and restored from."""
+    data = path / "data.mdb"
+    return data.is_file() and not (os.access(path, os.W_OK | os.X_OK) and os.access(data, os.W_OK))
+
+
 def open_writable(
     path: Path, map_size: int | None, asked: int | None, policy: str, record_bytes: int | None
 ) -> tuple[PageTables, int]:

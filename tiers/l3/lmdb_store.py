@@ -32,7 +32,7 @@ from . import lmdb_space
 from .base import L3Store, Snapshot, StoreError
 from .lmdb_admin import clear_pages, resize_store
 from .lmdb_lock import EnvUsers, StoreLock, remove_partial_copies
-from .lmdb_open import open_readonly, open_writable, writable_directory
+from .lmdb_open import open_readonly, open_writable, read_only_store, writable_directory
 from .lmdb_space import DEFAULT_CAPACITY
 from .lmdb_tables import LmdbTables
 from .lmdb_txn import Census, Outcome
@@ -83,7 +83,9 @@ class DiskTier(L3Store):
       StoreError on open, with one line.
     - several processes may use one store at once; pages survive close and reopen.
     - ``readonly=True`` never writes a byte of the store (it may be a read-only
-      directory); it reads pages, meta and counters, and puts nothing.
+      directory); it reads pages, meta and counters, and puts nothing. A store this
+      process cannot write is opened so (one warning) even when asked to write: pages
+      are restored from it, every put is dropped and counted, side tables unchanged.
 
     Counted here: lookups, hit_pages, hit_tokens (by get), inserts, evictions,
     checksum_failures, writes_dropped. bytes_used, pages and capacity are store-wide
@@ -103,6 +105,11 @@ class DiskTier(L3Store):
         record_bytes: int | None = None,
         policy: str = "lru",
     ) -> None:
+        if not readonly and read_only_store(Path(path)):
+            log.warning(
+                "store %s is read-only to this process: restoring pages from it, every write dropped (counted)", path
+            )
+            readonly = True
         super().__init__(
             DEFAULT_CAPACITY if capacity_bytes is None else capacity_bytes,  # until meta says
             codec=codec,

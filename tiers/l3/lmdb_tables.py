@@ -72,6 +72,8 @@ class LmdbTables(SideTables):
         return stored if isinstance(stored, dict) else {}
 
     def reset_counters(self) -> None:
+        if self._readonly:
+            return
         try:
             with self._env.begin(write=True, db=self._counters) as txn:
                 txn.drop(self._counters, delete=False)
@@ -134,7 +136,10 @@ class LmdbTables(SideTables):
         self, db: Database | None, key: bytes, change: Callable[[object], object], damaged: tuple[str, str] = ("", "")
     ) -> None:
         """Replace the value under ``key`` by ``change(old)`` (old None: absent, or
-        damaged: warned about as ``damaged``, what and fallback, when given)."""
+        damaged: warned about as ``damaged``, what and fallback, when given). Nothing on a
+        read-only store (its opening said that writes are dropped)."""
+        if self._readonly:
+            return
         try:
             with self._env.begin(write=True, db=db) as txn:
                 readable, old = unpacked(txn.get(key))
