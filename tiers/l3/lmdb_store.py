@@ -125,7 +125,7 @@ class DiskTier(L3Store):
         self._users = EnvUsers()
         self._told: set[str] = set()  # warnings about the disk already given
         self._disk_cap: int | None = None  # what the disk holds, while it is nearly full (_fit_disk)
-        self._disk_file = 0  # data.mdb's size at the last commit, while it is
+        self._disk_file = 0  # data.mdb's size when the last commit found the disk nearly full
         if readonly and not (self.path / "data.mdb").is_file():
             raise StoreError(f"no kvtier store at {self.path}")
         if not readonly:
