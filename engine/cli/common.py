@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from kvtier.tiers.l3.base import StoreError
 from kvtier.tiers.l3.lmdb_open import read_only_store, writable_directory
+from kvtier.tiers.l3.tables import log as damage_log
 from kvtier.tiers.text import format_bytes
 
 from ..blas import blas_in_use, openblas_hint
@@ -26,16 +27,17 @@ class UsageError(Exception):
 
 
 class OncePerLine(logging.Filter):
-    """Drop a warning whose text this command already printed: a command may open its
-    store more than once (a read-only look, then the real work), and the person at the
-    terminal needs to hear about one damaged value once."""
+    """Drop a warning about a damaged side value (``tiers.l3.tables.DamageLog``) whose
+    text this command already printed: a command may open its store more than once (a
+    read-only look, then the real work), and the person at the terminal needs to hear
+    about one damaged value once. Other warnings pass: they say what happened each time."""
 
     def __init__(self) -> None:
         super().__init__()
         self._said: set[str] = set()
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.levelno != logging.WARNING:
+        if record.name != damage_log.name:
             return True
         text = record.getMessage()
         fresh = text not in self._said
