@@ -125,9 +125,10 @@ class Engine:
 
     def _load_profile(self) -> Profile:
         """The calibrated cost model of this machine and model, else conservative defaults."""
-        saved = self.store.get_meta(self.loaded.profile_key(self.geometry)) if self.store is not None else None
-        if isinstance(saved, dict) and saved:
-            return Profile.from_dict(saved)
+        key = self.loaded.profile_key(self.geometry)
+        saved = Profile.stored(self.store.get_meta(key), key) if self.store is not None else None
+        if saved is not None:
+            return saved
         log.info("no calibrated cost model for this machine and model: using defaults (run `kvtier calibrate`)")
         return Profile.defaults()
 

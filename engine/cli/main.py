@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from kvtier import __version__
-from kvtier.tiers.l3.lmdb_store import DEFAULT_CAPACITY
+from kvtier.tiers.l3.lmdb_space import DEFAULT_CAPACITY
 from kvtier.tiers.policy import ADMISSIONS, DEFAULT_POLICY, POLICIES
 from kvtier.tiers.text import format_bytes
 
@@ -35,7 +35,7 @@ from .args import (
 )
 from .bench import cmd_bench
 from .calibrate import cmd_calibrate
-from .common import UsageError, pages_kept
+from .common import OncePerLine, UsageError, pages_kept
 from .encryption import add_encryption_flags
 from .import_gguf import cmd_import_gguf
 from .replay import cmd_replay
@@ -116,8 +116,8 @@ def _add_engine_flags(tree: Tree, parser: argparse.ArgumentParser) -> None:
         type=parse_size,
         default=None,
         metavar="S",
-        help=f"L3 cap of a new store (default: {format_bytes(DEFAULT_CAPACITY)}); an existing "
-        "store keeps its own (`kvtier store resize` changes it)",
+        help=f"L3 cap of a new store (default: {format_bytes(DEFAULT_CAPACITY)}, or half the free space of "
+        "its filesystem where that is less); an existing store keeps its own (`kvtier store resize` changes it)",
     )
     parser.add_argument("--page-size", type=positive_int, default=128, metavar="N", help="tokens per KV page")
     parser.add_argument("--codec", choices=["raw", "zstd"], default="raw", help="L3 payload codec")
@@ -421,6 +421,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         logging.basicConfig(
             level=logging.INFO if args.verbose else logging.WARNING, format="kvtier: %(levelname)s: %(message)s"
         )
+        for handler in logging.getLogger().handlers:
+            handler.addFilter(OncePerLine())
         return _COMMANDS[args.command](args)
     except UsageError as err:
         print(f"kvtier: error: {err}", file=sys.stderr)

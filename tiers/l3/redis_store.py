@@ -44,7 +44,8 @@ from ..text import format_bytes, one_line
 from .base import L3Store, ReadThrough, Snapshot, StoreError
 from .cipher import RecordCipher
 from .record import FORMAT_VERSION
-from .redis_tables import RedisTables
+from .redis_tables import RedisTables, counter_number
+from .tables import DamageLog
 from .writer import Batch
 
 log = logging.getLogger(__name__)
@@ -162,7 +163,8 @@ class RedisTier(L3Store):
         self._cluster = isinstance(self._client, RedisCluster)
         self._all = {"target_nodes": RedisCluster.PRIMARIES} if self._cluster else {}  # server-wide numbers
         self._meta = self._prefix + b"meta"
-        self.tables = RedisTables(self._client, self._prefix, self._call, readonly=readonly)
+        self.damage = DamageLog(self.location)
+        self.tables = RedisTables(self._client, self._prefix, self._call, self.damage, readonly=readonly)
         self._down_until = 0.0
         self._backoff = 0.0
         self._evicted_at_open = 0
@@ -183,9 +185,14 @@ class RedisTier(L3Store):
         if not self.readonly:
             self._client.hsetnx(self._meta, "format_version", FORMAT_VERSION)
         stored = self._client.hget(self._meta, "format_version")
-        if stored is not None and int(stored) != FORMAT_VERSION:
+        version = None if stored is None else counter_number(stored)
+        if stored is not None and not isinstance(version, int):  # every record's own version is checked on read
+            self.damage.report("meta value format_version", f"taken as {FORMAT_VERSION}")
+            if not self.readonly:
+                self._client.hset(self._meta, "format_version", FORMAT_VERSION)
+        elif version is not None and version != FORMAT_VERSION:
             raise StoreError(
-                f"store {self.location} has format version {int(stored)}, this kvtier reads version {FORMAT_VERSION}"
+                f"store {self.location} has format version {version}, this kvtier reads version {FORMAT_VERSION}"
             )
         self._evicted_at_open = _total(self._client.info("stats", **self._all), "evicted_keys")
         try:

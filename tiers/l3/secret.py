@@ -44,6 +44,8 @@ def _create(path: Path) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}-{secrets.token_hex(4)}")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:  # a file where the directory should be
+        raise StoreError(f"cannot create the server secret {path}: Not a directory") from None
     except OSError as e:
         raise StoreError(f"cannot create the server secret {path}: {e.strerror or e}") from None
     try:
