@@ -136,6 +136,23 @@ def test_a_divergence_report_never_compares_with_another_tenants_turn(served):
     assert bob["diagnostics"] == {"cache_miss_reason": {"type": "previous_message_not_found"}}
 
 
+def test_the_server_log_never_names_another_tenants_turn(served, caplog):
+    """A conversation key (OpenAI's ``user``) is the caller's own: bob's request under
+    alice's key recomputes all she had, yet the INFO line of a lost conversation never
+    names her turn."""
+
+    def chat(key: str) -> str:
+        body = {"messages": [{"role": "user", "content": "a conversation by key " * 6}], "max_tokens": 1, "user": "u"}
+        answer = served.post("/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"})
+        assert answer.status_code == 200, answer.text
+        return answer.json()["id"]
+
+    alice = chat("key-a")
+    with caplog.at_level("INFO", logger="kvtier.engine.serve.conversations"):
+        chat("key-b")
+    assert all(alice not in record.getMessage() for record in caplog.records)
+
+
 @pytest.mark.parametrize(
     "path, headers, status",
     [
@@ -166,14 +183,16 @@ def test_an_anthropic_endpoint_refuses_in_anthropic_style(served):
     assert answer.json()["type"] == "error" and answer.json()["error"]["type"] == "authentication_error"
 
 
+# 192.0.2.1 (TEST-NET-1) is never this machine's: a bind to it fails, so no test listens off loopback.
+
+
 def test_without_keys_a_host_off_loopback_is_refused(tmp_path):
-    done = cli.run(["serve", "--host", "0.0.0.0", "--port", "0", "--store", tmp_path / "store"])
+    done = cli.run(["serve", "--host", "192.0.2.1", "--port", "0", "--store", tmp_path / "store"])
     assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
-    assert done.stderr.startswith("kvtier: error: refusing to serve on 0.0.0.0 without API keys")
+    assert done.stderr.startswith("kvtier: error: refusing to serve on 192.0.2.1 without API keys")
 
 
 def test_insecure_no_auth_warns_in_one_line(tmp_path):
-    """192.0.2.1 (TEST-NET-1) is never this machine's: the bind fails after the warning."""
     done = cli.run(["serve", "--host", "192.0.2.1", "--port", "0", "--insecure-no-auth", "--store", tmp_path / "s"])
     warning, error = done.stderr.splitlines()
     assert warning.startswith("kvtier: warning: serving on 192.0.2.1 without API keys")
@@ -191,6 +210,6 @@ def test_insecure_no_auth_warns_in_one_line(tmp_path):
 def test_a_bad_api_keys_file_is_one_line_naming_it(tmp_path, text, words):
     keys = tmp_path / "keys"
     keys.write_text(text)
-    done = cli.run(["serve", "--api-keys", keys, "--port", "0", "--store", tmp_path / "store"])
+    done = cli.run(["serve", "--api-keys", keys, "--host", "192.0.2.1", "--port", "0", "--store", tmp_path / "s"])
     assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
     assert done.stderr.startswith("kvtier: error: ") and words in done.stderr
