@@ -8,10 +8,11 @@ import pytest
 from starlette.testclient import TestClient
 
 from kvtier.engine.engine import Engine, EngineConfig
+from kvtier.engine.request import SamplingParams
 from kvtier.engine.serve.app import KVTierServer, ServerConfig
 from kvtier.engine.serve.tenancy import Caller, Tenancy, system_prefixes
 from kvtier.tiers.hierarchy import StoreConfig
-from kvtier.tiers.page import shared_start
+from kvtier.tiers.page import ChainRoot, shared_start
 
 from .. import cli
 
@@ -213,3 +214,16 @@ def test_a_bad_api_keys_file_is_one_line_naming_it(tmp_path, text, words):
     done = cli.run(["serve", "--api-keys", keys, "--host", "192.0.2.1", "--port", "0", "--store", tmp_path / "s"])
     assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
     assert done.stderr.startswith("kvtier: error: ") and words in done.stderr
+
+
+def test_identical_prompts_of_two_tenants_never_share_a_flight(loaded):
+    """Exact-input single flight is per caller: a follower's answer, and when it comes,
+    would tell that another tenant sent the same prompt."""
+    config = EngineConfig(page_size=PAGE, store=StoreConfig(store_dir=None), single_flight="after-prefill")
+    with Engine(loaded, config) as engine:
+        prompt = list(range(40, 40 + 3 * PAGE))
+        for own in (b"a" * 32, b"a" * 32, b"b" * 32):
+            engine.submit(prompt, SamplingParams(max_tokens=1), ChainRoot(own))
+        flights = sorted(len(followers) for _, followers in engine.view().flights.flights.values())
+        assert flights == [0, 1]  # the two of one root in one flight, the other's alone
+        engine.run()
