@@ -5,8 +5,10 @@ tokenize, submit, read ``Request.stream`` and cancel. Blocking calls (submission
 takes the store's lock, a stream waits for the next token) run in worker threads,
 so the event loop never waits on the engine.
 
-A request's life here: read the body (413 past the limit), check it (``api``:
-400 or 404), render and tokenize the prompt, check it against the context, refuse it
+A request's life here: its API key checked (``tenancy.Authenticate``: 401, or 403 for
+the server's own numbers without an admin key), read the body (413 past the limit),
+check it (``api``: 400 or 404), render and tokenize the prompt, find where its keys
+start (its tenant's root, ``tenancy``), check it against the context, refuse it
 with 429 if the waiting queue is full, submit, then stream or collect the text, cut at
 the first stop string. A client that goes away cancels its request (batch slot and
 pins released). On shutdown (``draining.DrainingServer``) the server stops accepting, lets
