@@ -372,7 +372,8 @@ def add_serve_parser(tree: Tree, sub) -> None:
         action="append",
         default=[],
         metavar="KEY",
-        help="a client's key (repeatable): its own tenant, an admin (it reads /metrics and /v1/kvtier/stats)",
+        help="an operator's key (repeatable): its own tenant, and an admin (it reads /metrics and "
+        "/v1/kvtier/stats); clients' keys go in --api-keys",
     )
     auth.add_argument(
         "--api-keys",
