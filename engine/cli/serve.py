@@ -24,7 +24,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from ..serve.draining import DrainingServer
 
     keys = api_keys(args)
-    shared = [_read_text(path, "--shared-prefix") for path in args.shared_prefix]
+    shared = {path: _read_text(path, "--shared-prefix") for path in args.shared_prefix}
     family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
     try:  # bound before the model loads: a busy port fails at once; --port 0 takes a free one
         sock = socket.create_server((args.host, args.port), family=family)
@@ -92,13 +92,24 @@ def server_secret(args: argparse.Namespace, store_dir: Path | str | None) -> byt
         raise UsageError(str(err)) from None
 
 
-def tenancy(keys: dict, secret: bytes, engine, shared_texts: list[str]):
-    """The server's tenancy: its keys, the secret, the token prefixes of the shared system prompts."""
+def tenancy(keys: dict, secret: bytes, engine, shared_texts: dict[Path, str]):
+    """The server's tenancy: its keys, the secret, the token prefixes of the shared system
+    prompts (one warning line for a prompt shorter than a page: nothing of it is shared)."""
     from ..serve.tenancy import Tenancy, system_prefixes
 
-    tokenizer = engine.loaded.tokenizer
-    shared = [prefix for text in shared_texts for prefix in system_prefixes(tokenizer, text)]
-    return Tenancy(keys, secret, engine.root, engine.config.page_size, shared)
+    tokenizer, page = engine.loaded.tokenizer, engine.config.page_size
+    shared = []
+    for path, text in shared_texts.items():
+        prefixes = system_prefixes(tokenizer, text)
+        if all(len(prefix) < page for prefix in prefixes):
+            longest = max(map(len, prefixes))
+            print(
+                f"kvtier: warning: --shared-prefix {path} is {longest} tokens, less than a page "
+                f"({page}): nothing of it is shared",
+                file=sys.stderr,
+            )
+        shared += prefixes
+    return Tenancy(keys, secret, engine.root, page, shared)
 
 
 def _loopback(host: str) -> bool:

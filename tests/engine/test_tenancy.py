@@ -227,3 +227,24 @@ def test_identical_prompts_of_two_tenants_never_share_a_flight(loaded):
         flights = sorted(len(followers) for _, followers in engine.view().flights.flights.values())
         assert flights == [0, 1]  # the two of one root in one flight, the other's alone
         engine.run()
+
+
+def test_a_missing_shared_prefix_file_is_one_line(tmp_path):
+    done = cli.run(["serve", "--shared-prefix", tmp_path / "none.txt", "--port", "0", "--store", tmp_path / "s"])
+    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+    assert done.stderr.startswith(f"kvtier: error: --shared-prefix {tmp_path / 'none.txt'}: ")
+
+
+@pytest.mark.slow  # starts a server process
+def test_a_shared_prefix_shorter_than_a_page_is_one_warning_line(tmp_path):
+    from .test_server import ServerProcess
+
+    short = tmp_path / "short.txt"
+    short.write_text("Hi")  # 12 tokens as a system message of kvtier-tiny's template
+    server = ServerProcess(tmp_path / "store", "--shared-prefix", str(short))
+    try:
+        warnings = [line for line in server.log if "--shared-prefix" in line]
+        assert len(warnings) == 1 and warnings[0].startswith(f"kvtier: warning: --shared-prefix {short} is "), warnings
+        assert "less than a page (16): nothing of it is shared" in warnings[0]
+    finally:
+        assert server.stop() == 0
