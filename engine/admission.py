@@ -68,7 +68,7 @@ class Admission:
             self.geometry.nbytes,
             profile,
             self.config.store.codec,
-            self.store.restore_points(request.keys[: len(matched)], after),
+            self.store.restore_points(request.keys[: len(matched)], after, request.parents[len(matched)]),
             self.geometry,
         )
         request.l1_tokens_at_admission = l1_tokens(matched, self.config.page_size)

@@ -228,23 +228,34 @@ class TieredStore:
     # -- restore -------------------------------------------------------------
 
     def restore(
-        self, keys: Sequence[PageKey], tokens: Sequence[int], first: int = 0, then: PartialMatch | None = None
+        self,
+        keys: Sequence[PageKey],
+        tokens: Sequence[int],
+        first: int = 0,
+        then: PartialMatch | None = None,
+        parents: Sequence[bytes] | None = None,
     ) -> RestoredPrefix:
         """Pin and load the longest loadable run of pages ``first..`` of ``keys`` as
-        per-layer device arrays (``begin`` then ``finish``; ``then``: see ``finish``).
+        per-layer device arrays (``begin`` then ``finish``; ``then``: see ``finish``;
+        ``parents``: the chain's, ``KeyChain.parents``, None for the namespace's plain chain).
 
         A page that vanished or failed its check since ``locate`` ends the run; the
         caller recomputes from there.
         """
-        return self.finish(self.begin(keys, tokens, first), then)
+        return self.finish(self.begin(keys, tokens, first, parents=parents), then)
 
     def begin(
-        self, keys: Sequence[PageKey], tokens: Sequence[int], first: int = 0, ahead: bool = False
+        self,
+        keys: Sequence[PageKey],
+        tokens: Sequence[int],
+        first: int = 0,
+        ahead: bool = False,
+        parents: Sequence[bytes] | None = None,
     ) -> PendingRestore:
         """:meth:`Restorer.begin` under the store's lock: safe on another thread while
         the model runs."""
         with self._lock:
-            return self.restorer.begin(keys, tokens, first, ahead)
+            return self.restorer.begin(keys, tokens, first, ahead, parents)
 
     def finish(self, pending: PendingRestore, then: PartialMatch | None = None) -> RestoredPrefix:
         """Join a begun restore's pages into per-layer device arrays and end its snapshot;
@@ -256,20 +267,25 @@ class TieredStore:
             restored = self.restorer.finish(pending)
             if self.snapshots is None or not (restored.keys or then):
                 return restored
-            restored, cut = self.snapshots.attach(restored, [p.tokens for p in pending.pages], then)
+            after = pending.parents[len(restored.keys)]  # the key before the partial page ``then`` must be
+            restored, cut = self.snapshots.attach(restored, [p.tokens for p in pending.pages], then, after)
             self.pins.release(cut)
             return restored
 
-    def restore_points(self, keys: Sequence[PageKey], after: Sequence[int] = ()) -> list[int] | None:
+    def restore_points(
+        self, keys: Sequence[PageKey], after: Sequence[int] = (), parent: bytes | None = None
+    ) -> list[int] | None:
         """The prefix lengths in pages (0..len(keys)) a hybrid model can restore: those
         followed by a snapshot, and ``len(keys)`` when a partial page with its state,
         all of whose tokens ``after`` (the prompt's tokens after those pages, its last
-        excluded) starts with, follows them (unverified); None when every length can be."""
+        excluded) starts with, follows them (unverified); None when every length can be.
+        ``parent``: the key before that partial page (None: the plain chain's)."""
         with self._lock:
             if self.snapshots is None:
                 return None
             points = self.snapshots.points(keys)
-            parent = keys[-1] if keys else self.ns_digest
+            if parent is None:
+                parent = keys[-1] if keys else self.ns_digest
             if any(
                 p.state is not None and tuple(after[: len(p.tokens)]) == p.tokens for _, p in self.l1.following(parent)
             ):

@@ -366,6 +366,34 @@ def add_serve_parser(tree: Tree, sub) -> None:
         metavar="SECONDS",
         help="keep an answer that ends in a tool call in L1/L2 this long for the next turn (0: off)",
     )
+    auth = serve.add_argument_group("tenants (README: Security)")
+    auth.add_argument(
+        "--api-key",
+        action="append",
+        default=[],
+        metavar="KEY",
+        help="an operator's key (repeatable): its own tenant, and an admin (it reads /metrics and "
+        "/v1/kvtier/stats); clients' keys go in --api-keys",
+    )
+    auth.add_argument(
+        "--api-keys",
+        type=Path,
+        metavar="FILE",
+        help="one key a line: KEY [TENANT] [admin]; keys of one tenant share its cache; # comments",
+    )
+    auth.add_argument(
+        "--insecure-no-auth",
+        action="store_true",
+        help="serve on a host other than loopback without keys: every client shares one cache",
+    )
+    auth.add_argument(
+        "--shared-prefix",
+        action="append",
+        type=Path,
+        default=[],
+        metavar="FILE",
+        help="a system prompt (text) whose pages every tenant shares (repeatable)",
+    )
 
 
 def add_stats_parser(tree: Tree, sub) -> None:
