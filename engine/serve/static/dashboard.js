@@ -66,7 +66,7 @@ function lineChart(id, datasets, yTitle, stacked, yMax) {
       interaction: { mode: "index", intersect: false },
       plugins: { legend: { position: "bottom", labels: { boxWidth: 14 } } },
       scales: {
-        x: { stacked, ticks: { maxTicksLimit: 8, maxRotation: 0 } },
+        x: { stacked, ticks: { maxTicksLimit: 6, maxRotation: 0 } },
         y: { stacked, beginAtZero: true, max: yMax, title: { display: true, text: yTitle } },
       },
     },
@@ -229,7 +229,7 @@ function render(feed) {
   renderCostModel(s);
   renderRequests(feed);
   renderNamespaces(feed);
-  const label = new Date(feed.time * 1000).toLocaleTimeString();
+  const label = new Date(feed.time * 1000).toTimeString().slice(0, 8); // HH:MM:SS, short on a phone
   if (previous && previous.stats.engine && s.engine) {
     const was = previous.stats.engine.sources, now = s.engine.sources;
     push(sourcesChart, label, SOURCES.map((k) => Math.max(0, (now[k] || 0) - (was[k] || 0))));
