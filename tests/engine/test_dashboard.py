@@ -6,11 +6,15 @@ and the admin actions and their errors. The page itself runs in a browser in
 from __future__ import annotations
 
 import re
+import socket
 
 import numpy as np
 import pytest
+from rich.console import Console
 from starlette.testclient import TestClient
 
+from kvtier.engine.cli import top
+from kvtier.engine.cli.main import main
 from kvtier.engine.engine import Engine, EngineConfig
 from kvtier.engine.serve.admin import ADMIN_PREFIX
 from kvtier.engine.serve.app import KVTierServer, ServerConfig
@@ -164,3 +168,36 @@ def test_without_a_store_the_actions_say_so(loaded):
         _error(client.post(f"{ADMIN_PREFIX}/clear", json={"namespace": "ab"}), 409)
         _error(client.post(f"{ADMIN_PREFIX}/resize", json={"l3_bytes": 1 << 20}), 409)
     server.close()
+
+
+def test_top_draws_the_feed(served):
+    feed = _feed(served)
+    console = Console(record=True, width=200, color_system="truecolor")
+    console.print(top.view(feed, feed))
+    text = console.export_text()
+    for name, tier in feed["stats"]["tiers"].items():
+        assert re.search(rf"{name}\s.*\s{tier['pages']}\s+.*{tier['hit_pages']}\s.*\s{tier['evictions']}\s", text), name
+    for record in feed["requests"][: top.SHOWN_REQUESTS]:
+        assert re.search(rf"\b{record['rid']}\s+.*{record['prompt_tokens']}\s", text)
+    sources = feed["stats"]["engine"]["sources"]
+    assert f"{(sum(sources.values()) - sources['recomputed']) / sum(sources.values()):.1%}" in text
+
+
+@pytest.mark.parametrize("runs", [[["L3", 32], ["L2", 64], ["recomputed", 39]], [["L1", 239], ["recomputed", 1]]])
+def test_tops_strip_scales_each_run_to_the_terminal(runs):
+    tokens = sum(n for _, n in runs)
+    cells = top.strip(runs, tokens, width=40)
+    assert len(cells.plain) == 40
+    for source, n in runs:
+        drawn = sum(span.end - span.start for span in cells.spans if span.style == top.STYLES[source])
+        assert abs(drawn - 40 * n / tokens) <= 1, source
+
+
+@pytest.mark.parametrize("url", ["ftp://host", "http://host:port", "http://", "127.0.0.1:{closed}"])
+def test_a_bad_url_for_top_is_one_error_line(url, capsys):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]  # nothing listens there once closed
+    assert main(["top", "--once", url.format(closed=closed)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvtier: error: ") and err.count("\n") == 1
