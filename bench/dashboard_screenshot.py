@@ -36,7 +36,7 @@ def main() -> int:
     parser.add_argument("--model", default=None, help="default: the server's default model")
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "dashboard.png")
     parser.add_argument("--width", type=int, default=1280)
-    parser.add_argument("--height", type=int, default=1900)
+    parser.add_argument("--height", type=int, default=1200, help="of the window; the PNG is the whole page")
     parser.add_argument("--polls", type=int, default=50, help="feed reads to time")
     args = parser.parse_args()
     with socket.socket() as s:
@@ -54,6 +54,9 @@ def main() -> int:
             weight(http, server.url)
             feed_cost(http, server.url, args.polls)
         time.sleep(3)  # a few more polls
+        height = driver.execute_script("return document.documentElement.scrollHeight")
+        metrics = {"width": args.width, "height": height, "deviceScaleFactor": 1, "mobile": args.width < 600}
+        driver.execute_cdp_cmd("Emulation.setDeviceMetricsOverride", metrics)  # the whole page in one PNG
         args.out.parent.mkdir(parents=True, exist_ok=True)
         driver.save_screenshot(str(args.out))
     finally:

@@ -11,11 +11,11 @@ server's other holds (``holds``), so pins can never fill the fast tiers.
 
 from __future__ import annotations
 
-import json
 import threading
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Mount, Route
@@ -84,9 +84,9 @@ class Admin:
 
     async def clear(self, http: HTTPRequest) -> Response:
         """Delete the L3 pages of one namespace, named by a unique prefix of its hex digest."""
-        prefix = _field(await _body(http), "namespace", str).lower()
+        prefix = (await _body(http, Clear)).namespace.lower()
         disk = self._disk()
-        matches = [d for d in disk.tables.namespaces() if prefix and d.hex().startswith(prefix)]
+        matches = [d for d in disk.tables.namespaces() if d.hex().startswith(prefix)]
         if len(matches) != 1:
             raise invalid(f"namespace {prefix!r} matches {len(matches)} namespaces of the store", "namespace")
         pages, nbytes = await anyio.to_thread.run_sync(disk.clear, set(matches))
@@ -94,9 +94,7 @@ class Admin:
 
     async def resize(self, http: HTTPRequest) -> Response:
         """Set L3's cap (bytes, more than 0), evicting least-recently-used pages down to it."""
-        size = _field(await _body(http), "l3_bytes", int)
-        if size <= 0:
-            raise invalid(f"l3_bytes must be more than 0, got {size}", "l3_bytes")
+        size = (await _body(http, Resize)).l3_bytes
         disk = self._disk()
         if disk.backend != "lmdb":
             raise invalid("a Redis store evicts by its own maxmemory: resize it there", "l3_bytes")
@@ -105,12 +103,12 @@ class Admin:
         return JSONResponse({"old_bytes": old, "l3_bytes": size, "evicted_pages": evicted})
 
     async def pin(self, http: HTTPRequest) -> Response:
-        record = self._record(_field(await _body(http), "rid", int))
+        record = self._record((await _body(http, RequestId)).rid)
         pinned = await anyio.to_thread.run_sync(self.pins.pin, record)
         return JSONResponse({"rid": record.rid, "pages": pinned})
 
     async def unpin(self, http: HTTPRequest) -> Response:
-        rid = _field(await _body(http), "rid", int)
+        rid = (await _body(http, RequestId)).rid
         return JSONResponse({"rid": rid, "pages": await anyio.to_thread.run_sync(self.pins.unpin, rid)})
 
     async def tokens(self, http: HTTPRequest) -> Response:
@@ -135,21 +133,33 @@ class Admin:
         return store.disk
 
 
-async def _body(http: HTTPRequest) -> dict:
+class _Action(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class Clear(_Action):
+    namespace: str = Field(min_length=1)  # a unique prefix of its hex digest
+
+
+class Resize(_Action):
+    l3_bytes: int = Field(gt=0)
+
+
+class RequestId(_Action):
+    rid: int
+
+
+_A = TypeVar("_A", bound=_Action)
+
+
+async def _body(http: HTTPRequest, action: type[_A]) -> _A:
+    """The checked body, or a 400 (413 past ``MAX_BODY``) that names its first fault in one line."""
     raw = await http.body()
     if len(raw) > MAX_BODY:
         raise APIError(413, f"body is over the limit of {MAX_BODY} bytes", code="body_too_large")
     try:
-        data = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as err:
-        raise invalid(f"body is not valid JSON: {err}") from None
-    if not isinstance(data, dict):
-        raise invalid("body must be a JSON object")
-    return data
-
-
-def _field(body: dict, name: str, kind: type) -> Any:
-    value = body.get(name)
-    if not isinstance(value, kind) or isinstance(value, bool):
-        raise invalid(f"{name} must be {'a whole number' if kind is int else 'a string'}", name)
-    return value
+        return action.model_validate_json(raw)
+    except ValidationError as err:
+        first = err.errors(include_url=False)[0]
+        param = ".".join(str(part) for part in first["loc"]) or None
+        raise invalid(f"{param or 'body'}: {first['msg']}", param) from None

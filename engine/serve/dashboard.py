@@ -43,7 +43,7 @@ _CSP = "default-src 'self'; img-src 'self' data:; style-src 'self'; script-src '
 
 def static_text(name: str) -> str:
     """A file of the page, read from the installed package."""
-    return files("kvtier.engine.serve").joinpath("static", name).read_text(encoding="utf-8")
+    return files("kvtier.engine.serve").joinpath("static").joinpath(name).read_text(encoding="utf-8")
 
 
 class Dashboard:

@@ -137,6 +137,7 @@ def test_pin_and_unpin_a_requests_prompt(served):
         ("unpin", b'{"rid": true}', "rid"),
         ("resize", b'{"l3_bytes": 0}', "l3_bytes"),
         ("resize", b'{"l3_bytes": 1.5}', "l3_bytes"),
+        ("resize", b'{"l3_bytes": 5, "shrink": true}', "shrink"),
         ("clear", b'{"namespace": 3}', "namespace"),
         ("clear", b'{"namespace": "zz"}', "namespace"),
         ("clear", b'{"namespace": ""}', "namespace"),

@@ -179,13 +179,17 @@ function renderRequests(feed) {
     pin.addEventListener("click", () => act(pinned.has(r.rid) ? "unpin" : "pin", { rid: r.rid },
       `${pinned.has(r.rid) ? "Unpin" : "Pin"} the prompt of request ${r.rid} in the fast tiers?`));
     return el("tr", { "data-rid": r.rid }, cell(r.rid, r.rid), cell(r.prompt_tokens, r.prompt_tokens), strips.get(r.rid),
-      el("td", {}, planText(r.plan)), cell(secs(r.ttft_s), r.ttft_s ?? ""), cell(secs(r.queue_s), r.queue_s ?? ""), el("td", {}, pin));
+      el("td", { class: "wrap" }, planText(r.plan)), cell(secs(r.ttft_s), r.ttft_s ?? ""), cell(secs(r.queue_s), r.queue_s ?? ""), el("td", {}, pin));
   });
   for (const rid of strips.keys()) if (!feed.requests.some((r) => r.rid === rid)) strips.delete(rid);
   fillBody("requests", rows);
 }
 
 function renderNamespaces(feed) {
+  if (!feed.namespaces.length) {
+    fillBody("namespaces", [el("tr", {}, el("td", { class: "muted wrap", colSpan: 7 }, "no pages in L3 yet: they reach it as L1 and L2 evict them, and when the server stops"))]);
+    return;
+  }
   fillBody("namespaces", feed.namespaces.map((ns) => {
     const clear = el("button", { type: "button" }, "Clear");
     clear.addEventListener("click", () => act("clear", { namespace: ns.namespace },
