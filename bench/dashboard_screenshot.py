@@ -5,7 +5,7 @@ store, sends the README's three agent prompts (examples/agent_prompts.jsonl) as 
 requests, one after another, then opens ``/dashboard`` in headless Chromium (Debian's
 ``chromium`` and ``chromium-driver``) and saves a PNG. It prints the page's weight
 (every file the page loads) and the feed's cost (the mean time of one
-``GET /v1/kvtier/dashboard`` and its size).
+``GET /v1/kvtier/dashboard`` and its size, beside ``/v1/kvtier/stats``).
 
     .venv/bin/python bench/dashboard_screenshot.py                      # bench/dashboard.png
     .venv/bin/python bench/dashboard_screenshot.py --width 390 --out /tmp/phone.png
@@ -74,10 +74,12 @@ def weight(http: httpx.Client, url: str) -> None:
 
 
 def feed_cost(http: httpx.Client, url: str, polls: int) -> None:
-    t0 = time.perf_counter()
-    sizes = [len(http.get(url + "/v1/kvtier/dashboard").content) for _ in range(polls)]
-    mean = (time.perf_counter() - t0) / polls
-    print(f"feed: {mean * 1000:.1f} ms per GET over {polls}, {sizes[-1]} bytes")
+    """The feed beside /v1/kvtier/stats (what it adds: the ring, the namespaces)."""
+    for path in ("/v1/kvtier/dashboard", "/v1/kvtier/stats"):
+        t0 = time.perf_counter()
+        sizes = [len(http.get(url + path).content) for _ in range(polls)]
+        mean = (time.perf_counter() - t0) / polls
+        print(f"{path}: {mean * 1000:.1f} ms per GET over {polls}, {sizes[-1]} bytes")
 
 
 def browser(width: int, height: int) -> webdriver.Chrome:
