@@ -51,6 +51,7 @@ COVERAGE = {
     '{"prompt_tokens": 1650': "test_serve_snippets",
     "from anthropic import Anthropic": "test_serve_snippets",
     "curl -s localhost:8000/metrics": "test_serve_snippets",
+    ".venv/bin/kvtier top --once": "test_serve_snippets",
     "export ANTHROPIC_BASE_URL=": "not run: Claude Code is not installed here (its settings are the client's)",
     "# one question asked twice": "test_serve_snippets",
     "printf '%s\\n' 'sk-alice-laptop alice'": "test_security_snippets",
@@ -237,6 +238,7 @@ def test_serve_snippets(shell):
         check("anthropic", lambda: _anthropic(shell))
         check("metrics", lambda: _metrics(shell))
         check("agents", lambda: _agents(shell))
+        check("dashboard", lambda: _dashboard(shell, base))
     finally:
         status = server.stop()
     assert status == 0, "serve did not exit 0 on SIGTERM:\n" + "\n".join(server.lines[-20:])
@@ -278,6 +280,15 @@ def test_security_snippets(shell):
     finally:
         status = server.stop()
     assert status == 0, "serve did not exit 0 on SIGTERM:\n" + "\n".join(server.lines[-20:])
+
+
+def _dashboard(shell: Shell, base: str) -> None:
+    """The page the README says to open, and ``kvtier top --once`` on the same server."""
+    page = httpx.get(base + "/dashboard", timeout=30)
+    assert page.status_code == 200 and "<canvas" in page.text
+    printed = shell.run(block(".venv/bin/kvtier top --once").commands()[0]).stdout
+    for part in ("tiers", "last requests", "L3 namespaces"):
+        assert part in printed, printed
 
 
 def _assert_model_id(base: str, model_id: str) -> None:

@@ -43,6 +43,7 @@ from .run import cmd_run
 from .serve import cmd_serve
 from .stats import cmd_stats
 from .store import cmd_store
+from .top import cmd_top
 from .tree import Formatter, Parser, Tree
 
 _EPILOG = """\
@@ -88,6 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
         add_serve_parser,
         add_stats_parser,
         add_store_parser,
+        add_top_parser,
     ):
         add(tree, sub)
     return parser
@@ -426,6 +428,16 @@ def add_store_parser(tree: Tree, sub) -> None:
         tree.store_flag(each)
 
 
+def add_top_parser(tree: Tree, sub) -> None:
+    top = tree.command(sub, "top", "a running server's dashboard, live in the terminal (Ctrl-C ends it)")
+    top.add_argument("url", nargs="?", default="http://127.0.0.1:8000", help="the server (default: %(default)s)")
+    top.add_argument("--interval", type=positive_number, default=1.0, metavar="SECONDS", help="between polls")
+    top.add_argument("--once", action="store_true", help="print one view and exit")
+    top.add_argument(
+        "--api-key", metavar="KEY", help="an admin key, for a server with API keys (default: $KVTIER_API_KEY)"
+    )
+
+
 _COMMANDS = {
     "run": cmd_run,
     "serve": cmd_serve,
@@ -435,6 +447,7 @@ _COMMANDS = {
     "replay": cmd_replay,
     "store": cmd_store,
     "import-gguf": cmd_import_gguf,
+    "top": cmd_top,
 }
 
 

@@ -42,13 +42,16 @@ from ..request import Request, SamplingParams
 from ..text import OutputText
 from ..text import verbatim as verbatim_text
 from . import api, render, responses
+from .admin import Admin, Pins
 from .api import APIError
 from .conversations import Conversations, log_loss, miss_reason
+from .dashboard import Dashboard
 from .generation import Generation, cancel_on_disconnect
 from .holds import Holds
 from .prometheus import ServerMetrics
 from .prompt import Prompt, check_text
 from .prompt import render as render_prompt
+from .recent import RecentRequests
 from .responses import Finished
 from .tenancy import Authenticate, Tenancy
 from .tools import ToolCallText
@@ -90,6 +93,9 @@ class KVTierServer:
         store = engine.store
         self.holds = Holds(store, store.view().l1.max_pages // 2 if store is not None else 0)
         self.metrics = ServerMetrics(engine.stats, self._gauges)
+        self.recent = RecentRequests()  # the dashboard's last requests
+        pins = Pins(store, self.holds.limit)
+        dashboard = Dashboard(engine, config.model_name, self.recent, self._gauges, pins.listing)
         self.app = Starlette(
             routes=[
                 Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
@@ -101,6 +107,8 @@ class KVTierServer:
                 Route("/health", self.health, methods=["GET"]),
                 Route("/metrics", self.prometheus, methods=["GET"]),
                 Route("/v1/kvtier/stats", self.stats, methods=["GET"]),
+                *dashboard.routes(),
+                Admin(engine, self.recent, pins, self.tokenizer).mount(),  # every admin action: /v1/kvtier/admin/...
             ],
             # Starlette types every handler as taking any Exception although it dispatches by
             # class (Kludex/starlette#2417), so a handler of one class is a dict-item error.
@@ -447,6 +455,7 @@ class KVTierServer:
             self.metrics.ttft.observe(request.t_first_token - request.t_submit)
         if request.t_admit is not None:
             self.metrics.queue.observe(request.t_admit - request.t_submit)
+            self.recent.add(request)  # admitted: its sources and plan are known (the dashboard's ring)
 
     # -- errors ---------------------------------------------------------------------
 

@@ -30,10 +30,17 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from kvtier.tiers.l3.secret import derive
 from kvtier.tiers.page import IMPLICIT_ROOT, ChainRoot, reusable_pages, shared_start
 
+from .admin import ADMIN_PREFIX
 from .api import APIError
+from .dashboard import FEED_PATH, STATIC_PREFIX
 
-OPEN_PATHS = ("/health",)  # a load balancer's probe: says nothing about anyone
-ADMIN_PATHS = ("/metrics", "/v1/kvtier/stats")  # the whole server's numbers
+# A load balancer's probe, and the dashboard's page and files (a browser fetches them
+# without a key; they hold no data: the page asks the feed for it, with the key typed in).
+OPEN_PATHS = ("/health", "/", "/dashboard")
+OPEN_PREFIXES = (STATIC_PREFIX,)
+# The whole server's numbers, every tenant's requests (the dashboard's feed) and its actions.
+ADMIN_PATHS = ("/metrics", "/v1/kvtier/stats", FEED_PATH)
+ADMIN_PREFIXES = (ADMIN_PREFIX + "/",)
 
 
 @dataclass(frozen=True)
@@ -150,9 +157,10 @@ class Tenancy:
 
 
 class Authenticate:
-    """ASGI middleware: every request but ``OPEN_PATHS`` carries a valid key (401), the
-    ``ADMIN_PATHS`` an admin's (403); the caller goes to the handler as
-    ``request.state.caller``. Errors in the endpoint's style (``anthropic_paths``)."""
+    """ASGI middleware: every request but ``OPEN_PATHS`` (and ``OPEN_PREFIXES``) carries
+    a valid key (401), the ``ADMIN_PATHS`` (and ``ADMIN_PREFIXES``) an admin's (403); the
+    caller goes to the handler as ``request.state.caller``. Errors in the endpoint's
+    style (``anthropic_paths``)."""
 
     def __init__(self, app: ASGIApp, tenancy: Tenancy, anthropic_paths: Sequence[str]) -> None:
         self.app, self.tenancy, self.anthropic_paths = app, tenancy, tuple(anthropic_paths)
@@ -164,8 +172,10 @@ class Authenticate:
         path = scope["path"]
         headers = {name.decode("latin-1").lower(): value.decode("latin-1") for name, value in scope["headers"]}
         try:
-            caller = None if path in OPEN_PATHS else self.tenancy.caller(headers)
-            if caller is not None and path in ADMIN_PATHS and not caller.admin:
+            is_open = path in OPEN_PATHS or path.startswith(OPEN_PREFIXES)
+            caller = None if is_open else self.tenancy.caller(headers)
+            admin_only = path in ADMIN_PATHS or path.startswith(ADMIN_PREFIXES)
+            if caller is not None and admin_only and not caller.admin:
                 raise APIError(403, f"{path} needs an admin API key", "permission_error", code="admin_required")
         except APIError as err:
             extra = {"WWW-Authenticate": "Bearer"} if err.status == 401 else None

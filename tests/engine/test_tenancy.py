@@ -166,6 +166,12 @@ def test_the_server_log_never_names_another_tenants_turn(served, caplog):
         ("/v1/kvtier/stats", {"x-api-key": "key-a"}, 403),
         ("/v1/kvtier/stats", {"Authorization": "Bearer key-admin"}, 200),
         ("/metrics", {"x-api-key": "key-admin"}, 200),
+        ("/dashboard", {}, 200),  # the page and its files hold no data: a browser fetches them keyless
+        ("/dashboard/static/dashboard.js", {}, 200),
+        ("/v1/kvtier/dashboard", {}, 401),  # its feed shows every tenant's requests
+        ("/v1/kvtier/dashboard", {"Authorization": "Bearer key-b"}, 403),
+        ("/v1/kvtier/dashboard", {"Authorization": "Bearer key-admin"}, 200),
+        ("/v1/kvtier/admin/requests/0/tokens", {"x-api-key": "key-a"}, 403),
     ],
 )
 def test_keys_and_admin_keys(served, path, headers, status):
