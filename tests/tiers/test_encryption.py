@@ -118,3 +118,14 @@ def test_a_namespace_must_say_whether_its_store_is_encrypted(tmp_path):
     with pytest.raises(ValueError, match="namespace"):
         TieredStore(GEOMETRY, SEALED, StoreConfig(0, 0, None, tmp_path))
     assert SEALED.digest() != NS.digest()
+
+
+def test_each_record_has_a_key_of_its_own():
+    """A record's key is derived from its page key (which chains from its tenant's root):
+    what one page's record was sealed under opens no other page's."""
+    c, ns, nonce, plain, aad = cipher(), b"n" * 16, os.urandom(12), b"kv bytes", b"associated"
+    page_a, page_b = b"a" * 16, b"b" * 16
+    sealed = c.seal(ns, page_a, nonce, plain, aad)
+    assert c.open(ns, page_a, nonce, sealed, aad) == plain
+    assert c.open(ns, page_b, nonce, sealed, aad) is None
+    assert c.open(b"m" * 16, page_a, nonce, sealed, aad) is None

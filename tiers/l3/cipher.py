@@ -1,11 +1,13 @@
 """Encryption at rest of L3 records (``--encrypt-l3``, DESIGN §4): AES-256-GCM, one key
-per namespace, a fresh 12-byte random nonce per record.
+per record, a fresh 12-byte random nonce per record.
 
-The key of a namespace comes from ``key_of(namespace digest)``; the command line passes
+A record's key comes from ``key_of(namespace digest, page key)``; the command line passes
 ``functools.partial(tiers.l3.secret.derive, secret, b"encrypt")``, so it is
-``HMAC(server secret, "encrypt" || digest)`` and nobody without the secret can compute it
-(the secret is never stored in L3). A tenant's namespace has its own digest, so its key
-is its own too; binding a tenant tag explicitly is one more part passed to ``derive``.
+``HMAC(server secret, "encrypt" || digest || page key)`` and nobody without the secret
+can compute it (the secret is never stored in L3). A page key chains from its tenant's
+root (``tiers.page.ChainRoot``, itself an HMAC of the tenant's name under the same
+secret), so every tenant's records are under keys of their own, and learning one
+record's key opens no other record.
 
 A namespace names its cipher with the key's id (``name``: ``aes-256-gcm/<id>``), so pages
 under another secret, or plain ones, live under other page keys: a process given the
@@ -22,7 +24,6 @@ another header, a flipped byte). 96-bit random nonces under one key stay safe fo
 from __future__ import annotations
 
 import os
-import threading
 from collections.abc import Callable
 
 import numpy as np
@@ -39,31 +40,28 @@ class RecordCipher:
 
     algorithm = "aes-256-gcm"
 
-    def __init__(self, key_of: Callable[[bytes], bytes], key_id: str) -> None:
-        """``key_of``: namespace digest -> 32-byte key; ``key_id``: names the secret they
-        come from, revealing nothing of it (for example a prefix of another HMAC of it)."""
+    def __init__(self, key_of: Callable[[bytes, bytes], bytes], key_id: str) -> None:
+        """``key_of``: (namespace digest, page key) -> 32-byte key; ``key_id``: names the
+        secret they come from, revealing nothing of it (for example a prefix of another
+        HMAC of it)."""
         self.name = f"{self.algorithm}/{key_id}"  # what a namespace records (``Namespace.encryption``)
         self._key_of = key_of
-        self._aeads: dict[bytes, AESGCM] = {}
-        self._lock = threading.Lock()
 
-    def _aead(self, namespace: bytes) -> AESGCM:
-        with self._lock:
-            if (aead := self._aeads.get(namespace)) is None:
-                aead = self._aeads[namespace] = AESGCM(self._key_of(namespace))
-        return aead
+    def _aead(self, namespace: bytes, key: bytes) -> AESGCM:
+        return AESGCM(self._key_of(namespace, key))  # a key schedule per record: microseconds
 
     @staticmethod
     def nonce() -> bytes:
         return os.urandom(NONCE_BYTES)
 
-    def seal(self, namespace: bytes, nonce: bytes, plain: bytes, associated: bytes) -> bytes:
-        """``plain`` encrypted under the namespace's key, its tag appended."""
-        return self._aead(namespace).encrypt(nonce, plain, associated)
+    def seal(self, namespace: bytes, key: bytes, nonce: bytes, plain: bytes, associated: bytes) -> bytes:
+        """``plain`` encrypted under the key of page ``key`` in ``namespace``, its tag appended."""
+        return self._aead(namespace, key).encrypt(nonce, plain, associated)
 
     def open(
         self,
         namespace: bytes,
+        key: bytes,
         nonce: bytes,
         sealed: bytes | memoryview,
         associated: bytes,
@@ -74,7 +72,7 @@ class RecordCipher:
         key, nonce and associated data (``into`` then holds garbage)."""
         if len(nonce) != NONCE_BYTES or len(sealed) < TAG_BYTES:
             return None
-        aead = self._aead(namespace)
+        aead = self._aead(namespace, key)
         try:
             if into is None:
                 return aead.decrypt(nonce, sealed, associated)

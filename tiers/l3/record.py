@@ -248,7 +248,7 @@ def sealed_record(
     nonce = cipher.nonce()
     header = RecordHeader(RECORD_VERSION, key, namespace, b"", codec, raw_len, 0, (), nonce, len(tokens) // 4)
     packed = header.pack()
-    return packed + cipher.seal(namespace, nonce, body, key + packed + tokens)
+    return packed + cipher.seal(namespace, key, nonce, body, key + packed + tokens)
 
 
 def record_bytes(
@@ -262,7 +262,7 @@ def record_bytes(
         return verify_payload(header, record.payload, out)
     assert cipher is not None, "an encrypted record passed its header check without a key"
     into = out if header.codec == "raw" else None
-    plain = cipher.open(header.namespace, header.nonce, record.payload, record.associated, into)
+    plain = cipher.open(header.namespace, record.key, header.nonce, record.payload, record.associated, into)
     if plain is None:
         raise CorruptRecord("authentication failed")
     if isinstance(plain, np.ndarray):  # decrypted into ``out``: a raw payload, checked by its tag
