@@ -12,6 +12,7 @@ L3 reads, checksums, the join into per-layer arrays, evaluated).
 
 from __future__ import annotations
 
+import os
 import tempfile
 import timeit
 from collections.abc import Callable
@@ -28,6 +29,8 @@ import zstandard
 from mlx_lm.models.cache import KVCache, load_prompt_cache, save_prompt_cache
 
 from kvtier.tiers.hierarchy import RestoredPrefix, TieredStore
+from kvtier.tiers.l3.cipher import RecordCipher
+from kvtier.tiers.l3.secret import derive
 from kvtier.tiers.links import Link
 from kvtier.tiers.page import PageGeometry, PageKey, Source
 
@@ -42,6 +45,19 @@ QUICK_PAGE_COUNTS = (1, 4, 16)  # --quick: smaller scratch stores, fewer rows, f
 QUICK_ROUNDS = 2  # and the quick calibration's prefill grid (its length scaled to the BLAS's speed)
 # (row name prefix, codec, source of every restored page)
 RESTORES = (("L2->L1", "raw", Source.L2), ("L3->L1", "raw", Source.L3), ("L3 zstd->L1", "zstd", Source.L3))
+# --encrypt-l3: raw pages, AES-256-GCM encrypted in L3 (decrypted whole into L2, then joined);
+# a row of its own, compared with "L3->L1" of the same rounds, and no link sample
+ENCRYPTED = ("L3 aes->L1", "raw", Source.L3)
+
+
+def restore_rows(encrypted: bool) -> tuple[tuple[str, str, Source], ...]:
+    return RESTORES + ((ENCRYPTED,) if encrypted else ())
+
+
+def throwaway_cipher() -> RecordCipher:
+    """A cipher under a fresh random secret: the cost of encryption, none of the operator's keys."""
+    return RecordCipher(partial(derive, os.urandom(32), b"encrypt"), "bench")
+
 
 Tick = Callable[[], None]
 
@@ -143,16 +159,19 @@ def measure(
     page_counts: tuple[int, ...] = PAGE_COUNTS,
     rounds: int = ROUNDS,
     tick: Tick = lambda: None,
+    encrypted: bool = False,
 ) -> dict:
     """Restores per link and page count, memcpy (one and two threads) of the same bytes,
     and, on the whole prompt (the most pages): LMDB's zero-copy read, zstd decompression
-    and ``load_prompt_cache`` of the same KV; every row timed in the same rounds."""
+    and ``load_prompt_cache`` of the same KV; every row timed in the same rounds.
+    ``encrypted``: also restores of encrypted L3 pages, and their cost (``encryption``)."""
     pages = max(page_counts)
     nbytes = pages * geometry.nbytes
     with ExitStack() as stack, tempfile.TemporaryDirectory() as tmp:
         restores = {}
-        for name, codec, source in RESTORES:
-            store, keys, tokens = stack.enter_context(scratch_store(geometry, store_dir, pages, codec))
+        for name, codec, source in restore_rows(encrypted):
+            cipher = throwaway_cipher() if name == ENCRYPTED[0] else None
+            store, keys, tokens = stack.enter_context(scratch_store(geometry, store_dir, pages, codec, cipher))
             restores[name] = Restores(store, keys, tokens, source)
         raw_l3 = restores["L3->L1"]
         peer_path = _saved_prompt_cache(raw_l3.restore(pages), Path(tmp))
@@ -174,13 +193,30 @@ def measure(
         tick()
         interleaved(calls, rounds, tick)
         compressed = _stored_bytes(restores["L3 zstd->L1"], page_counts)
+        sealed = _stored_bytes(restores[ENCRYPTED[0]], page_counts) if encrypted else {}
         for restore in restores.values():
             restore.reset()
-    return _report(calls, geometry, page_counts, rounds, compressed)
+    report = _report(calls, geometry, page_counts, rounds, compressed, restore_rows(encrypted))
+    if encrypted:
+        report["encryption"] = [_encryption_cost(calls, n, sealed[n]) for n in page_counts]
+    return report
+
+
+def _encryption_cost(calls: dict[str, Call], pages: int, stored: int) -> dict:
+    """Encrypted against plain raw L3 restores of ``pages`` pages (best of the same rounds);
+    ``stored``: bytes the encrypted restore read from L3 (decrypted into L2: ``L3->L2``)."""
+    plain, sealed = calls[f"L3->L1 {pages}"].best, calls[f"{ENCRYPTED[0]} {pages}"].best
+    return {
+        "pages": pages,
+        "stored_bytes": stored,
+        "plain_seconds": plain,
+        "encrypted_seconds": sealed,
+        "ratio": sealed / plain,
+    }
 
 
 def _stored_bytes(restores: Restores, page_counts: tuple[int, ...]) -> dict[int, int]:
-    """Bytes read from L3 by a restore of n compressed pages (the link's input size)."""
+    """Bytes read from L3 by a restore of n compressed (or encrypted) pages (the link's input size)."""
     stored = {}
     for n in page_counts:
         before = restores.store.stats().links[Link.L3_L2].bytes
@@ -196,12 +232,13 @@ def _report(
     page_counts: tuple[int, ...],
     rounds: int,
     compressed: dict[int, int],
+    restores: tuple[tuple[str, str, Source], ...],
 ) -> dict:
     rows = []
     for n in page_counts:
         nbytes = n * geometry.nbytes
         memcpy = calls[f"memcpy {n}"]
-        for name, _, source in RESTORES:
+        for name, _, source in restores:
             call = calls[f"{name} {n}"]
             rows.append(
                 {
@@ -254,6 +291,8 @@ def _link_samples(rows: list[dict], compressed: dict[int, int]) -> list[dict]:
     by = {(r["row"], r["pages"]): r for r in rows}
     links = []
     for r in rows:
+        if r["row"] == ENCRYPTED[0]:
+            continue
         if r["row"] == "L3 zstd->L1":
             seconds = max(r["seconds"] - by["L2->L1", r["pages"]]["seconds"], 1e-9)
             links.append(
@@ -304,11 +343,12 @@ def run(
     page_counts: tuple[int, ...] = PAGE_COUNTS,
     rounds: int = ROUNDS,
     quick: bool = False,
+    encrypted: bool = False,
 ) -> dict:
     """The report behind ``kvtier bench restore --json``: ``measure``, and the shortest
     prompt worth restoring from each tier by a profile fitted to these samples and the
     model's timed prefills (``quick``: the quick calibration's shorter ones)."""
-    report = measure(geometry, store_dir, page_counts, rounds, tick)
+    report = measure(geometry, store_dir, page_counts, rounds, tick, encrypted)
     if quick:
         prefill = prefill_samples(model, tick, *quick_grid(model), repeats=QUICK_REPEATS)
     else:

@@ -31,6 +31,7 @@ from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
 from kvtier.tiers.counters import LinkStats
 from kvtier.tiers.hierarchy import StoreConfig, TieredStore
+from kvtier.tiers.l3.cipher import RecordCipher
 from kvtier.tiers.l3.open import scratch_location
 from kvtier.tiers.links import Link
 from kvtier.tiers.page import Namespace, PageGeometry, page_keys
@@ -103,16 +104,17 @@ def steps(page_counts: Iterable[int] = PAGE_COUNTS, quick: bool = False, snapsho
 
 @contextmanager
 def scratch_store(
-    geometry: PageGeometry, store_dir: Path | str, pages: int, codec: str = "raw"
+    geometry: PageGeometry, store_dir: Path | str, pages: int, codec: str = "raw", cipher: RecordCipher | None = None
 ) -> Iterator[tuple[TieredStore, list, list[int]]]:
     """A throwaway store beside ``store_dir`` (same filesystem, or the same Redis server:
     the L3 link measured is the one in use) holding ``pages`` random pages in L2 (and
     nothing in L1), with their keys and tokens; removed afterwards. For a hybrid model,
     also a random snapshot after the last page, likewise in L2 only.
-    Random values compress a little (~0.93 with zstd), as real KV does."""
+    Random values compress a little (~0.93 with zstd), as real KV does. With a ``cipher``
+    its L3 records are encrypted."""
     size, state_bytes = geometry.page_size, geometry.snapshot_nbytes
     tokens = list(range(pages * size + 1))
-    namespace = Namespace("kvtier-calibration", geometry.dtype, size)
+    namespace = Namespace("kvtier-calibration", geometry.dtype, size, encryption=cipher.name if cipher else "")
     keys = page_keys(namespace, tokens)[:pages]
     room = (pages + 1) * geometry.nbytes + 2 * state_bytes
     with scratch_location(store_dir) as scratch:
@@ -124,6 +126,7 @@ def scratch_store(
             codec=codec,
             snapshot_l1_bytes=0,
             snapshot_l2_bytes=2 * state_bytes,
+            cipher=cipher,
         )
         store = TieredStore(geometry, namespace, config)
         rng = np.random.default_rng(0)

@@ -3,6 +3,7 @@ defaults before calibration, and the key under which a model's profile is stored
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 from kvtier.tiers.links import READ_LINKS
@@ -10,6 +11,8 @@ from kvtier.tiers.links import READ_LINKS
 from .environment import environment_id
 from .models import ComputeModel, LinkModel
 from .summary import ComputeFit, LinkFit, ProfileSummary
+
+log = logging.getLogger(__name__)
 
 GIB = 1 << 30
 
@@ -60,6 +63,20 @@ class Profile:
             if not model.plausible(model.coef):
                 model.coef = list(default.coef)
         return cls(links, compute, d.get("calibrated", False))
+
+    @classmethod
+    def stored(cls, value: object, where: str) -> Profile | None:
+        """The profile a store holds under one key (``where`` names it in the warning), or
+        None: absent, or damaged (one warning; the caller calibrates or uses the defaults)."""
+        if value is None:
+            return None
+        try:
+            if isinstance(value, dict) and value:
+                return cls.from_dict(value)
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError):
+            pass
+        log.warning("%s: the stored cost profile is damaged; ignored (`kvtier calibrate` measures anew)", where)
+        return None
 
     def capped(self, throttle: dict[str, float]) -> Profile:
         """A view whose throttled tiers' links are no faster than the cap (bytes/s)."""

@@ -114,6 +114,10 @@ class ReplayResult:
     l3_pages_written: int = 0
     l3_writes_refused: int = 0  # by the admission filter
     makespan_s: float = 0.0
+    # Pages of a request that some tier held when it arrived: reachable (the found
+    # prefix) or stranded (held, but after a page no tier held: never usable by it).
+    held_pages: int = 0
+    stranded_pages: int = 0
 
     def report(self, distinct_pages: int) -> dict:
         c, restored = self.config, self.prompt_tokens - self.sources[Source.RECOMPUTED.value]
@@ -142,6 +146,7 @@ class ReplayResult:
             "evictions": dict(self.evictions),
             "peak_bytes": dict(self.peak_bytes),
             "makespan_s": self.makespan_s,
+            "unreachable_ratio": self.stranded_pages / max(self.held_pages, 1),
         }
 
 
@@ -203,6 +208,9 @@ class Replay:
         size, compute = self.config.page_size, self.profile.compute
         keys, tokens = prompts.pages(request)
         matched = store.locate(keys, tokens)
+        stranded = sum(map(store.has, keys[len(matched) + 1 :]))
+        result.held_pages += len(matched) + stranded
+        result.stranded_pages += stranded
         points = store.restore_points(keys[: len(matched)])
         plan = plan_restore(matched, request.input_length, size, self.config.page_bytes, self.profile, points=points)
         if points is None:
@@ -291,6 +299,15 @@ def replay(
         else Replay(trace, c, profile).run(on_request).report(distinct)
         for c in configs
     ]
+    bound_ratio = sum(bound) / max(prompt_tokens, 1)
+    offline: dict[int, float] = {}  # pages of L1 + L2 + L3 -> Belady's reused ratio
+    for row, c in zip(rows, configs):
+        if c.policy != BELADY:
+            pages = _capacity_pages(c)
+            if pages not in offline:
+                offline[pages] = sum(belady(trace, c.page_size, pages)) / max(prompt_tokens, 1)
+            row["bound_gap_points"] = 100 * (bound_ratio - row["reused_ratio"])
+            row["belady_gap_points"] = 100 * (offline[pages] - row["reused_ratio"])
     return {
         "requests": len(trace),
         "prompt_tokens": prompt_tokens,
@@ -309,8 +326,7 @@ def replay(
 
 def _belady_row(trace: Sequence[TraceRequest], config: ReplayConfig, profile: Profile, prompt_tokens: int) -> dict:
     """Belady's reuse for the config's L1 + L2 + L3 as one cache (no store, no timing)."""
-    capacity = (config.l1_bytes + config.l2_bytes + config.l3_bytes) // config.page_bytes
-    reused = belady(trace, config.page_size, capacity)
+    reused = belady(trace, config.page_size, _capacity_pages(config))
     return {
         "policy": BELADY,
         "eviction": BELADY,
@@ -322,6 +338,11 @@ def _belady_row(trace: Sequence[TraceRequest], config: ReplayConfig, profile: Pr
         "reused_tokens": sum(reused),
         "prefill_seconds_saved": compute_saved(trace, reused, profile),
     }
+
+
+def _capacity_pages(config: ReplayConfig) -> int:
+    """The pages L1 + L2 + L3 hold together: the one cache Belady's bound is given."""
+    return (config.l1_bytes + config.l2_bytes + config.l3_bytes) // config.page_bytes
 
 
 def configs_for(

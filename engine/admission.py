@@ -60,9 +60,8 @@ class Admission:
         if self.prefix_flight and self.hold_for_prefix(request, matched, profile):
             return None
         after = request.prompt[len(matched) * self.config.page_size : len(request.prompt) - 1]
-        request.plan = self.restore_plan(
-            request, matched, profile, self.store.restore_points(request.keys[: len(matched)], after)
-        )
+        points = self.store.restore_points(request.keys[: len(matched)], after, request.parents[len(matched)])
+        request.plan = self.restore_plan(request, matched, profile, points)
         request.l1_tokens_at_admission = l1_tokens(matched, self.config.page_size)
         return matched
 

@@ -10,7 +10,10 @@ Per round and prompt length, on a prompt of its own (no two share a page):
 - ``L3``: once the first engine has closed (its pages flushed to the store), a fresh
   engine on the same store with empty L1 and L2, as after a restart (the OS page
   cache still warm);
-- ``Redis`` (given a URL): the same restart against a scratch prefix on that server.
+- ``Redis`` (given a URL): the same restart against a scratch prefix on that server;
+- ``L3 aes`` (``--encrypt-l3``): the L3 restart from a store of encrypted records (a
+  throwaway key), in a scratch store of its own; ``encryption`` is its TTFT as a ratio
+  to the plain L3 one's, per length.
 
 Every restoring engine is given a cost profile whose links are free, so its plan
 restores every stored page (never recomputes or overlaps one): the bench times the
@@ -28,9 +31,11 @@ from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from pathlib import Path
 
+from kvtier.costmodel.bandwidth import throwaway_cipher
 from kvtier.costmodel.models import ComputeModel, LinkModel
 from kvtier.costmodel.plan import Profile
 from kvtier.tiers.hierarchy import StoreConfig
+from kvtier.tiers.l3.cipher import RecordCipher
 from kvtier.tiers.l3.open import scratch_location
 from kvtier.tiers.page import Source, reusable_pages
 
@@ -41,6 +46,7 @@ from .request import SamplingParams
 
 RECOMPUTE = "recompute"
 REDIS = "Redis"
+ENCRYPTED_L3 = "L3 aes"
 DEFAULT_LENGTHS = (512, 1024, 2048, 4096, 8192)
 FIRST_TOKEN = SamplingParams(max_tokens=1)
 _WORDS = (
@@ -81,9 +87,9 @@ def context_tokens(loaded: LoadedModel) -> int:
     return context_length(loaded) or 1 << 20
 
 
-def runs_per_round(lengths: Sequence[int], redis: bool) -> int:
+def runs_per_round(lengths: Sequence[int], redis: bool, encrypted: bool = False) -> int:
     """Prompts one round runs (for a progress bar)."""
-    return len(lengths) * (7 if redis else 5)
+    return len(lengths) * (5 + 2 * redis + 2 * encrypted)
 
 
 def prompt(loaded: LoadedModel, n: int, seed: str) -> list[int]:
@@ -104,23 +110,30 @@ def run(
     redis_url: str | None = None,
     rounds: int = 1,
     tick: Callable[[], None] = lambda: None,
+    encrypted: bool = False,
 ) -> dict:
     """The report behind ``kvtier bench ttft --json``: one row per length, each with
     every source's best TTFT, its ratio to recomputing, and the runs' source labels."""
     lengths = sorted(lengths)
     _warm_up(loaded, page_size)
     tiers = [Source.L1.value, Source.L2.value, Source.L3.value] + ([REDIS] if redis_url else [])
+    tiers += [ENCRYPTED_L3] if encrypted else []
+    cipher = throwaway_cipher() if encrypted else None
     best: dict[int, dict[str, float]] = {n: {} for n in lengths}
     labels: dict[int, dict[str, dict]] = {n: {} for n in lengths}
     with ExitStack() as stack:
         scratch = stack.enter_context(scratch_location(store_dir))
         remote = stack.enter_context(scratch_location(redis_url)) if redis_url else None
+        sealed = stack.enter_context(scratch_location(store_dir)) if encrypted else None
         for r in range(rounds):
             bench = _Round(loaded, page_size, {n: prompt(loaded, n, f"{r}/{n}") for n in lengths}, tick)
             measured = bench.recompute_then_l1(scratch) | bench.l2() | bench.restarted(scratch, Source.L3.value)
             if remote is not None:
                 bench.fill(remote)
                 measured |= bench.restarted(remote, REDIS)
+            if sealed is not None:
+                bench.fill(sealed, cipher)
+                measured |= bench.restarted(sealed, ENCRYPTED_L3, cipher)
             for (source, n), (seconds, sources) in measured.items():
                 if seconds < best[n].get(source, math.inf):
                     best[n][source] = seconds
@@ -135,7 +148,7 @@ def run(
         }
         for n in lengths
     ]
-    return {
+    report = {
         "model": loaded.label,
         "page_size": page_size,
         "rounds": rounds,
@@ -143,6 +156,11 @@ def run(
         "rows": rows,
         "break_even_tokens": break_even_tokens(rows, tiers),
     }
+    if encrypted:
+        report["encryption"] = [
+            {"prompt_tokens": n, "ratio": round(best[n][ENCRYPTED_L3] / best[n][Source.L3.value], 4)} for n in lengths
+        ]
+    return report
 
 
 def break_even_tokens(rows: list[dict], tiers: Sequence[str]) -> dict[str, int | None]:
@@ -190,9 +208,9 @@ class _Round:
                 measured[Source.L1.value, n] = self._ttft(engine, tokens, Source.L1.value)
         return measured
 
-    def fill(self, store: Path | str) -> None:
-        """Each prompt computed once and its pages flushed to ``store``."""
-        with self._engine(StoreConfig(sum(self.room.values()), 0, None, store)) as engine:
+    def fill(self, store: Path | str, cipher: RecordCipher | None = None) -> None:
+        """Each prompt computed once and its pages flushed to ``store`` (encrypted with ``cipher``)."""
+        with self._engine(StoreConfig(sum(self.room.values()), 0, None, store, cipher=cipher)) as engine:
             for tokens in self.prompts.values():
                 self._ttft(engine, tokens, Source.RECOMPUTED.value)
 
@@ -205,11 +223,11 @@ class _Round:
                 measured[Source.L2.value, n] = self._ttft(engine, tokens, Source.L2.value)
         return measured
 
-    def restarted(self, store: Path | str, name: str) -> dict:
+    def restarted(self, store: Path | str, name: str, cipher: RecordCipher | None = None) -> dict:
         """Each prompt restored from ``store``'s L3 by a fresh engine (empty L1 and L2)."""
         measured = {}
         for n, tokens in self.prompts.items():
-            with self._engine(StoreConfig(0, 0, None, store)) as engine:
+            with self._engine(StoreConfig(0, 0, None, store, cipher=cipher)) as engine:
                 measured[name, n] = self._ttft(engine, tokens, Source.L3.value)
         return measured
 

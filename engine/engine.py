@@ -39,7 +39,7 @@ from kvtier.costmodel.plan import Profile
 from kvtier.costmodel.spacing import choose_spacing, prefill_segments, snapshot_pages
 from kvtier.tiers.hierarchy import TieredStore
 from kvtier.tiers.l3_reads import nothing_read
-from kvtier.tiers.page import page_keys, reusable_pages
+from kvtier.tiers.page import IMPLICIT_ROOT, ChainRoot, key_chain, reusable_pages
 
 from .admission import Admission, l1_tokens
 from .config import EngineConfig as EngineConfig  # re-exported: where callers have always found it
@@ -80,7 +80,8 @@ class Engine:
         self.loaded = loaded
         self.config = config or EngineConfig()
         self.geometry = loaded.geometry(self.config.page_size)
-        self.namespace = loaded.namespace(self.geometry, self.config.cache_salt)
+        cipher = self.config.store.cipher if self.config.offload else None
+        self.namespace = loaded.namespace(self.geometry, self.config.cache_salt, cipher.name if cipher else "")
         self.root = self.namespace.digest()  # the key "before" a sequence's first page
         self.store = (
             TieredStore(self.geometry, self.namespace, replace(self.config.store, policy=self.config.policy))
@@ -124,30 +125,40 @@ class Engine:
             self.publisher = Publisher(
                 self.store, self.scheduler, self.generator, self.config, self.namespace, self.totals
             )
-            self.prefix_caches = PrefixCaches(self.store, loaded.model, self.config, self.root, self.publisher)
+            self.prefix_caches = PrefixCaches(self.store, loaded.model, self.config, self.publisher)
 
     def _load_profile(self) -> Profile:
         """The calibrated cost model of this machine and model, else conservative defaults."""
-        saved = self.store.get_meta(self.loaded.profile_key(self.geometry)) if self.store is not None else None
-        if isinstance(saved, dict) and saved:
-            return Profile.from_dict(saved)
+        key = self.loaded.profile_key(self.geometry)
+        saved = Profile.stored(self.store.get_meta(key), key) if self.store is not None else None
+        if saved is not None:
+            return saved
         log.info("no calibrated cost model for this machine and model: using defaults (run `kvtier calibrate`)")
         return Profile.defaults()
 
     # -- submission ------------------------------------------------------------
 
-    def submit(self, prompt: Sequence[int] | str, params: SamplingParams | None = None) -> Request:
+    def submit(
+        self, prompt: Sequence[int] | str, params: SamplingParams | None = None, root: ChainRoot = IMPLICIT_ROOT
+    ) -> Request:
         """Queue a prompt (text is tokenized as ``tokenizer.encode`` does); thread-safe.
-        Refused (RuntimeError) once the engine is stopping or closed."""
+        Refused (RuntimeError) once the engine is stopping or closed. ``root``: where its
+        key chain starts (a server's tenant; DESIGN §9a): everything keyed from it (its
+        pages, partial pages, snapshots, single flight) is found only by requests of the
+        same root, but for the pages of a declared shared prefix."""
         tokens = self.loaded.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         params = params or SamplingParams()
         check_prompt(self.loaded, tokens, params)
-        keys = page_keys(self.namespace, tokens)[: reusable_pages(len(tokens), self.config.page_size)]
-        request = Request(next(self._rids), tokens, params, self.config.page_size, keys)
+        reusable = reusable_pages(len(tokens), self.config.page_size)
+        chain = key_chain(self.namespace, tokens, root)
+        keys = chain.keys[:reusable]
+        parents = chain.parents[: reusable + 1]
+        request = Request(next(self._rids), tokens, params, self.config.page_size, keys, root, parents)
         if self.store:
             resident = self.store.locate(keys, tokens, nothing_read())  # L3 not asked on the caller's thread
             request.l1_tokens_at_enqueue = l1_tokens(resident, self.config.page_size)
-        flight_key = hashlib.blake2b(np.asarray(tokens, "<u4").tobytes(), digest_size=16, key=self.root).digest()
+        own = self.root if root.own is None else root.own  # one flight per input and caller
+        flight_key = hashlib.blake2b(np.asarray(tokens, "<u4").tobytes(), digest_size=16, key=own).digest()
         with self.scheduler.arrived:  # the lock under which the serving loop decides to exit
             if self._stop.is_set():
                 raise RuntimeError("the engine is stopped: submit before stop() or close()")

@@ -68,7 +68,7 @@ class L3Wait:
             if not read.done():
                 if now < read.deadline:
                     continue
-                self.store.abandon(read)
+                self.store.readers.abandon(read)
                 request.l3_read = nothing_read()
             del self._parked[request.rid]
             self.scheduler.unpark(request)
@@ -89,9 +89,9 @@ class L3Wait:
         snapshot ends (abandoned while still running)."""
         read, request.l3_read = request.l3_read, None
         if self._parked.pop(request.rid, None) is not None and read is not None and not read.done():
-            self.store.abandon(read)
+            self.store.readers.abandon(read)
         elif read is not None:
-            self.store.end_read(read)
+            self.store.readers.end(read)
 
     def _wake(self) -> None:
         with self.scheduler.arrived:

@@ -31,6 +31,11 @@ class RateWindow:
             self._prune(now)
             return sum(amount for _, amount in self._events) / self.window_s
 
+    def held(self) -> int:
+        """Events kept now (at most a window's worth: what keeps a long run flat)."""
+        with self._lock:
+            return len(self._events)
+
     def _prune(self, now: float) -> None:
         while self._events and self._events[0][0] < now - self.window_s:
             self._events.popleft()

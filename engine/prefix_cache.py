@@ -24,8 +24,8 @@ from .request import Request
 class PrefixCaches:
     """Builds each admitted request's starting cache; owns the loader thread of overlapped plans."""
 
-    def __init__(self, store: TieredStore, model, config: EngineConfig, root: bytes, publisher: Publisher) -> None:
-        self.store, self.model, self.config, self.root, self.publisher = store, model, config, root, publisher
+    def __init__(self, store: TieredStore, model, config: EngineConfig, publisher: Publisher) -> None:
+        self.store, self.model, self.config, self.publisher = store, model, config, publisher
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="kvtier-restore")  # overlapped loads
 
     def build(self, request: Request, matched_pages: int) -> list | None:
@@ -50,14 +50,22 @@ class PrefixCaches:
         plan, size, keys = request.plan, self.config.page_size, request.keys
         assert plan is not None, "restoring a request admission did not plan"
         if not plan.overlap_pages or self.store.geometry.window is not None:  # a window model restores serially
-            request.restored = self.store.restore(keys[: plan.restore_pages], request.prompt, read=request.l3_read)
+            request.restored = self.store.restore(
+                keys[: plan.restore_pages], request.prompt, parents=request.parents, read=request.l3_read
+            )
             request.pinned = list(request.restored.keys)
             request.prefix_tokens = request.restored.num_pages * size
             return self.cache_from(request.restored.layers, request.prefix_tokens)
-        head = self.store.restore(keys[: plan.l1_pages], request.prompt, read=request.l3_read)
+        head = self.store.restore(keys[: plan.l1_pages], request.prompt, parents=request.parents, read=request.l3_read)
         request.pinned = list(head.keys)
         loading = self._loader.submit(
-            self.store.begin, keys[: plan.restore_pages], request.prompt, plan.first_loaded, True, request.l3_read
+            self.store.begin,
+            keys[: plan.restore_pages],
+            request.prompt,
+            plan.first_loaded,
+            ahead=True,
+            parents=request.parents,
+            read=request.l3_read,
         )
         try:
             cache = self.cache_from(head.layers, head.num_pages * size) or make_prompt_cache(self.model)
@@ -85,9 +93,12 @@ class PrefixCaches:
         size, restore = self.config.page_size, request.plan.restore_pages
         then = None
         if restore == matched_pages:
-            parent = request.keys[restore - 1] if restore else self.root
-            then = self.store.match_partial(parent, request.prompt[restore * size : len(request.prompt) - 1])
-        request.restored = self.store.restore(request.keys[:restore], request.prompt, then=then, read=request.l3_read)
+            after = request.prompt[restore * size : len(request.prompt) - 1]
+            then = self.store.match_partial(request.parents[restore], after)
+        keys = request.keys[:restore]
+        request.restored = self.store.restore(
+            keys, request.prompt, then=then, parents=request.parents, read=request.l3_read
+        )
         request.pinned = list(request.restored.keys)
         request.partial_tokens = request.restored.partial_tokens
         request.prefix_tokens = request.restored.num_pages * size + request.partial_tokens
@@ -102,8 +113,8 @@ class PrefixCaches:
         leaves midway: DESIGN §8a); those tokens count as L1. The prompt's last token
         is always computed."""
         done, size = request.prefix_tokens, self.config.page_size
-        parent = request.keys[done // size - 1] if done else self.root
-        match = self.store.match_partial(parent, request.prompt[done : min(done + size, len(request.prompt) - 1)])
+        after = request.prompt[done : min(done + size, len(request.prompt) - 1)]
+        match = self.store.match_partial(request.parents[done // size], after)
         if match is None:
             return cache
         cache = cache or make_prompt_cache(self.model)

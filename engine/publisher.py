@@ -15,7 +15,7 @@ import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
 
 from kvtier.tiers.hierarchy import TieredStore
-from kvtier.tiers.page import Namespace, PageKey, page_keys
+from kvtier.tiers.page import KeyChain, Namespace, key_chain
 
 from .cache_layers import page_kv, snapshot
 from .config import EngineConfig
@@ -37,7 +37,7 @@ class Publisher:
         totals: EngineTotals,
     ) -> None:
         self.store, self.scheduler, self.generator, self.config = store, scheduler, generator, config
-        self.namespace, self.root, self.totals = namespace, namespace.digest(), totals
+        self.namespace, self.totals = namespace, totals
 
     def on_prefill(self, request: Request, response) -> None:
         """Publish every page of the request that became full in this step; at the end of
@@ -75,7 +75,7 @@ class Publisher:
             kv, state = page_kv(caches, g, done, held), snapshot(caches, g)
             if kv is not None:
                 mx.eval(kv, state)
-                self.store.publish_partial(keys[-1] if keys else self.root, request.prompt[done:held], kv, state)
+                self.store.publish_partial(request.parents[len(keys)], request.prompt[done:held], kv, state)
         self.totals.store_seconds += time.perf_counter() - t0
 
     def publish(
@@ -83,14 +83,15 @@ class Publisher:
         request: Request,
         caches: list,
         ready: int,
-        keys: Sequence[PageKey] | None = None,
+        chain: KeyChain | None = None,
         tokens: Sequence[int] | None = None,
     ) -> None:
         """Store pages ``published .. ready`` of a request from its mlx-lm cache: pages of
-        its prompt, or of ``tokens`` (with their ``keys``), the sequence the cache holds."""
+        its prompt, or of ``tokens`` (with their ``chain``), the sequence the cache holds."""
         t0 = time.perf_counter()
         size = self.config.page_size
-        keys, tokens = keys or request.keys, tokens or request.prompt
+        keys, parents = (chain.keys, chain.parents) if chain is not None else (request.keys, request.parents)
+        tokens = tokens or request.prompt
         pages = []
         for i in range(request.published, ready):
             if not self.store.wants(keys[i]):  # recomputed over an L1 page: nothing to copy out
@@ -102,7 +103,7 @@ class Publisher:
             pages.append((i, kv))
         mx.eval([kv for _, kv in pages])
         for i, kv in pages:
-            self.store.publish(keys[i], tokens[i * size : (i + 1) * size], kv, parent=keys[i - 1] if i else self.root)
+            self.store.publish(keys[i], tokens[i * size : (i + 1) * size], kv, parent=parents[i])
         self.scheduler.published(request.rid, keys[request.published : ready])
         request.published = ready
         self.totals.store_seconds += time.perf_counter() - t0
@@ -122,10 +123,11 @@ class Publisher:
             return
         caches, _ = self.generator.extract_cache([request.uid])[request.uid]
         tokens = sequence[: caches[g.rows[0]].offset]
-        keys = page_keys(self.namespace, tokens)
+        chain = key_chain(self.namespace, tokens, request.root)
+        keys = chain.keys
         if len(tokens) % size or len(keys) <= request.published:
             return
-        self.publish(request, caches, len(keys), keys, tokens)
+        self.publish(request, caches, len(keys), chain, tokens)
         if g.snapshot_nbytes and len(keys) % request.snapshot_spacing == 0 and request.published == len(keys):
             state = snapshot(caches, g)
             mx.eval(state)
@@ -147,9 +149,10 @@ class Publisher:
         caches = response.prompt_cache
         tokens = list(response.all_tokens) if self.config.publish_answers else request.prompt
         tokens = tokens[: caches[g.rows[0]].offset]
-        keys = page_keys(self.namespace, tokens)
+        chain = key_chain(self.namespace, tokens, request.root)
+        keys = chain.keys
         if len(keys) > request.published:
-            self.publish(request, caches, len(keys), keys, tokens)
+            self.publish(request, caches, len(keys), chain, tokens)
         done = len(keys) * self.config.page_size
         if done < len(tokens) and request.published >= len(keys):  # the pages before it are stored
             t0 = time.perf_counter()
@@ -157,5 +160,5 @@ class Publisher:
             if kv is not None:
                 state = snapshot(caches, g) if g.snapshot_nbytes else None
                 mx.eval(kv, state)
-                self.store.publish_partial(keys[-1] if keys else self.root, tokens[done:], kv, state)
+                self.store.publish_partial(chain.parents[len(keys)], tokens[done:], kv, state)
             self.totals.store_seconds += time.perf_counter() - t0

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from kvtier.costmodel.plan import RestorePlan
 from kvtier.tiers.hierarchy import RestoredPrefix
 from kvtier.tiers.l3_reads import AheadRead
-from kvtier.tiers.page import PageKey, Source
+from kvtier.tiers.page import IMPLICIT_ROOT, ChainRoot, PageKey, Source
 
 # How a request ended: mlx-lm's two (an EOS or stop token, max_tokens), and ours.
 CANCELLED, ERROR = "cancelled", "error"
@@ -64,6 +64,8 @@ class Request:
     params: SamplingParams
     page_size: int
     keys: list[PageKey]  # keys of the reusable full pages
+    root: ChainRoot = IMPLICIT_ROOT  # where its key chain starts (its caller's, DESIGN §9a)
+    parents: list[bytes] = field(default_factory=list)  # the key before each of them, and after the last
     uid: int | None = None  # BatchGenerator's id once admitted
     plan: RestorePlan | None = None
     restored: RestoredPrefix | None = None

@@ -195,10 +195,12 @@ def readme_env(home: Path, auto_calibrate: bool = False) -> dict[str, str]:
 def normalized(text: str) -> list[str]:
     """Output lines compared with a README output block: runs of spaces made one
     (column widths follow the figures), timings masked (``ttft N ms``, a link's
-    seconds and GiB/s), trailing blank lines dropped."""
+    seconds and GiB/s), and the L3 cap of a new store (32 GiB, or half the free disk
+    where that is less), trailing blank lines dropped."""
     out = []
     for line in text.rstrip("\n").split("\n"):
         line = re.sub(r"ttft \d+ ms", "ttft N ms", line)
+        line = re.sub(r"^L3(\s+)\d+", r"L3\1CAP", line)
         line = re.sub(r"^(L\d->L\d\s+\d+\s+\d+)\s+[\d.]+\s+[\d.]+\s*$", r"\1 S G", line)
         out.append(re.sub(r" +", " ", line).rstrip())
     return out

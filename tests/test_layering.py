@@ -93,7 +93,8 @@ def test_the_l3_backends_and_the_record_codec_stay_below_the_store(graph):
         "kvtier.tiers.join",
     }
     assert {name: targets & above for name, targets in l3.items() if targets & above} == {}
-    assert graph["kvtier.tiers.l3.record"] <= {"kvtier.tiers.layout"}
+    assert graph["kvtier.tiers.l3.record"] <= {"kvtier.tiers.layout", "kvtier.tiers.l3.cipher"}
+    assert not graph["kvtier.tiers.l3.cipher"]  # the cipher stands on nothing of kvtier
 
 
 def test_the_server_stands_on_the_engine_never_on_the_cli(graph):

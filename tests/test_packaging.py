@@ -46,6 +46,8 @@ def test_wheel_installs_only_the_kvtier_package(tmp_path):
     for package in source_packages() - {"kvtier"}:
         assert package.replace(".", "/") + "/__init__.py" in names
     assert not any(n.startswith(("kvtier/tests/", "kvtier/bench/")) for n in names)
+    static = REPO / "engine" / "serve" / "static"  # the dashboard's page, script, style and Chart.js: package data
+    assert {f"kvtier/engine/serve/static/{f.name}" for f in static.iterdir()} <= set(names)
 
 
 def test_source_tree_and_install_import_the_same_package():

@@ -51,8 +51,12 @@ COVERAGE = {
     '{"prompt_tokens": 1650': "test_serve_snippets",
     "from anthropic import Anthropic": "test_serve_snippets",
     "curl -s localhost:8000/metrics": "test_serve_snippets",
+    ".venv/bin/kvtier top --once": "test_serve_snippets",
     "export ANTHROPIC_BASE_URL=": "not run: Claude Code is not installed here (its settings are the client's)",
     "# one question asked twice": "test_serve_snippets",
+    "printf '%s\\n' 'sk-alice-laptop alice'": "test_security_snippets",
+    ".venv/bin/kvtier serve --api-keys": "test_security_snippets",
+    "curl -s -H 'Authorization: Bearer sk-bob'": "test_security_snippets",
     ".venv/bin/kvtier replay mooncake_conversation_trace.jsonl": "test_replay_sizing",
     "12031 requests, 144793823 prompt tokens": "test_replay_sizing",
     "kvtier run   [--model PATH_OR_ID]": "test_flags_are_the_commands_flags",
@@ -234,10 +238,57 @@ def test_serve_snippets(shell):
         check("anthropic", lambda: _anthropic(shell))
         check("metrics", lambda: _metrics(shell))
         check("agents", lambda: _agents(shell))
+        check("dashboard", lambda: _dashboard(shell, base))
     finally:
         status = server.stop()
     assert status == 0, "serve did not exit 0 on SIGTERM:\n" + "\n".join(server.lines[-20:])
     assert not failures, "\n".join(failures)
+
+
+@slow
+def test_security_snippets(shell):
+    """The keys file, a server with it and a shared prefix, and the three requests: bob's
+    chat with a cache_salt, his 403 on the stats, the admin's 200; and what the text says
+    of a request without a key (401) and of the prefix shared across tenants."""
+    shell.run(block("printf '%s\\n' 'sk-alice-laptop alice'").text)
+    server = shell.start(block(".venv/bin/kvtier serve --api-keys").text)
+    try:
+        shell.values["port"] = int(server.wait_for(r"serving \S+(?: \([^)]*\))? on http://127\.0\.0\.1:(\d+)").group(1))
+        chat, bob, ops = block("curl -s -H 'Authorization: Bearer sk-bob'").commands()
+        reply = json.loads(shell.run(chat).stdout)
+        assert reply["choices"][0]["message"]["content"], reply
+        assert shell.run(bob).stdout.strip() == re.search(r"# (\d+)", bob).group(1) == "403"
+        assert shell.run(ops).stdout.strip() == re.search(r"# (\d+)", ops).group(1) == "200"
+        base = f"http://127.0.0.1:{shell.values['port']}"
+        assert httpx.get(f"{base}/v1/models", timeout=30).status_code == 401
+        system = (CHECKOUT / "examples" / "system_prompt.txt").read_text()
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": "Which tier is fastest?"}]
+
+        def cached(key: str) -> int:
+            body = {"messages": messages, "max_tokens": 1}
+            answer = httpx.post(f"{base}/v1/chat/completions", json=body, headers={"x-api-key": key}, timeout=120)
+            return answer.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+        said = int(
+            re.search(
+                r"finds (\d+) tokens cached",
+                after(block("curl -s -H 'Authorization: Bearer sk-bob'"), 900),
+            ).group(1)
+        )
+        first, alice, bob_too = cached("sk-alice-laptop"), cached("sk-alice-phone"), cached("sk-bob")
+        assert first == 0 and bob_too == said == PAGE and alice > PAGE, (first, alice, bob_too)
+    finally:
+        status = server.stop()
+    assert status == 0, "serve did not exit 0 on SIGTERM:\n" + "\n".join(server.lines[-20:])
+
+
+def _dashboard(shell: Shell, base: str) -> None:
+    """The page the README says to open, and ``kvtier top --once`` on the same server."""
+    page = httpx.get(base + "/dashboard", timeout=30)
+    assert page.status_code == 200 and "<canvas" in page.text
+    printed = shell.run(block(".venv/bin/kvtier top --once").commands()[0]).stdout
+    for part in ("tiers", "last requests", "L3 namespaces"):
+        assert part in printed, printed
 
 
 def _assert_model_id(base: str, model_id: str) -> None:

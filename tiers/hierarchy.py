@@ -85,6 +85,8 @@ class TieredStore:
         namespace: Namespace,
         config: StoreConfig,
     ) -> None:
+        if namespace.encryption != (config.cipher.name if config.cipher is not None else ""):
+            raise ValueError("a store with an L3 cipher needs a namespace that names it, and only then")
         self.geometry = geometry
         self.namespace = namespace
         keep_buffers_for_restores()
@@ -152,6 +154,7 @@ class TieredStore:
             queue_pages=config.l3_queue_pages,
             record_bytes=config.page_bytes,
             policy=config.policy,
+            cipher=config.cipher,
         )
         disk, retry = open_disk(opener)
         if disk is not None:
@@ -217,16 +220,18 @@ class TieredStore:
         tokens: Sequence[int],
         first: int = 0,
         then: PartialMatch | None = None,
+        parents: Sequence[bytes] | None = None,
         read: AheadRead | None = None,
     ) -> RestoredPrefix:
         """Pin and load the longest loadable run of pages ``first..`` of ``keys`` as
         per-layer device arrays (``begin`` then ``finish``; ``then``: see ``finish``;
+        ``parents``: the chain's, ``KeyChain.parents``, None for the namespace's plain chain;
         ``read``: see ``begin``).
 
         A page that vanished or failed its check since ``locate`` ends the run; the
         caller recomputes from there.
         """
-        return self.finish(self.begin(keys, tokens, first, read=read), then)
+        return self.finish(self.begin(keys, tokens, first, parents=parents, read=read), then)
 
     def begin(
         self,
@@ -234,13 +239,14 @@ class TieredStore:
         tokens: Sequence[int],
         first: int = 0,
         ahead: bool = False,
+        parents: Sequence[bytes] | None = None,
         read: AheadRead | None = None,
     ) -> PendingRestore:
         """:meth:`Restorer.begin` under the store's lock: safe on another thread while
         the model runs. With ``read`` (``read_ahead``, done), L3 pages come from what it
-        read, and L3 is asked nothing (its snapshot ends with ``end_read``)."""
+        read, and L3 is asked nothing (its snapshot ends with ``readers.end``)."""
         with self._lock:
-            return self.restorer.begin(keys, tokens, first, ahead, read)
+            return self.restorer.begin(keys, tokens, first, ahead, parents, read)
 
     # -- reads ahead (off the step loop: tiers.l3_reads) -----------------------------
 
@@ -249,20 +255,12 @@ class TieredStore:
     ) -> AheadRead | None:
         """Start reading the L3 records of ``keys`` on a reader thread (``done()`` once it
         completes); None without L3. A restore given the read once it is done asks L3
-        nothing; ``deadline`` (perf_counter): when its caller stops waiting (``abandon``)."""
+        nothing; ``deadline`` (perf_counter): when its caller stops waiting
+        (``readers.abandon``, counted in ``reads_abandoned``; else ``readers.end``)."""
         disk = self.disk
         if disk is None or self._closing.is_set():
             return None
         return self.readers.start(disk, keys, self.geometry.nbytes, deadline, done)
-
-    def abandon(self, read: AheadRead) -> None:
-        """Stop waiting for ``read`` (its caller recomputes instead): counted in
-        ``reads_abandoned``; it holds no pin, and its snapshot ends when it completes."""
-        self.readers.abandon(read)
-
-    def end_read(self, read: AheadRead) -> None:
-        """End a done read's snapshot, once its restore is finished (or it went unused)."""
-        read.stack.close()
 
     def degraded(self) -> list[str]:
         """The tiers that answer slowly or not at all now: "L3" while a read has run past
@@ -283,20 +281,25 @@ class TieredStore:
             restored = self.restorer.finish(pending)
             if self.snapshots is None or not (restored.keys or then):
                 return restored
-            restored, cut = self.snapshots.attach(restored, [p.tokens for p in pending.pages], then)
+            after = pending.parents[len(restored.keys)]  # the key before the partial page ``then`` must be
+            restored, cut = self.snapshots.attach(restored, [p.tokens for p in pending.pages], then, after)
             self.pins.release(cut)
             return restored
 
-    def restore_points(self, keys: Sequence[PageKey], after: Sequence[int] = ()) -> list[int] | None:
+    def restore_points(
+        self, keys: Sequence[PageKey], after: Sequence[int] = (), parent: bytes | None = None
+    ) -> list[int] | None:
         """The prefix lengths in pages (0..len(keys)) a hybrid model can restore: those
         followed by a snapshot, and ``len(keys)`` when a partial page with its state,
         all of whose tokens ``after`` (the prompt's tokens after those pages, its last
-        excluded) starts with, follows them (unverified); None when every length can be."""
+        excluded) starts with, follows them (unverified); None when every length can be.
+        ``parent``: the key before that partial page (None: the plain chain's)."""
         with self._lock:
             if self.snapshots is None:
                 return None
             points = self.snapshots.points(keys)
-            parent = keys[-1] if keys else self.ns_digest
+            if parent is None:
+                parent = keys[-1] if keys else self.ns_digest
             if any(
                 p.state is not None and tuple(after[: len(p.tokens)]) == p.tokens for _, p in self.l1.following(parent)
             ):

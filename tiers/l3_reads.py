@@ -11,8 +11,8 @@ Invariants:
 - a read holds no pin and no store lock: pins are taken by the restore that uses it, on
   the step loop, so a read abandoned at its deadline (``abandon``: its caller recomputes
   instead) releases nothing but its snapshot, which ends whenever the read completes;
-- every read's snapshot ends exactly once: by ``end`` (used, or never started), or by
-  the read itself once abandoned;
+- every read's snapshot ends exactly once: by ``end`` (done: used or not), or by the
+  read itself once abandoned;
 - while a read has run past its deadline and not completed, L3 is stalled
   (``stalled``): the store reports itself degraded.
 """
@@ -107,6 +107,10 @@ class Readers:
             if read in self._in_flight:
                 self._abandoned.add(read)
                 return
+        read.stack.close()
+
+    def end(self, read: AheadRead) -> None:
+        """End a done read's snapshot, once its restore is finished (or it went unused)."""
         read.stack.close()
 
     def stalled(self) -> bool:

@@ -8,7 +8,10 @@ Its key chains the key of the page before it with its own tokens::
 so a key names a whole prefix, never a page out of context. ``H`` is BLAKE2b
 (16-byte digest), stable across processes and machines. The namespace holds
 everything that changes KV content, so different models, dtypes, page sizes,
-layouts, adapters or tenants (``cache_salt``) never share a key.
+layouts, adapters or salts (a process's ``cache_salt``) never share a key. A
+server's tenants share the namespace but not the root: each chain starts from the
+caller's own root (``ChainRoot``, DESIGN §9a), except for the pages of a prefix the
+operator declared shared.
 
 Only full pages are chained. The last prompt token is always computed (its logits
 start decoding), so an ``n``-token prompt has at most ``(n - 1) // page_size``
@@ -61,26 +64,69 @@ class Namespace:
     adapter_id: str = ""
     cache_salt: str = ""
     layers: str = ""  # PageGeometry.describe_layers(): empty for a model of global-attention layers only
+    encryption: str = ""  # the L3 cipher's name (``tiers.l3.cipher``) when its records are encrypted
 
     def digest(self) -> bytes:
         """Stable 16-byte digest; the root of every page key in this namespace. ``layers``
-        is digested only when set, so a plain model's keys are what they always were."""
+        and ``encryption`` are digested only when set, so a plain model's keys are what
+        they always were; encrypted and plain pages never share a key."""
         fields = asdict(self)
-        if not self.layers:
-            del fields["layers"]
+        for name in ("layers", "encryption"):
+            if not fields[name]:
+                del fields[name]
         return _hash(msgpack.packb(fields, use_bin_type=True))
 
 
-def page_keys(namespace: Namespace, tokens: Sequence[int] | np.ndarray) -> list[PageKey]:
-    """Chained keys of every full page of ``tokens`` (the partial tail has none)."""
-    size = namespace.page_size
-    prev = namespace.digest()
-    keys = []
-    for start in range(0, len(tokens) - size + 1, size):
-        page = np.asarray(tokens[start : start + size], dtype="<u4").tobytes()
-        prev = _hash(prev, page)
+@dataclass(frozen=True)
+class ChainRoot:
+    """Where a sequence's key chain starts (DESIGN §9a): the caller's own root (a tenant's,
+    narrowed by a ``cache_salt``), except for its first ``shared_pages`` pages, the whole
+    pages of a prefix the operator declared shared, which are keyed from the namespace's
+    digest like everyone's. The own root is mixed in at the first page past them, so a
+    key after a shared prefix still names its caller. ``own`` None (or the namespace's
+    digest) is the one implicit tenant: its keys are the plain chain."""
+
+    own: bytes | None = None
+    shared_pages: int = 0
+
+
+IMPLICIT_ROOT = ChainRoot()  # the one implicit tenant: today's keys
+
+
+@dataclass(frozen=True)
+class KeyChain:
+    """The keys of a sequence's full pages and the key before each: ``parents[i]`` comes
+    before page ``i`` (``parents[len(keys)]`` before the partial page after them; an L1
+    page is found by it, ``TieredStore.match_partial``). ``parents[i] == keys[i - 1]``
+    except at page 0 (a root) and at the first page past a shared prefix (the caller's
+    root mixed in)."""
+
+    keys: list[PageKey]
+    parents: list[bytes]
+
+
+def key_chain(namespace: Namespace, tokens: Sequence[int] | np.ndarray, root: ChainRoot = IMPLICIT_ROOT) -> KeyChain:
+    """The chained keys of every full page of ``tokens`` (the partial tail has none), from ``root``."""
+    size, shared = namespace.page_size, namespace.digest()
+    own = shared if root.own is None else root.own
+    sharing = root.shared_pages > 0 and own != shared
+    prev = shared if sharing else own
+    keys: list[PageKey] = []
+    parents: list[bytes] = []
+    for start in range(0, len(tokens) + 1, size):
+        if sharing and len(keys) == root.shared_pages:  # the first page past the shared prefix is the caller's
+            prev = _hash(own, b"after shared", prev)
+        parents.append(prev)
+        if start + size > len(tokens):
+            break
+        prev = _hash(prev, np.asarray(tokens[start : start + size], dtype="<u4").tobytes())
         keys.append(PageKey(prev))
-    return keys
+    return KeyChain(keys, parents)
+
+
+def page_keys(namespace: Namespace, tokens: Sequence[int] | np.ndarray) -> list[PageKey]:
+    """Chained keys of every full page of ``tokens`` (the partial tail has none), from the namespace's root."""
+    return key_chain(namespace, tokens).keys
 
 
 def page_tokens(tokens: Sequence[int], index: int, page_size: int) -> tuple[int, ...]:

@@ -101,8 +101,13 @@ class _Page:
 
     @property
     def codec(self) -> str:
-        """How the page is stored where it was found (``tiers.links.links_crossed``)."""
-        return self.record.header.codec if self.record is not None else "raw"
+        """How the page is stored where it was found (``tiers.links.links_crossed``): an
+        encrypted raw page is decoded (decrypted) into L2 like a compressed one."""
+        if self.record is None:
+            return "raw"
+        return (
+            "encrypted" if self.record.header.nonce and self.record.header.codec == "raw" else self.record.header.codec
+        )
 
 
 @dataclass
@@ -114,6 +119,7 @@ class PendingRestore:
     find_s: float  # finding and pinning the pages
     host_s: float  # decoding and checking L3 pages, waiting out an L3 throttle
     snapshot: ExitStack  # holds the L3 snapshot open until finish
+    parents: list[bytes]  # the key before each page of the run, and after its last
 
 
 class Restorer:
@@ -147,6 +153,7 @@ class Restorer:
         tokens: Sequence[int],
         first: int = 0,
         ahead: bool = False,
+        parents: Sequence[bytes] | None = None,
         read: AheadRead | None = None,
     ) -> PendingRestore:
         """The host side of a restore: find and pin the pages (L3 records in a snapshot
@@ -154,12 +161,15 @@ class Restorer:
         With ``ahead`` the raw L3 pages are also checked now, so ``finish`` only
         copies; without, the join hashes them as it copies them. Touches no mlx
         array (an L1 page is read by ``finish``): safe on another thread while the
-        model runs. On an error nothing stays pinned. With ``read`` (done), its snapshot
-        is used (and left open: the read's owner ends it) and L3 is asked nothing."""
+        model runs. On an error nothing stays pinned. ``parents``: the key before each
+        page and after the last (``KeyChain.parents``; None: the namespace's plain chain).
+        With ``read`` (done), its snapshot is used (and left open: the read's owner ends
+        it) and L3 is asked nothing."""
+        parents = list(parents) if parents is not None else [self.ns_digest, *keys]
         with ExitStack() as stack:
             t0 = time.perf_counter()
             snap = read.snapshot if read is not None else stack.enter_context(self._snapshot())
-            pages = self._plan(keys, tokens, snap, first)
+            pages = self._plan(keys, tokens, snap, parents, first)
             try:
                 t1 = time.perf_counter()
                 read_s = snap.read_s if snap is not None else 0.0  # a remote L3's round trips, inside _plan
@@ -171,7 +181,7 @@ class Restorer:
             except BaseException:
                 self.pins.release([p.key for p in pages])
                 raise
-            return PendingRestore(pages, digests, t1 - t0 - read_s, host_s, stack.pop_all())
+            return PendingRestore(pages, digests, t1 - t0 - read_s, host_s, stack.pop_all(), parents[first:])
 
     def finish(self, pending: PendingRestore) -> RestoredPrefix:
         """Join a begun restore's pages into per-layer device arrays and end its snapshot;
@@ -302,7 +312,12 @@ class Restorer:
         return self.disk.snapshot() if self.disk is not None else nullcontext()
 
     def _plan(
-        self, keys: Sequence[PageKey], tokens: Sequence[int], snap: Snapshot | None, first: int = 0
+        self,
+        keys: Sequence[PageKey],
+        tokens: Sequence[int],
+        snap: Snapshot | None,
+        parents: Sequence[bytes],
+        first: int = 0,
     ) -> list[_Page]:
         """The longest stored run from page ``first``, every page pinned: L1 pages with
         their device array (not read here), L2 pages with host views of their bytes,
@@ -329,7 +344,7 @@ class Restorer:
             if page is None:
                 break
             self.admission.seen(key)
-            page.parent = keys[i - 1] if i else self.ns_digest
+            page.parent = parents[i]
             pages.append(page)
         for page in pages:
             if page.compressed and self.placement.make_room(self.l2):

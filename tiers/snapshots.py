@@ -58,7 +58,6 @@ class Snapshots:
     ) -> None:
         self.geometry = geometry
         self.nbytes = geometry.snapshot_nbytes
-        self.root = ns_digest  # the key "before" a sequence's first page
         self.ns_digest = snapshot_key(ns_digest)  # L3 records of snapshots: a namespace of their own
         self.l1 = DeviceTier(l1_bytes, self.nbytes, make_policy(policy))
         self.l2 = HostTier(l2_bytes, self.nbytes, policy=make_policy(policy))
@@ -123,16 +122,21 @@ class Snapshots:
         return state
 
     def attach(
-        self, restored: RestoredPrefix, tokens: Sequence[Sequence[int]], then: PartialMatch | None = None
+        self,
+        restored: RestoredPrefix,
+        tokens: Sequence[Sequence[int]],
+        then: PartialMatch | None,
+        after: bytes,
     ) -> tuple[RestoredPrefix, list]:
         """``restored`` with the state after it: the partial page ``then`` appended with
-        its state when it follows the last restored page; else cut back to its longest
+        its state when it follows the last restored page (its parent is ``after``, the
+        key before the page after them); else cut back to its longest
         prefix after which a good snapshot is found, with that state; and the keys cut
         off (the caller unpins them). ``tokens``: each restored page's token ids. A
         window model's restore read only its last pages' window rows, so it is kept
         whole or not at all."""
         n = len(restored.keys)
-        if then is not None and then.state is not None and then.parent == (restored.keys[-1] if n else self.root):
+        if then is not None and then.state is not None and then.parent == after:
             rows = [(then.kv[r, 0][None], then.kv[r, 1][None]) for r in range(self.geometry.num_layers)]
             layers = (
                 [

@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .l3.cipher import RecordCipher
 from .page import PageKey
 from .policy import DEFAULT_POLICY
 from .tier import TierView
@@ -45,3 +46,5 @@ class StoreConfig:
     # a hybrid model's recurrent-state snapshots (tiers.snapshots): their own L1 and L2 caps
     snapshot_l1_bytes: int = 256 << 20
     snapshot_l2_bytes: int = 1 << 30
+    # L3 records encrypted with this (``tiers.l3.cipher``); the namespace must say so
+    cipher: RecordCipher | None = None

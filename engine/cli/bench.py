@@ -29,7 +29,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     rounds = args.rounds or (bandwidth.QUICK_ROUNDS if args.quick else bandwidth.ROUNDS)
     pages = bandwidth.QUICK_PAGE_COUNTS if args.quick else bandwidth.PAGE_COUNTS
     with tqdm(total=bandwidth.steps(rounds, args.quick), desc="measuring", unit="step", file=sys.stderr) as bar:
-        report = bandwidth.run(loaded.model, geometry, store_dir, bar.update, pages, rounds, args.quick)
+        report = bandwidth.run(
+            loaded.model, geometry, store_dir, bar.update, pages, rounds, args.quick, args.encrypt_l3
+        )
     report["blas"] = blas_in_use()
     if args.json:
         print(json.dumps(report))
@@ -57,10 +59,12 @@ def cmd_bench_ttft(args: argparse.Namespace) -> int:
             f"--page-size {args.page_size} before its last token) to {most} (the model's context "
             f"less the first token), got {','.join(map(str, lengths))}"
         )
-    total = bench_ttft.runs_per_round(lengths, args.redis is not None) * args.rounds
+    total = bench_ttft.runs_per_round(lengths, args.redis is not None, args.encrypt_l3) * args.rounds
     try:
         with tqdm(total=total, desc="measuring", unit="prompt", file=sys.stderr) as bar:
-            report = bench_ttft.run(loaded, lengths, args.page_size, store_dir, args.redis, args.rounds, bar.update)
+            report = bench_ttft.run(
+                loaded, lengths, args.page_size, store_dir, args.redis, args.rounds, bar.update, args.encrypt_l3
+            )
     except (bench_ttft.BenchError, StoreError) as err:
         print(f"kvtier: error: {err}", file=sys.stderr)
         return 1

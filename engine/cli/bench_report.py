@@ -29,6 +29,10 @@ def format_restore(report: dict) -> str:
         f"load_prompt_cache {peer['load_prompt_cache_gib_s']:.2f} GiB/s: {peer['ratio']:.2f}x",
     ]
     lines += [
+        f"encrypted L3 restore ({row['pages']} pages): {row['ratio']:.2f}x the time of the plain one"
+        for row in report.get("encryption", ())
+    ]
+    lines += [
         f"break-even prompt length for {tier}: {tokens if tokens else 'never (recompute wins)'} tokens"
         for tier, tokens in report["break_even_tokens"].items()
     ]
@@ -70,6 +74,10 @@ def format_ttft(report: dict) -> str:
             f"{row['prompt_tokens']:>7} {row['restored_tokens']:>8} {row['ttft_s']['recompute']:>11.3f} "
             + " ".join(f"{row['ratio_to_recompute'][t]:>6.3f}" for t in tiers)
         )
+    lines += [
+        f"encrypted L3 restore ({row['prompt_tokens']} tokens): TTFT {row['ratio']:.2f}x the plain L3 one's"
+        for row in report.get("encryption", ())
+    ]
     for tier, tokens in report["break_even_tokens"].items():
         lines.append(
             f"{tier} beats recompute "

@@ -6,6 +6,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from kvtier.tiers.l3.lmdb_open import read_only_store
+
 from .common import UsageError, load_model, no_data, page_geometry, usable_store
 
 
@@ -30,12 +32,16 @@ def calibrate_into(loaded, geometry, store_dir: Path, quick: bool = False, desc:
 def calibrate_on_first_use(loaded, geometry, store_dir: Path) -> None:
     """Calibrate once per store, model and page size: the default cost model can be far
     off this machine, and online refinement needs many requests to correct it."""
+    from kvtier.costmodel.profile import Profile
     from kvtier.tiers.l3.open import StoreError, open_l3
 
+    if isinstance(store_dir, Path) and read_only_store(store_dir):
+        return  # no profile could be kept: the engine uses the one the store holds, or defaults
     if not no_data(store_dir):
+        key = loaded.profile_key(geometry)
         try:
             with open_l3(store_dir, readonly=True) as disk:
-                if disk.tables.get_meta(loaded.profile_key(geometry)) is not None:
+                if Profile.stored(disk.tables.get_meta(key), key) is not None:  # a damaged one: measured anew
                     return
         except StoreError:
             return  # the engine warns and runs without L3

@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvtier.tiers.l3.base import StoreError
-from kvtier.tiers.l3.lmdb_open import writable_directory
+from kvtier.tiers.l3.lmdb_open import read_only_store, writable_directory
+from kvtier.tiers.l3.tables import log as damage_log
 from kvtier.tiers.text import format_bytes
 
 from ..blas import blas_in_use, openblas_hint
@@ -25,6 +26,25 @@ class UsageError(Exception):
     """Bad input from the user: one line on stderr, exit status 2."""
 
 
+class OncePerLine(logging.Filter):
+    """Drop a warning about a damaged side value (``tiers.l3.tables.DamageLog``) whose
+    text this command already printed: a command may open its store more than once (a
+    read-only look, then the real work), and the person at the terminal needs to hear
+    about one damaged value once. Other warnings pass: they say what happened each time."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._said: set[str] = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.name != damage_log.name:
+            return True
+        text = record.getMessage()
+        fresh = text not in self._said
+        self._said.add(text)
+        return fresh
+
+
 def no_data(store: Path | str) -> bool:
     """An LMDB directory holding no store yet (a URL always names a store to ask)."""
     return isinstance(store, Path) and not (store / "data.mdb").exists()
@@ -32,12 +52,15 @@ def no_data(store: Path | str) -> bool:
 
 def usable_store(path: Path | None) -> Path:
     """The store directory the user named (or the default), created if missing; a file
-    or a directory kvtier cannot write is the user's error, not a reason to run without L3."""
+    or a directory kvtier cannot write is the user's error, not a reason to run without
+    L3, unless it holds a store: that one is restored from (its opening warns)."""
     path = path or default_store_dir()
     if isinstance(path, str):  # a URL: the engine warns and runs without L3 if it cannot be reached
         return path
     if path.exists() and not path.is_dir():
         raise UsageError(f"store {path} is not a directory")
+    if read_only_store(path):
+        return path
     try:
         writable_directory(path)
     except StoreError as err:

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from kvtier import __version__
-from kvtier.tiers.l3.lmdb_store import DEFAULT_CAPACITY
+from kvtier.tiers.l3.lmdb_space import DEFAULT_CAPACITY
 from kvtier.tiers.policy import ADMISSIONS, DEFAULT_POLICY, POLICIES
 from kvtier.tiers.text import format_bytes
 
@@ -35,13 +35,15 @@ from .args import (
 )
 from .bench import cmd_bench
 from .calibrate import cmd_calibrate
-from .common import UsageError, pages_kept
+from .common import OncePerLine, UsageError, pages_kept
+from .encryption import add_encryption_flags
 from .import_gguf import cmd_import_gguf
 from .replay import cmd_replay
 from .run import cmd_run
 from .serve import cmd_serve
 from .stats import cmd_stats
 from .store import cmd_store
+from .top import cmd_top
 from .tree import Formatter, Parser, Tree
 
 _EPILOG = """\
@@ -87,6 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
         add_serve_parser,
         add_stats_parser,
         add_store_parser,
+        add_top_parser,
     ):
         add(tree, sub)
     return parser
@@ -115,11 +118,12 @@ def _add_engine_flags(tree: Tree, parser: argparse.ArgumentParser) -> None:
         type=parse_size,
         default=None,
         metavar="S",
-        help=f"L3 cap of a new store (default: {format_bytes(DEFAULT_CAPACITY)}); an existing "
-        "store keeps its own (`kvtier store resize` changes it)",
+        help=f"L3 cap of a new store (default: {format_bytes(DEFAULT_CAPACITY)}, or half the free space of "
+        "its filesystem where that is less); an existing store keeps its own (`kvtier store resize` changes it)",
     )
     parser.add_argument("--page-size", type=positive_int, default=128, metavar="N", help="tokens per KV page")
     parser.add_argument("--codec", choices=["raw", "zstd"], default="raw", help="L3 payload codec")
+    add_encryption_flags(parser)
     parser.add_argument("--cache-salt", default="", help="isolate this tenant's pages")
     parser.add_argument(
         "--throttle",
@@ -221,6 +225,11 @@ def add_bench_parser(tree: Tree, sub) -> None:
         action="store_true",
         help="1, 4 and 16 pages, 2 rounds and the quick calibration's prefills: under a minute",
     )
+    add_encryption_flags(
+        restore,
+        secret_file=False,
+        help="also restore AES-256-GCM encrypted L3 pages, and report their cost against the plain ones",
+    )
     restore.add_argument("--json", action="store_true", help="the report as one JSON object")
     restore.add_argument("--plot", type=Path, metavar="FILE.png", help="draw bandwidth against size (needs matplotlib)")
     ttft = tree.command(
@@ -252,6 +261,9 @@ def add_bench_parser(tree: Tree, sub) -> None:
         type=redis_url,
         metavar="URL",
         help="also restore from this Redis / Valkey server, under a scratch prefix removed after",
+    )
+    add_encryption_flags(
+        ttft, secret_file=False, help="also restore from a store of AES-256-GCM encrypted records (L3 aes)"
     )
     ttft.add_argument("--json", action="store_true", help="the report as one JSON object")
     ttft.add_argument(
@@ -356,6 +368,34 @@ def add_serve_parser(tree: Tree, sub) -> None:
         metavar="SECONDS",
         help="keep an answer that ends in a tool call in L1/L2 this long for the next turn (0: off)",
     )
+    auth = serve.add_argument_group("tenants (README: Security)")
+    auth.add_argument(
+        "--api-key",
+        action="append",
+        default=[],
+        metavar="KEY",
+        help="an operator's key (repeatable): its own tenant, and an admin (it reads /metrics and "
+        "/v1/kvtier/stats); clients' keys go in --api-keys",
+    )
+    auth.add_argument(
+        "--api-keys",
+        type=Path,
+        metavar="FILE",
+        help="one key a line: KEY [TENANT] [admin]; keys of one tenant share its cache; # comments",
+    )
+    auth.add_argument(
+        "--insecure-no-auth",
+        action="store_true",
+        help="serve on a host other than loopback without keys: every client shares one cache",
+    )
+    auth.add_argument(
+        "--shared-prefix",
+        action="append",
+        type=Path,
+        default=[],
+        metavar="FILE",
+        help="a system prompt (text) whose pages every tenant shares (repeatable)",
+    )
 
 
 def add_stats_parser(tree: Tree, sub) -> None:
@@ -388,6 +428,16 @@ def add_store_parser(tree: Tree, sub) -> None:
         tree.store_flag(each)
 
 
+def add_top_parser(tree: Tree, sub) -> None:
+    top = tree.command(sub, "top", "a running server's dashboard, live in the terminal (Ctrl-C ends it)")
+    top.add_argument("url", nargs="?", default="http://127.0.0.1:8000", help="the server (default: %(default)s)")
+    top.add_argument("--interval", type=positive_number, default=1.0, metavar="SECONDS", help="between polls")
+    top.add_argument("--once", action="store_true", help="print one view and exit")
+    top.add_argument(
+        "--api-key", metavar="KEY", help="an admin key, for a server with API keys (default: $KVTIER_API_KEY)"
+    )
+
+
 _COMMANDS = {
     "run": cmd_run,
     "serve": cmd_serve,
@@ -397,6 +447,7 @@ _COMMANDS = {
     "replay": cmd_replay,
     "store": cmd_store,
     "import-gguf": cmd_import_gguf,
+    "top": cmd_top,
 }
 
 
@@ -411,6 +462,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         logging.basicConfig(
             level=logging.INFO if args.verbose else logging.WARNING, format="kvtier: %(levelname)s: %(message)s"
         )
+        for handler in logging.getLogger().handlers:
+            handler.addFilter(OncePerLine())
         return _COMMANDS[args.command](args)
     except UsageError as err:
         print(f"kvtier: error: {err}", file=sys.stderr)

@@ -82,7 +82,7 @@ def _model_geometry(args: argparse.Namespace):
         disk = open_l3(store_dir, readonly=True)
     except StoreError as err:
         raise UsageError(str(err)) from None
-    saved = disk.tables.get_meta(loaded.profile_key(geometry))
+    key = loaded.profile_key(geometry)
+    profile = Profile.stored(disk.tables.get_meta(key), key)
     disk.close()
-    profile = Profile.from_dict(saved) if isinstance(saved, dict) and saved else None
     return geometry.bytes_per_token, geometry.snapshot_nbytes, profile

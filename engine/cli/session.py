@@ -12,6 +12,7 @@ from kvtier.tiers.hierarchy import StoreConfig
 from ..interrupts import deferred_interrupt
 from .calibrate import calibrate_on_first_use
 from .common import UsageError, page_geometry
+from .encryption import record_cipher
 
 if TYPE_CHECKING:
     from ..engine import Engine
@@ -24,6 +25,7 @@ def open_engine(args: argparse.Namespace, loaded, store_dir: Path | None, **conf
     from ..models.load import ModelError
 
     geometry = page_geometry(loaded, args.page_size)
+    cipher = record_cipher(args, store_dir)
     if store_dir is not None and not (args.no_auto_calibrate or os.environ.get("KVTIER_NO_AUTO_CALIBRATE")):
         calibrate_on_first_use(loaded, geometry, store_dir)
     store = StoreConfig(
@@ -34,6 +36,7 @@ def open_engine(args: argparse.Namespace, loaded, store_dir: Path | None, **conf
         args.codec,
         throttle=dict(args.throttle),
         label=loaded.label,
+        cipher=cipher,
     )
     try:
         return Engine(

@@ -141,7 +141,7 @@ def ensure_tools_model() -> Path:
     return ensure_default_model(kvtier_home() / "models" / f"{TOOLS_MODEL}-{_VERSION}", TOOLS_CHAT_TEMPLATE)
 
 
-def _is_complete(directory: Path) -> bool:
+def is_complete(directory: Path) -> bool:
     return all((directory / name).is_file() for name in _FILES)
 
 
@@ -233,7 +233,7 @@ def ensure_default_model(directory: Path | None = None, chat_template: str = CHA
     race its copy (identical, since the weights are deterministic) is kept.
     """
     directory = Path(directory) if directory is not None else default_model_dir()
-    if _is_complete(directory):
+    if is_complete(directory):
         return directory
     directory.parent.mkdir(parents=True, exist_ok=True)
     tmp = directory.with_name(f".{directory.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
@@ -248,7 +248,7 @@ def ensure_default_model(directory: Path | None = None, chat_template: str = CHA
                 directory.rmdir()  # an empty placeholder directory may be replaced
             os.rename(tmp, directory)
         except OSError:
-            if not _is_complete(directory):
+            if not is_complete(directory):
                 raise RuntimeError(
                     f"{directory} exists but does not hold a complete {TINY_MODEL} model; "
                     "remove it or choose another directory"

@@ -84,14 +84,16 @@ class LoadedModel:
         except ValueError as err:
             raise ModelError(f"kvtier cannot page this model's layers: {err}") from None
 
-    def namespace(self, geometry: PageGeometry, cache_salt: str = "") -> Namespace:
-        """The namespace of this model's pages (DESIGN §3), its layer kinds included."""
+    def namespace(self, geometry: PageGeometry, cache_salt: str = "", encryption: str = "") -> Namespace:
+        """The namespace of this model's pages (DESIGN §3), its layer kinds included;
+        ``encryption``: the L3 cipher's name when its records are encrypted."""
         return Namespace(
             self.fingerprint,
             geometry.dtype,
             geometry.page_size,
             cache_salt=cache_salt,
             layers=geometry.describe_layers(),
+            encryption=encryption,
         )
 
     def profile_key(self, geometry: PageGeometry) -> str:

@@ -103,6 +103,9 @@ class _Request(_Body):
     """A whole request body: ``parse_body`` validates it, then ``checked`` refuses what
     pydantic's field checks cannot say (settings kvtier does not implement)."""
 
+    # vLLM's: only requests with the same salt (and the same tenant) share cached pages
+    cache_salt: str | None = Field(None, min_length=1, max_length=1024)
+
     @abstractmethod
     def checked(self: _R) -> _R:
         """This body, or the 400 that names the first setting kvtier refuses."""

@@ -5,8 +5,10 @@ tokenize, submit, read ``Request.stream`` and cancel. Blocking calls (submission
 takes the store's lock, a stream waits for the next token) run in worker threads,
 so the event loop never waits on the engine.
 
-A request's life here: read the body (413 past the limit), check it (``api``:
-400 or 404), render and tokenize the prompt, check it against the context, refuse it
+A request's life here: its API key checked (``tenancy.Authenticate``: 401, or 403 for
+the server's own numbers without an admin key), read the body (413 past the limit),
+check it (``api``: 400 or 404), render and tokenize the prompt, find where its keys
+start (its tenant's root, ``tenancy``), check it against the context, refuse it
 with 429 if the waiting queue is full, submit, then stream or collect the text, cut at
 the first stop string. A client that goes away cancels its request (batch slot and
 pins released). On shutdown (``draining.DrainingServer``) the server stops accepting, lets
@@ -17,6 +19,7 @@ streams end with an error event; then the engine closes, which flushes L1 and L2
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -26,11 +29,12 @@ import anyio
 from starlette.applications import Starlette
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from kvtier.tiers.page import page_keys
+from kvtier.tiers.page import ChainRoot, key_chain
 
 from ..engine import Engine
 from ..limits import InputError, TextLimit, context_length
@@ -38,14 +42,18 @@ from ..request import Request, SamplingParams
 from ..text import OutputText
 from ..text import verbatim as verbatim_text
 from . import api, render, responses
+from .admin import Admin, Pins
 from .api import APIError
 from .conversations import Conversations, log_loss, miss_reason
+from .dashboard import Dashboard
 from .generation import Generation, cancel_on_disconnect
 from .holds import Holds
 from .prometheus import ServerMetrics
 from .prompt import Prompt, check_text
 from .prompt import render as render_prompt
+from .recent import RecentRequests
 from .responses import Finished
+from .tenancy import Authenticate, Tenancy
 from .tools import ToolCallText
 
 log = logging.getLogger(__name__)
@@ -71,9 +79,11 @@ class ServerConfig:
 class KVTierServer:
     """The ASGI app and what it shares: the engine, its metrics, the requests in flight."""
 
-    def __init__(self, engine: Engine, config: ServerConfig) -> None:
+    def __init__(self, engine: Engine, config: ServerConfig, tenancy: Tenancy | None = None) -> None:
         self.engine = engine
         self.config = config
+        # without one: no keys, and a secret of this process's for cache_salt roots
+        self.tenancy = tenancy or Tenancy({}, os.urandom(32), engine.root, engine.config.page_size)
         self.tokenizer = engine.loaded.tokenizer
         self.context = context_length(engine.loaded) or 32768
         self.text_limit = TextLimit.measure(self.tokenizer, self.context)  # refuses huge prompts untokenized
@@ -83,6 +93,9 @@ class KVTierServer:
         store = engine.store
         self.holds = Holds(store, store.view().l1.max_pages // 2 if store is not None else 0)
         self.metrics = ServerMetrics(engine.stats, self._gauges)
+        self.recent = RecentRequests()  # the dashboard's last requests
+        pins = Pins(store, self.holds.limit)
+        dashboard = Dashboard(engine, config.model_name, self.recent, self._gauges, pins.listing)
         self.app = Starlette(
             routes=[
                 Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
@@ -94,6 +107,8 @@ class KVTierServer:
                 Route("/health", self.health, methods=["GET"]),
                 Route("/metrics", self.prometheus, methods=["GET"]),
                 Route("/v1/kvtier/stats", self.stats, methods=["GET"]),
+                *dashboard.routes(),
+                Admin(engine, self.recent, pins, self.tokenizer).mount(),  # every admin action: /v1/kvtier/admin/...
             ],
             # Starlette types every handler as taking any Exception although it dispatches by
             # class (Kludex/starlette#2417), so a handler of one class is a dict-item error.
@@ -102,6 +117,7 @@ class KVTierServer:
                 HTTPException: self._http_error,  # type: ignore[dict-item]
                 Exception: self._internal_error,
             },
+            middleware=[Middleware(Authenticate, tenancy=self.tenancy, anthropic_paths=ANTHROPIC_PATHS)],
             lifespan=self._lifespan,
         )
 
@@ -170,8 +186,9 @@ class KVTierServer:
             banned=prompt.banned,
             **body.sampling(),
         )
+        root = self.tenancy.root(http.state.caller, body.cache_salt, prompt.tokens)
         gen = await self._submit(
-            prompt, params, body.stop_strings(), "prompt" if not chat else "messages", "call_", verbatim=not chat
+            prompt, params, body.stop_strings(), "prompt" if not chat else "messages", "call_", root, verbatim=not chat
         )
         gen.turn = (shape.id, body.prompt_cache_key or body.user or body.safety_identifier, None)
         if not body.stream:
@@ -211,7 +228,8 @@ class KVTierServer:
             forced=prompt.forced,
             banned=prompt.banned,
         )
-        gen = await self._submit(prompt, params, body.stop_sequences, "messages", "toolu_")
+        root = self.tenancy.root(http.state.caller, body.cache_salt, prompt.tokens)
+        gen = await self._submit(prompt, params, body.stop_sequences, "messages", "toolu_", root)
         previous = body.diagnostics.previous_message_id if body.diagnostics else None
         gen.turn = (shape.id, (body.metadata or {}).get("user_id"), previous)
         gen.diagnose = body.diagnostics is not None
@@ -324,11 +342,14 @@ class KVTierServer:
         stops: list[str],
         param: str,
         call_ids: str,
+        root: ChainRoot,
         verbatim: bool = False,
     ) -> Generation:
         """Check and submit; ``params.max_tokens`` 0 takes the server's default (capped by the
-        context). ``call_ids`` starts the ids of the tool calls read from the answer. A
-        ``verbatim`` text (a completion's) keeps the space its first token starts with."""
+        context). ``call_ids`` starts the ids of the tool calls read from the answer; ``root``:
+        where its keys start: its caller's (``Authenticate`` put it in the request's state),
+        narrowed by the body's ``cache_salt`` (``tenancy``). A ``verbatim`` text (a
+        completion's) keeps the space its first token starts with."""
         tokens = prompt.tokens
         if len(tokens) >= self.context:
             raise api.invalid(f"the prompt is {len(tokens)} tokens; this model's context is {self.context}", param)
@@ -350,7 +371,7 @@ class KVTierServer:
         params.max_tokens = params.max_tokens or min(self.config.default_max_tokens, room)
         await anyio.to_thread.run_sync(self.holds.sweep)
         try:
-            request = await anyio.to_thread.run_sync(self.engine.submit, tokens, params)
+            request = await anyio.to_thread.run_sync(self.engine.submit, tokens, params, root)
         except InputError as err:
             raise api.invalid(str(err), err.param or param) from None
         self._live[request.rid] = request
@@ -393,11 +414,12 @@ class KVTierServer:
         request = gen.request
         if gen.diagnose and previous_id is None:
             return  # Anthropic's first turn: nothing before it to compare with
-        loss = self.conversations.loss(request.prompt, request.matched_tokens, key, previous_id)
+        scope = request.root.own or b""  # a caller compares only with its own turns
+        loss = self.conversations.loss(request.prompt, request.matched_tokens, key, previous_id, scope)
         if loss is not None:
             log_loss(turn_id, loss, gen.divergence())
         if gen.diagnose:
-            reason = miss_reason(loss, self.conversations.known(previous_id), gen.divergence())
+            reason = miss_reason(loss, self.conversations.known(previous_id, scope), gen.divergence())
             done.diagnostics = None if reason is None else {"cache_miss_reason": reason}
 
     def _hold(self, gen: Generation, done: Finished) -> dict[str, int] | None:
@@ -412,7 +434,7 @@ class KVTierServer:
                 self.holds.hold("cache_control", request.keys[: n // page], ttl) for n, ttl in marks
             )
         if done.finish_reason == "tool_calls" and self.config.tool_warm_s > 0:
-            keys = page_keys(self.engine.namespace, request.prompt + request.output)
+            keys = key_chain(self.engine.namespace, request.prompt + request.output, request.root).keys
             held["tool_wait"] = self.holds.hold("tool_wait", keys, self.config.tool_warm_s) * page
         return held or None
 
@@ -433,11 +455,12 @@ class KVTierServer:
         self._live.pop(request.rid, None)
         if request.finish_reason in ("stop", "length") and gen.turn is not None:
             turn_id, key, _ = gen.turn
-            self.conversations.remember(turn_id, key, request.prompt + request.output)
+            self.conversations.remember(turn_id, key, request.prompt + request.output, request.root.own or b"")
         if request.t_first_token is not None:
             self.metrics.ttft.observe(request.t_first_token - request.t_submit)
         if request.t_admit is not None:
             self.metrics.queue.observe(request.t_admit - request.t_submit)
+            self.recent.add(request)  # admitted: its sources and plan are known (the dashboard's ring)
 
     # -- errors ---------------------------------------------------------------------
 

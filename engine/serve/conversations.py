@@ -26,6 +26,7 @@ class Turn:
     id: str  # the response's id
     key: str | None  # the conversation key it was sent with
     tokens: np.ndarray  # its prompt and answer
+    scope: bytes = b""  # its caller's root (DESIGN §9a): only the same caller's requests compare with it
 
 
 @dataclass(frozen=True)
@@ -44,23 +45,26 @@ class Conversations:
         self._turns: OrderedDict[str, Turn] = OrderedDict()
         self._lock = threading.Lock()  # requests end on the event loop and in worker threads
 
-    def remember(self, turn_id: str, key: str | None, tokens: list[int]) -> None:
+    def remember(self, turn_id: str, key: str | None, tokens: list[int], scope: bytes = b"") -> None:
         with self._lock:
-            self._turns[turn_id] = Turn(turn_id, key, np.asarray(tokens, np.int64))
+            self._turns[turn_id] = Turn(turn_id, key, np.asarray(tokens, np.int64), scope)
             while len(self._turns) > self.keep:
                 self._turns.popitem(last=False)
 
-    def known(self, turn_id: str | None) -> bool:
-        """Whether ``turn_id`` is a remembered turn (None: none was named, so yes)."""
+    def known(self, turn_id: str | None, scope: bytes = b"") -> bool:
+        """Whether ``turn_id`` is a remembered turn of ``scope``'s (None: none was named, so yes)."""
         with self._lock:
-            return turn_id is None or turn_id in self._turns
+            return turn_id is None or (turn_id in self._turns and self._turns[turn_id].scope == scope)
 
-    def loss(self, prompt: list[int], matched: int, key: str | None, previous_id: str | None) -> Loss | None:
+    def loss(
+        self, prompt: list[int], matched: int, key: str | None, previous_id: str | None, scope: bytes = b""
+    ) -> Loss | None:
         """What ``prompt``, whose stored match ended at ``matched``, recomputes of its
-        conversation's previous turn, if more than a page (else None)."""
+        conversation's previous turn, if more than a page (else None). Only turns of the
+        same ``scope`` (caller) count: another tenant's are never compared with."""
         tokens = np.asarray(prompt, np.int64)
         with self._lock:
-            previous = self._previous(tokens, key, previous_id)
+            previous = self._previous(tokens, key, previous_id, scope)
         if previous is None:
             return None
         lost = min(len(previous.tokens), len(prompt) - 1) - matched
@@ -68,13 +72,14 @@ class Conversations:
             return None
         return Loss(previous, lost, _common(previous.tokens, tokens))
 
-    def _previous(self, tokens: np.ndarray, key: str | None, previous_id: str | None) -> Turn | None:
+    def _previous(self, tokens: np.ndarray, key: str | None, previous_id: str | None, scope: bytes) -> Turn | None:
+        turns = [t for t in self._turns.values() if t.scope == scope]
         if previous_id is not None:
-            return self._turns.get(previous_id)
+            return next((t for t in turns if t.id == previous_id), None)
         if key is not None:
-            return next((t for t in reversed(self._turns.values()) if t.key == key), None)
+            return next((t for t in reversed(turns) if t.key == key), None)
         best, longest = None, self.page_size - 1
-        for turn in reversed(self._turns.values()):
+        for turn in reversed(turns):
             if (common := _common(turn.tokens, tokens)) > longest:
                 best, longest = turn, common
         return best

@@ -69,6 +69,32 @@ def test_lru_hits_with_two_l1_pages(tmp_path):
     assert result.peak_bytes["L1"] == 2 * PAGE_BYTES
 
 
+STRANDED = [(1100, 5, [1, 2, 3]), (600, 5, [7, 8]), (1100, 5, [1, 2, 3])]
+
+
+def test_a_page_held_behind_a_missing_one_counts_as_unreachable(tmp_path):
+    """L1 holds two pages, nothing below. r0 publishes 1, 2; r1 publishes 7, evicting 1
+    (least recently used): r2 finds page 2 held but page 1 gone, so 2 is stranded."""
+    trace = tr.read_trace(trace_file(tmp_path, STRANDED))
+    result = run(trace, l1_bytes=2 * PAGE_BYTES, l2_bytes=0, l3_bytes=0, policy="lru")
+    assert result.reused == [0, 0, 0]
+    assert (result.held_pages, result.stranded_pages) == (1, 1)
+    assert result.report(distinct_pages=3)["unreachable_ratio"] == 1.0
+
+
+def test_each_policy_is_reported_against_the_bound_and_belady_at_its_caps(tmp_path):
+    """One L1 page, nothing below: Belady keeps page 1 for r1 and r3 (1024 tokens, under
+    the bound's 1536); LRU keeps whatever came last and reuses nothing."""
+    trace = tr.read_trace(trace_file(tmp_path, LRU_TRACE))
+    base = rp.ReplayConfig(KV_PER_TOKEN, l1_bytes=PAGE_BYTES, l2_bytes=0, l3_bytes=0)
+    report = rp.replay(trace, rp.configs_for(base, ["lru", "belady"], ["always"]), Profile.defaults())
+    lru, offline = report["policies"]
+    prompt = sum(n for n, _, _ in LRU_TRACE)
+    assert (lru["reused_tokens"], offline["reused_tokens"]) == (0, 1024)
+    assert lru["bound_gap_points"] == pytest.approx(100 * 1536 / prompt)
+    assert lru["belady_gap_points"] == pytest.approx(100 * 1024 / prompt)
+
+
 REPEAT = [(1100, 5, [1, 2, 3])] * 3  # two reusable pages, asked three times
 
 

@@ -181,6 +181,18 @@ def test_bench_ttft_draws_its_plot(ttft_bench):
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_bench_ttft_restores_encrypted_pages_and_reports_their_cost(tmp_path):
+    args = ["--json", "--store", str(tmp_path), "--page-size", str(TTFT_PAGE), "--lengths", "150", "--encrypt-l3"]
+    report = json.loads(kvtier("bench", "ttft", *args).stdout)
+    assert report["sources"] == ["recompute", "L1", "L2", "L3", "L3 aes"]
+    (row,) = report["rows"]
+    assert row["sources"]["L3 aes"] == restored_from("L3", 150)  # labelled L3: an L3 restore, of encrypted records
+    (cost,) = report["encryption"]
+    assert cost["prompt_tokens"] == 150
+    assert cost["ratio"] == pytest.approx(row["ttft_s"]["L3 aes"] / row["ttft_s"]["L3"], abs=5e-4)
+    assert list(tmp_path.iterdir()) == [], "the scratch stores must be removed"
+
+
 @needs_redis
 def test_bench_ttft_restores_from_redis_after_a_restart_and_leaves_nothing_there(redis_server, tmp_path):
     done = kvtier(

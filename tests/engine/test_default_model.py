@@ -120,7 +120,7 @@ def test_lost_race_keeps_the_winners_copy(tmp_path: Path, monkeypatch: pytest.Mo
 def test_incomplete_directory_is_not_clobbered(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(dm, "_write_weights", lambda d: (d / "model.safetensors").write_bytes(b""))
     (tmp_path / "empty").mkdir()
-    assert dm._is_complete(dm.ensure_default_model(tmp_path / "empty"))  # empty: replaced
+    assert dm.is_complete(dm.ensure_default_model(tmp_path / "empty"))  # empty: replaced
     (tmp_path / "user").mkdir()
     (tmp_path / "user" / "notes.txt").write_text("mine")
     with pytest.raises(RuntimeError, match="not hold a complete"):

@@ -158,7 +158,7 @@ def verify_records(store: Path, capacity: int = 32 << 30) -> int:
         with env.begin(buffers=True) as txn:
             for _, value in txn.cursor(db=pages):
                 header, _ = RecordHeader.unpack(value)
-                decode_record(value, header.namespace, header.tokens, header.raw_len)  # _Corrupt fails
+                decode_record(header.key, value, header.namespace, header.tokens, header.raw_len)  # _Corrupt fails
     return s["pages"]
 
 

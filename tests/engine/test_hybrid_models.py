@@ -13,7 +13,7 @@ from kvtier.engine.models.load import load_model
 from kvtier.engine.request import SamplingParams
 from kvtier.tiers.hierarchy import StoreConfig
 from kvtier.tiers.links import Link
-from kvtier.tiers.page import snapshot_key
+from kvtier.tiers.page import ChainRoot, snapshot_key
 
 from .. import cli
 from ..tiers.lmdb_files import damage_last_byte
@@ -175,3 +175,23 @@ def test_snapshot_counters_persist_in_the_store(lfm2, tmp_path):
     assert written["pages"] == taken and written["bytes"] == taken * engine.geometry.snapshot_nbytes
     metrics = cli.run(["stats", "--store", tmp_path, "--prometheus"]).stdout
     assert f'kvtier_snapshot_link_pages_total{{snapshot_link="L1->L3"}} {float(taken)}' in metrics
+
+
+def test_tenant_roots_keep_a_hybrid_models_turns_apart(lfm2, tmp_path):
+    """Two callers' roots (DESIGN §9a) with the first prompt's 5 pages declared shared:
+    the caller who sent it restores it all, its partial page and state included (they
+    follow the shared pages under her root); the other finds the shared pages and the
+    snapshot after them, nothing of hers past them."""
+    first = text_prompt(lfm2, 90, seed=7)
+    second = first + mlx_lm_greedy(lfm2, first, GREEDY.max_tokens) + text_prompt(lfm2, 30, seed=8)
+    expected = mlx_lm_greedy(lfm2, second, GREEDY.max_tokens)
+    alice, bob = ChainRoot(b"a" * 32, shared_pages=5), ChainRoot(b"b" * 32, shared_pages=5)
+    engine = make_engine(lfm2, tmp_path)
+    turns = []
+    for prompt, root in ((first, alice), (second, alice), (second, bob)):
+        turns.append(engine.submit(prompt, GREEDY, root))
+        engine.run()
+    engine.close()
+    _, hers, his = turns
+    assert hers.output == his.output == expected
+    assert hers.sources()["L1"] == len(first) and his.sources()["L1"] == 5 * PAGE

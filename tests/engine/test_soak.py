@@ -66,5 +66,5 @@ def test_the_rate_window_is_pruned_as_events_arrive():
     window = RateWindow(window_s=30.0)
     for i in range(100_000):
         window.add(1.0, now=i * 0.01)  # 1,000 s of events, 100 a second
-    assert len(window._events) <= 30 * 100 + 1
+    assert window.held() <= 30 * 100 + 1
     assert window.rate(now=1000.0) == pytest.approx(100.0, abs=0.05)  # the last 30 s: ~3,000 events of 1

@@ -161,12 +161,13 @@ def test_stats_reads_a_store_without_writing_it(store):
     after = (store / "data.mdb").stat()
     assert (after.st_mtime_ns, after.st_size) == (before.st_mtime_ns, before.st_size)
     l3 = stats["tiers"]["L3"]
-    assert l3["capacity"] == 32 << 30 and l3["pages"] == 7 and l3["file_bytes"] == before.st_size
+    cap = store_state(store)[2]  # the default: 32 GiB, or half the free disk where that is less
+    assert 0 < l3["capacity"] == cap <= 32 << 30 and l3["pages"] == 7 and l3["file_bytes"] == before.st_size
     text = kvtier("stats", "--store", str(store)).stdout
     header = text.splitlines()[0].split()
     assert "checksum_failures" in header and "writes_dropped" in header  # not cut to 12 characters
     rows = {line.split()[0]: line.split() for line in text.splitlines()[1:4]}
-    assert rows["L1"][1] == rows["L2"][1] == "-" and rows["L3"][1] == str(32 << 30)
+    assert rows["L1"][1] == rows["L2"][1] == "-" and rows["L3"][1] == str(cap)
 
 
 def without_dac_override() -> None:
@@ -200,6 +201,38 @@ def test_stats_works_on_a_read_only_store(store, tmp_path):
         assert probe.returncode != 0, "the store must be read-only to the child"
     finally:
         copy.chmod(0o755)
+
+
+def test_a_read_only_store_is_restored_from_and_its_writes_counted_as_dropped(store, tmp_path):
+    """Run as a user who cannot write the store (chmod; as root, a child without the
+    capabilities that ignore file modes): one warning, pages restored, writes counted."""
+    copy = tmp_path / "ro"
+    shutil.copytree(store, copy)
+    before = {p.name: p.read_bytes() for p in copy.iterdir()}
+    longer = PROMPT + "and one more question about the weather"  # its new pages cannot be kept
+    for path in [*copy.iterdir(), copy]:
+        path.chmod(0o555 if path.is_dir() else 0o444)
+    try:
+        args = ["run", "--json", "--store", str(copy), "--page-size", "16", "--max-tokens", "1", "--prompt", longer]
+        done = subprocess.run(
+            [sys.executable, "-m", "kvtier.engine.cli", *on_tiny_model(args)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            preexec_fn=without_dac_override,
+        )
+    finally:
+        for path in [copy, *copy.iterdir()]:
+            path.chmod(0o755 if path.is_dir() else 0o644)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.strip() == (
+        f"kvtier: WARNING: store {copy} is read-only to this process: restoring pages from it, "
+        "every write dropped (counted)"
+    )
+    result, counters = (json.loads(line) for line in done.stdout.splitlines())
+    assert result["sources"]["L3"] == 7 * 16  # the stored prefix, restored
+    assert counters["counters"]["tiers"]["L3"]["writes_dropped"] > 0
+    assert {p.name: p.read_bytes() for p in copy.iterdir()} == before  # not a byte written
 
 
 def test_the_cap_belongs_to_the_store(tmp_path):

@@ -19,6 +19,7 @@ from kvtier.engine.engine import Engine, EngineConfig
 from kvtier.engine.models.defaults import TOOLS_MODEL, ensure_tools_model
 from kvtier.engine.serve.app import KVTierServer, ServerConfig
 from kvtier.tiers.hierarchy import StoreConfig
+from kvtier.tiers.page import IMPLICIT_ROOT
 
 from .tiny import tiny_model
 
@@ -48,11 +49,11 @@ class ScriptedEngine(Engine):
     script: str | None = None
     then_free = False
 
-    def submit(self, prompt, params=None):
+    def submit(self, prompt, params=None, root=IMPLICIT_ROOT):
         if self.script is not None and params is not None:
             tokenizer = self.loaded.tokenizer
             params.forced = tokenizer.encode(self.script) + ([] if self.then_free else [tokenizer.eos_token_id])
-        return super().submit(prompt, params)
+        return super().submit(prompt, params, root)
 
 
 @pytest.fixture(scope="module")

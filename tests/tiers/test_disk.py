@@ -25,7 +25,14 @@ from xxhash import xxh3_64_intdigest
 from kvtier.tiers.l3.base import StoreError
 from kvtier.tiers.l3.lmdb_admin import compact_store
 from kvtier.tiers.l3.lmdb_store import DiskTier
-from kvtier.tiers.l3.record import FORMAT_VERSION, RAW_PAYLOAD_OFFSET, CorruptRecord, RecordHeader, decode_record
+from kvtier.tiers.l3.record import (
+    FORMAT_VERSION,
+    RAW_PAYLOAD_OFFSET,
+    RECORD_VERSION,
+    CorruptRecord,
+    RecordHeader,
+    decode_record,
+)
 
 from .lmdb_files import raw_env, write_lock
 
@@ -278,10 +285,10 @@ def test_a_raw_payload_of_the_wrong_length_is_refused_at_every_layer(store: Path
     page), and so does the record decoder, with or without a buffer to decode into."""
     short = payload(0)[:4000]
     tokens = np.asarray(TOKENS, "<u4").tobytes()
-    value = RecordHeader(FORMAT_VERSION, NS, tokens, "raw", 4096, xxh3_64_intdigest(short)).pack() + short
+    value = RecordHeader(RECORD_VERSION, key(0), NS, tokens, "raw", 4096, xxh3_64_intdigest(short)).pack() + short
     for out in (None, np.empty(4096, np.uint8)):
         with pytest.raises(CorruptRecord):
-            decode_record(memoryview(value), NS, tokens, 4096, out)
+            decode_record(key(0), memoryview(value), NS, tokens, 4096, out)
     DiskTier(store, 1 << 20).close()
     _poke(store, key(0), value)
     tier = DiskTier(store, 1 << 20)

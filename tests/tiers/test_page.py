@@ -4,7 +4,7 @@ from dataclasses import replace
 
 import pytest
 
-from kvtier.tiers.page import Namespace, PageGeometry, page_keys, reusable_pages
+from kvtier.tiers.page import ChainRoot, Namespace, PageGeometry, key_chain, page_keys, reusable_pages
 
 NS = Namespace("fingerprint", "bfloat16", 4)
 
@@ -40,6 +40,27 @@ def test_every_namespace_field_changes_keys(field, value):
         other = replace(NS, page_size=8)
     tokens = list(range(16))
     assert set(page_keys(NS, tokens)).isdisjoint(page_keys(other, tokens))
+
+
+def test_the_implicit_tenant_keeps_the_plain_chain():
+    """Without a root of its own a sequence is keyed as before tenants: stores stay valid."""
+    tokens = list(range(14))
+    chain = key_chain(NS, tokens)
+    assert chain.keys == page_keys(NS, tokens) and chain.parents == [NS.digest(), *chain.keys]
+    assert key_chain(NS, tokens, ChainRoot(NS.digest(), shared_pages=2)) == chain
+
+
+def test_a_callers_root_keys_every_page_but_the_shared_ones():
+    tokens = list(range(18))  # 4 full pages, 2 tokens after them
+    plain = key_chain(NS, tokens)
+    alice, bob = (key_chain(NS, tokens, ChainRoot(own, shared_pages=2)) for own in (b"a" * 32, b"b" * 32))
+    assert alice.keys[:2] == bob.keys[:2] == plain.keys[:2]  # the declared prefix: everyone's
+    assert {*alice.keys[2:]}.isdisjoint({*bob.keys[2:], *plain.keys})  # past it: hers alone
+    assert alice.parents[2] not in (bob.parents[2], alice.keys[1])  # her root is mixed in there
+    assert set(key_chain(NS, tokens, ChainRoot(b"a" * 32)).keys).isdisjoint(plain.keys)
+    assert alice.parents[4] != bob.parents[4]  # the partial page after them is hers too
+    exactly = key_chain(NS, tokens[:9], ChainRoot(b"a" * 32, shared_pages=2))  # 2 pages, then a partial one
+    assert exactly.keys == plain.keys[:2] and exactly.parents[2] == alice.parents[2]
 
 
 def test_keys_are_stable_across_processes():

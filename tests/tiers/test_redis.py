@@ -19,7 +19,7 @@ from kvtier.engine.request import SamplingParams
 from kvtier.tiers.hierarchy import StoreConfig, TieredStore
 from kvtier.tiers.l3.base import StoreError
 from kvtier.tiers.l3.open import open_l3
-from kvtier.tiers.l3.record import FORMAT_VERSION, RecordHeader, token_bytes
+from kvtier.tiers.l3.record import FORMAT_VERSION, RECORD_VERSION, RecordHeader, token_bytes
 from kvtier.tiers.l3.redis_store import RedisTier
 from kvtier.tiers.l3.writer import PendingPut
 from kvtier.tiers.page import Source
@@ -201,12 +201,13 @@ def test_a_garbage_value_is_rejected_deleted_and_counted(redis_server):
     store.close()
 
 
-@pytest.mark.parametrize("what", ["version", "namespace"])
-def test_another_format_version_or_namespace_is_never_served(redis_server, what):
+@pytest.mark.parametrize("what", ["version", "namespace", "key"])
+def test_another_format_version_namespace_or_key_is_never_served(redis_server, what):
     raw = kv_to_host(KV[0]).tobytes()
     header = RecordHeader(
-        FORMAT_VERSION + (what == "version"),
-        NS.digest() if what == "version" else b"x" * 16,
+        RECORD_VERSION + (what == "version"),
+        KEYS[1] if what == "key" else KEYS[0],  # "key": a forged record, its checksum right
+        NS.digest() if what != "namespace" else b"x" * 16,
         token_bytes(TOKENS[:4]),
         "raw",
         len(raw),

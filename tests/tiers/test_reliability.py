@@ -33,7 +33,7 @@ from xxhash import xxh3_64_intdigest
 
 from kvtier.tiers.hierarchy import StoreConfig, TieredStore
 from kvtier.tiers.l3.lmdb_store import DiskTier
-from kvtier.tiers.l3.record import CODECS, FORMAT_VERSION, CorruptRecord, RecordHeader, decode_record
+from kvtier.tiers.l3.record import CODECS, RECORD_VERSION, CorruptRecord, RecordHeader, decode_record
 from kvtier.tiers.page import Namespace, PageGeometry, page_keys
 from kvtier.tiers.tier import kv_to_host
 
@@ -357,7 +357,7 @@ def damage_record(value: bytes, rng: random.Random, in_header: bool) -> bytes:
             pos = rng.randrange(header_end) if in_header else rng.randrange(header_end, len(value))
             bad[pos] ^= rng.randint(1, 255)
         try:
-            decode_record(memoryview(bytes(bad)), header.namespace, header.tokens, header.raw_len)
+            decode_record(header.key, memoryview(bytes(bad)), header.namespace, header.tokens, header.raw_len)
         except CorruptRecord:
             return bytes(bad)
 
@@ -424,8 +424,8 @@ def test_records_of_another_format_version_are_never_served(store: Path) -> None
                 value = bytes(txn.get(key(i), db=pages))
                 header, offset = RecordHeader.unpack(memoryview(value))
                 other = RecordHeader(
-                    FORMAT_VERSION + 1,
-                    *[getattr(header, f) for f in ("namespace", "tokens", "codec", "raw_len", "checksum")],
+                    RECORD_VERSION + 1,
+                    *[getattr(header, f) for f in ("key", "namespace", "tokens", "codec", "raw_len", "checksum")],
                 )
                 padded = other.pack(offset - len(header.pack()))  # the record keeps its length
                 txn.put(key(i), padded + value[offset:], db=pages)
@@ -652,11 +652,12 @@ def test_four_processes_write_one_store_at_once(store: Path) -> None:
 # --- the record decoder, fuzzed -----------------------------------------------------------
 
 FUZZ_TOKENS = np.asarray(TOKENS, "<u4").tobytes()
+FUZZ_KEY = key(0)  # the key the arbitrary values are looked up under
 
 
 @functools.cache
-def seed_records() -> list[tuple[bytes, bytes]]:
-    """(raw page, stored record) written by a real DiskTier: every codec, odd and empty sizes."""
+def seed_records() -> list[tuple[bytes, bytes, bytes]]:
+    """(page key, raw page, stored record) written by a real DiskTier: every codec, odd and empty sizes."""
     import tempfile
 
     raws = [
@@ -676,11 +677,11 @@ def seed_records() -> list[tuple[bytes, bytes]]:
                 tier.put(key(i), NS, TOKENS, raw)
             tier.close()
             with raw_env(Path(tmp) / codec) as (env, pages, _), env.begin(db=pages) as txn:
-                out += [(raw, bytes(txn.get(key(i)))) for i, raw in enumerate(raws)]
+                out += [(key(i), raw, bytes(txn.get(key(i)))) for i, raw in enumerate(raws)]
     return out
 
 
-_POS = st.one_of(st.integers(0, 90), st.integers(0, 1 << 20))  # headers are about 60-90 bytes
+_POS = st.one_of(st.integers(0, 110), st.integers(0, 1 << 20))  # headers are about 80-110 bytes
 MUTATION = st.one_of(
     st.tuples(st.just("flip"), _POS, st.integers(1, 255)),
     st.tuples(st.just("cut"), _POS),
@@ -707,11 +708,11 @@ def _mutate(value: bytes, mutations: list[tuple]) -> bytes:
     return bytes(b)
 
 
-def decode(value: bytes, raw_nbytes: int, out: bool) -> bytes | None:
+def decode(value: bytes, page_key: bytes, raw_nbytes: int, out: bool) -> bytes | None:
     """The page a stored value yields, or None for a clean "corrupt"; anything else raises."""
     buffer = np.empty(raw_nbytes, np.uint8) if out else None
     try:
-        got = decode_record(memoryview(value), NS, FUZZ_TOKENS, raw_nbytes, buffer)
+        got = decode_record(page_key, memoryview(value), NS, FUZZ_TOKENS, raw_nbytes, buffer)
     except CorruptRecord:
         return None
     return got.tobytes() if out else bytes(got)
@@ -719,7 +720,8 @@ def decode(value: bytes, raw_nbytes: int, out: bool) -> bytes | None:
 
 _HEADER_FOR_US = st.fixed_dictionaries(
     {
-        "v": st.sampled_from([FORMAT_VERSION, FORMAT_VERSION + 1, 0, -1, 2**64 - 1]),
+        "v": st.sampled_from([RECORD_VERSION, RECORD_VERSION + 1, 1, 0, -1, 2**64 - 1]),
+        "key": st.sampled_from([FUZZ_KEY, FUZZ_KEY[:-1], key(1), b""]),
         "ns": st.sampled_from([NS, NS[:-1], b""]),
         "tok": st.sampled_from([FUZZ_TOKENS, FUZZ_TOKENS[:-1], b""]),
         "codec": st.sampled_from([*CODECS, "lz4", ""]),
@@ -766,12 +768,12 @@ def test_fuzz_record_decoder_yields_the_page_or_corrupt() -> None:
     def damaged(mutations: list) -> None:
         # Each step of one damage recipe, applied to every seed record (each codec, odd
         # and empty sizes): many decoder inputs per example keep the fuzz fast.
-        for raw, value in seeds:
+        for page_key, raw, value in seeds:
             for steps in range(1, len(mutations) + 1):
                 bad = _mutate(value, mutations[:steps])
                 inputs.add(xxh3_64_intdigest(bad))
                 for out in (False, True):
-                    got = decode(bad, len(raw), out)
+                    got = decode(bad, page_key, len(raw), out)
                     assert got is None or got == raw
                     assert bad != value or got == raw
 
@@ -784,9 +786,9 @@ def test_fuzz_record_decoder_yields_the_page_or_corrupt() -> None:
         except CorruptRecord:
             header = None
         for out in (False, True):
-            got = decode(value, raw_nbytes, out)
+            got = decode(value, FUZZ_KEY, raw_nbytes, out)
             if got is not None:  # only with every field right and the checksum over the bytes
-                assert header is not None and header.version == FORMAT_VERSION
+                assert header is not None and header.version == RECORD_VERSION and header.key == FUZZ_KEY
                 assert header.namespace == NS and header.tokens == FUZZ_TOKENS
                 assert len(got) == raw_nbytes == header.raw_len
                 assert xxh3_64_intdigest(got) == header.checksum

@@ -1,6 +1,7 @@
 """The server secret: created once, owner-only, the same for every opener."""
 
 import stat
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -31,3 +32,17 @@ def test_derived_keys_depend_on_secret_purpose_and_parts():
     assert key == derive(a, b"tenant", b"alice")
     others = derive(b, b"tenant", b"alice"), derive(a, b"encrypt", b"alice"), derive(a, b"tenant", b"bob")
     assert len({key, *others}) == 4
+
+
+def test_processes_starting_together_agree_on_one_whole_secret(tmp_path):
+    path = tmp_path / "store" / "secret"
+    with ThreadPoolExecutor(8) as pool:
+        got = set(pool.map(lambda _: read_or_create(path), range(32)))
+    assert len(got) == 1 and len(got.pop()) == SECRET_BYTES
+    assert [p.name for p in path.parent.iterdir()] == ["secret"], "no temporary file is left"
+
+
+def test_a_secret_under_a_file_is_one_clear_error(tmp_path):
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(StoreError, match="cannot create the server secret"):
+        read_or_create(tmp_path / "file" / "secret")

@@ -12,7 +12,7 @@ The hierarchy talks to this interface only:
 queued), ``flush``, ``close``.
 
 Invariants kept here for every backend:
-- a record failing its header or checksum check is never served: it reads as a miss, is
+- a record failing its header, key, tag or checksum check is never served: it reads as a miss, is
   counted in ``checksum_failures`` and deleted unless it was rewritten meanwhile
   (delete-if-unchanged, by the fingerprint of the bad value).
 - ``put`` never waits for the backend, nor asks it anything: a full queue drops the
@@ -36,8 +36,9 @@ from xxhash import xxh3_64_intdigest
 
 from ..counters import TierStats
 from .check import RecordCheck
+from .cipher import RecordCipher
 from .failures import FailureLog
-from .record import CODECS, StoredRecord, token_bytes
+from .record import CODECS, StoredRecord, encode_record, token_bytes
 from .tables import SideTables
 from .writer import Batch, PendingPut, Writer
 
@@ -130,18 +131,28 @@ class L3Store(ABC):
     tables: SideTables  # meta entries, cumulative counters, namespaces (set by the backend)
     tracks_use = True  # the writer records each use (a backend that sees its reads does not)
 
-    def __init__(self, capacity: int, *, codec: str, zstd_level: int, queue_pages: int, readonly: bool) -> None:
+    def __init__(
+        self,
+        capacity: int,
+        *,
+        codec: str,
+        zstd_level: int,
+        queue_pages: int,
+        readonly: bool,
+        cipher: RecordCipher | None = None,
+    ) -> None:
         if codec not in CODECS:
             raise ValueError(f"unknown L3 codec {codec!r}; expected one of {', '.join(CODECS)}")
         self.readonly = readonly
         self._capacity = capacity
         self.counters = TierStats(capacity=capacity)  # replaced at each change, under _lock
         self._codec, self._level = codec, zstd_level
+        self.cipher = cipher  # set: records are written encrypted and only encrypted ones served
         self._lock = threading.Lock()  # guards the counters
         self._closed = False
         self.failures = FailureLog()
         self.writer = Writer(self._commit, self._lost, queue_pages=queue_pages, readonly=readonly)
-        self.check = RecordCheck(self.writer, self._fingerprint, self.count, tracks_use=self.tracks_use)
+        self.check = RecordCheck(self.writer, self._fingerprint, self.count, tracks_use=self.tracks_use, cipher=cipher)
 
     def _start(self) -> None:
         """Load the gauges and start the writer (a backend calls it once open)."""
@@ -249,6 +260,14 @@ class L3Store(ABC):
             self.count(writes_dropped=1)
             return False
         return True
+
+    def encoded(self, pending: PendingPut, at: int | None = None) -> bytes:
+        """The record a queued write stores (``at``: see ``record.encode_record``), in this
+        store's codec, encrypted when it has a cipher (on the writer thread)."""
+        p = pending
+        return encode_record(
+            p.key, p.namespace, p.tokens, p.payload, self._codec, self._level, at, p.segments, self.cipher
+        )
 
     def _never_fits(self, raw_nbytes: int) -> bool:
         """A page this large can never be stored (checked before it is queued)."""

@@ -13,7 +13,8 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from .record import CorruptRecord, StoredRecord, checked_record, verify_payload
+from .cipher import RecordCipher
+from .record import CorruptRecord, StoredRecord, checked_record, record_bytes
 from .writer import Writer
 
 log = logging.getLogger(__name__)
@@ -27,12 +28,21 @@ class RecordCheck:
 
     ``fingerprint`` names a bad value so that its delete spares a record rewritten
     meanwhile; ``tracks_use`` (a backend that does not see its own reads) has the writer
-    record each hit as a use.
+    record each hit as a use. With a ``cipher`` only encrypted records are served, once
+    their tag holds; without one, no encrypted record is (``tiers.l3.record``).
     """
 
-    def __init__(self, writer: Writer, fingerprint: Fingerprint, count: Count, *, tracks_use: bool) -> None:
+    def __init__(
+        self,
+        writer: Writer,
+        fingerprint: Fingerprint,
+        count: Count,
+        *,
+        tracks_use: bool,
+        cipher: RecordCipher | None = None,
+    ) -> None:
         self._writer, self._fingerprint, self._count = writer, fingerprint, count
-        self._tracks_use = tracks_use
+        self._tracks_use, self._cipher = tracks_use, cipher
 
     def doomed(self, key: bytes) -> bool:
         """A read rejected this record and its delete has not committed yet.
@@ -49,7 +59,7 @@ class RecordCheck:
         """The record ``value`` holds if its header matches this page, else None (a bad
         header is rejected)."""
         try:
-            return checked_record(key, value, namespace_digest, tokens, raw_nbytes)
+            return checked_record(key, value, namespace_digest, tokens, raw_nbytes, self._cipher is not None)
         except CorruptRecord as exc:
             self.reject(key, value, str(exc))
             return None
@@ -62,7 +72,7 @@ class RecordCheck:
         thread while the record's snapshot is open; counts the hit and the use.
         """
         try:
-            raw = verify_payload(record.header, record.payload, out)
+            raw = record_bytes(record, out, self._cipher)
         except CorruptRecord as exc:
             self.reject(record.key, record.value, str(exc))
             return None
@@ -96,6 +106,6 @@ class RecordCheck:
         self._writer.delete(bytes(key), fingerprint)
 
     def _hit(self, record: StoredRecord) -> None:
-        self._count(hit_pages=1, hit_tokens=len(record.header.tokens) // 4)
+        self._count(hit_pages=1, hit_tokens=record.header.token_count)
         if self._tracks_use:
             self._writer.touch(record.key)

@@ -3,13 +3,15 @@ transaction over its page tables, ``tiers.l3.lmdb_txn``), and compacting one tha
 process has open.
 
 Kept apart from the data path (``lmdb_store``): compaction takes the store's lock
-exclusively and replaces its file, which no open ``DiskTier`` may see happen.
+(``tiers.l3.lmdb_lock``) exclusively and replaces its file, which no open ``DiskTier``
+may see happen.
 """
 
 from __future__ import annotations
 
 import fcntl
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -17,6 +19,7 @@ import lmdb
 
 from ..text import one_line
 from .base import StoreError
+from .lmdb_lock import PARTIAL_PREFIX, StoreLock, remove_partial_copies
 from .lmdb_open import check_format_version
 from .lmdb_txn import PageTables
 from .record import header_or_none
@@ -48,41 +51,57 @@ def compact_store(path: Path) -> tuple[int, int]:
     """Rewrite ``data.mdb`` without its free pages (LMDB copy with compaction); the file
     sizes before and after. StoreError when another process has the store open.
 
-    LMDB holds a shared lock on the first byte of ``lock.mdb`` in every process with the
-    store open; taking it exclusively here proves nobody else has, and makes any process
-    that opens the store meanwhile wait until the new file is in place.
+    The store's lock (``tiers.l3.lmdb_lock``) is held exclusively from the first read to
+    the swap, so no process opens the old file meanwhile: every opener takes it shared
+    and waits. LMDB's own lock on ``lock.mdb`` is tried too, which also finds a process
+    that opened the files without kvtier. The copy is made in ``STORE/compact-XXXX``; a
+    compaction killed before the swap leaves it there, and the next opener removes it.
     """
     path = Path(path)
     data = path / "data.mdb"
     if not data.is_file():
         raise StoreError(f"no kvtier store at {path}")
+    held = StoreLock.exclusive(path)
+    try:
+        _refuse_lmdb_users(path)
+        remove_partial_copies(path)
+        before = data.stat().st_size
+        tmp = Path(tempfile.mkdtemp(dir=path, prefix=PARTIAL_PREFIX))
+        try:
+            _copy_compacted(path, tmp)
+            os.replace(tmp / "data.mdb", data)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        return before, data.stat().st_size
+    finally:
+        held.release()
+
+
+def _refuse_lmdb_users(path: Path) -> None:
+    """StoreError when a process holds LMDB's shared lock on ``lock.mdb`` (every open
+    environment does): one that bypassed the store's lock."""
     try:
         fd = os.open(path / "lock.mdb", os.O_RDWR | os.O_CREAT)
     except OSError as exc:
         raise StoreError(f"cannot lock store {path}: {exc.strerror}") from None
     try:
-        try:
-            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, 0)
-        except OSError:
-            raise StoreError(f"store {path} is open in another process; stop it before compacting") from None
-        before = data.stat().st_size
-        with tempfile.TemporaryDirectory(dir=path, prefix="compact-") as tmp:
-            try:
-                env = lmdb.open(str(path), max_dbs=8, subdir=True, lock=True, create=False)
-            except lmdb.Error as exc:
-                raise StoreError(f"cannot open store at {path}: {one_line(exc)}") from None
-            try:  # closing the env drops this process's locks on lock.mdb (POSIX locks are
-                # per process and file): the new file goes in place before that
-                with env.begin() as txn:
-                    check_format_version(
-                        path, txn.get(b"format_version", db=env.open_db(b"meta", txn=txn, create=False))
-                    )
-                env.copy(tmp, compact=True)
-                os.replace(Path(tmp) / "data.mdb", data)
-            except lmdb.Error as exc:
-                raise StoreError(f"cannot compact store at {path}: {one_line(exc)}") from None
-            finally:
-                env.close()
-        return before, data.stat().st_size
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, 0)
+    except OSError:
+        raise StoreError(f"store {path} is open in another process; stop it before compacting") from None
     finally:
-        os.close(fd)
+        os.close(fd)  # drops the probe's lock: the store's lock keeps everyone out
+
+
+def _copy_compacted(path: Path, into: Path) -> None:
+    try:
+        env = lmdb.open(str(path), max_dbs=8, subdir=True, lock=True, create=False)
+    except lmdb.Error as exc:
+        raise StoreError(f"cannot open store at {path}: {one_line(exc)}") from None
+    try:
+        with env.begin() as txn:
+            check_format_version(path, txn.get(b"format_version", db=env.open_db(b"meta", txn=txn, create=False)))
+        env.copy(str(into), compact=True)
+    except lmdb.Error as exc:
+        raise StoreError(f"cannot compact store at {path}: {one_line(exc)}") from None
+    finally:
+        env.close()

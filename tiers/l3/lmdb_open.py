@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -19,8 +18,10 @@ import msgpack
 
 from ..text import format_bytes, one_line
 from .base import StoreError
+from .lmdb_space import default_capacity, usage
 from .lmdb_txn import Databases, PageTables
 from .record import FORMAT_VERSION
+from .tables import DamageLog, is_count, unpacked
 
 if TYPE_CHECKING:
     from .lmdb_txn import Database  # the stub's handle type: annotations only
@@ -33,8 +34,15 @@ _DBS = (b"pages", b"lru", b"order", b"counters", b"namespaces")
 
 
 def check_format_version(path: Path, stored: bytes | None) -> None:
-    version = FORMAT_VERSION if stored is None else msgpack.unpackb(stored)
-    if version != FORMAT_VERSION:
+    """StoreError when the store holds another format version. A damaged version is one
+    warning and taken as this one: every record carries its own, checked on read."""
+    readable, version = unpacked(stored)
+    if not readable or not (version is None or is_count(version)):
+        DamageLog(str(path)).report(
+            "meta value format_version", f"taken as {FORMAT_VERSION} (every record's own version is checked on read)"
+        )
+        return
+    if version not in (None, FORMAT_VERSION):
         raise StoreError(f"store at {path} has format version {version}, this kvtier reads version {FORMAT_VERSION}")
 
 
@@ -49,20 +57,27 @@ def writable_directory(path: Path) -> None:
         raise StoreError(f"store directory {path} is not writable")
 
 
+def read_only_store(path: Path) -> bool:
+    """A store is there (``data.mdb``) that this process cannot write: it can still be
+    read, and restored from."""
+    data = path / "data.mdb"
+    return data.is_file() and not (os.access(path, os.W_OK | os.X_OK) and os.access(data, os.W_OK))
+
+
 def open_writable(
-    path: Path, map_size: int | None, asked: int | None, default_capacity: int, policy: str, record_bytes: int | None
+    path: Path, map_size: int | None, asked: int | None, policy: str, record_bytes: int | None
 ) -> tuple[PageTables, int]:
     """The store at ``path`` (created if absent) and its cap: the stored one, else
-    ``asked``, else ``default_capacity``."""
-    writable_directory(path)
-    capacity = default_capacity if asked is None else asked
+    ``asked``, else the default the filesystem allows (``lmdb_space.default_capacity``).
+    The directory exists (``writable_directory``)."""
+    capacity, why = default_capacity(path) if asked is None else (asked, "as asked")
     if map_size is None:
         # Generous: if another process later grows the data past this map, every txn
         # here fails with MapResizedError (a miss or a dropped write, logged once). No
         # larger than the filesystem: a cap beyond it cannot be reached, nor mapped.
         data = path / "data.mdb"
         existing = data.stat().st_size if data.exists() else 0
-        wanted = min(2 * capacity + 64 * _MIB, shutil.disk_usage(path).total)
+        wanted = min(2 * capacity + 64 * _MIB, usage(path).total)
         map_size = max(wanted, 2 * existing, _MIN_MAP)
     try:
         # sync=True: every commit is durable and a crash never leaves a damaged B-tree;
@@ -74,16 +89,14 @@ def open_writable(
     try:
         _check_file_size(path, env)
         env.reader_check()  # free reader slots of killed processes (they pin old pages)
-        return _open_dbs(path, env, asked, capacity, policy, record_bytes)
+        return _open_dbs(path, env, asked, (capacity, why), policy, record_bytes)
     except BaseException:
         env.close()
         raise
 
 
 def open_readonly(path: Path, policy: str, record_bytes: int | None) -> PageTables:
-    """The existing store, opened without writing to it (nor creating it)."""
-    if not (path / "data.mdb").is_file():
-        raise StoreError(f"no kvtier store at {path}")
+    """The existing store (``data.mdb`` is there), opened without writing to it."""
     env = None
     for lock in (True, False):  # without locks only where the lock file cannot be written
         try:
@@ -110,7 +123,8 @@ def open_readonly(path: Path, policy: str, record_bytes: int | None) -> PageTabl
     except BaseException:
         env.close()
         raise
-    return PageTables(env, Databases(meta, pages, lru, order, counters, namespaces), policy, record_bytes)
+    dbs = Databases(meta, pages, lru, order, counters, namespaces)
+    return PageTables(env, dbs, policy, record_bytes, default_capacity(path)[0])  # what a damaged cap reads as
 
 
 def _check_file_size(path: Path, env: lmdb.Environment) -> None:
@@ -129,7 +143,12 @@ def _check_file_size(path: Path, env: lmdb.Environment) -> None:
 
 
 def _open_dbs(
-    path: Path, env: lmdb.Environment, asked: int | None, capacity: int, policy: str, record_bytes: int | None
+    path: Path,
+    env: lmdb.Environment,
+    asked: int | None,
+    capacity: tuple[int, str],
+    policy: str,
+    record_bytes: int | None,
 ) -> tuple[PageTables, int]:
     """Check the format version, create the databases, settle the cap (one transaction)."""
     try:
@@ -139,21 +158,28 @@ def _open_dbs(
             txn.put(b"format_version", msgpack.packb(FORMAT_VERSION), db=meta)
             fresh = b"namespaces" not in {bytes(k) for k, _ in txn.cursor()}
             dbs = Databases(meta, *(env.open_db(name, txn=txn) for name in _DBS))
-            tables = PageTables(env, dbs, policy, record_bytes)
+            tables = PageTables(env, dbs, policy, record_bytes, capacity[0])
             if fresh:
                 tables.count_namespaces(txn)
             return tables, _settle_capacity(path, txn, meta, asked, capacity)
-    except (lmdb.Error, ValueError) as exc:  # ValueError: msgpack, on a damaged version
+    except lmdb.Error as exc:
         raise StoreError(f"cannot open store at {path}: {one_line(exc)}") from None
 
 
-def _settle_capacity(path: Path, txn: lmdb.Transaction, meta: Database, asked: int | None, capacity: int) -> int:
-    """The store's cap wins; a store without one takes the cap asked for."""
-    stored = txn.get(b"capacity", db=meta)
-    if stored is None:
+def _settle_capacity(
+    path: Path, txn: lmdb.Transaction, meta: Database, asked: int | None, chosen: tuple[int, str]
+) -> int:
+    """The store's cap wins; a store without one takes ``chosen`` (the cap asked for, or
+    the default) and says so in one line."""
+    capacity, why = chosen
+    readable, kept = unpacked(txn.get(b"capacity", db=meta))
+    if not readable or not is_count(kept):  # absent, or damaged
+        if not readable or kept is not None:
+            DamageLog(str(path)).report("meta value capacity", f"taken as {format_bytes(capacity)}")
+        else:
+            log.info("new store %s: its L3 cap is %s (%s)", path, format_bytes(capacity), why)
         txn.put(b"capacity", msgpack.packb(capacity), db=meta)
         return capacity
-    kept = msgpack.unpackb(stored)
     if asked is not None and asked != kept:
         log.warning(
             "store %s keeps its L3 cap of %s; the %s asked for is ignored "

@@ -12,14 +12,16 @@ from __future__ import annotations
 import struct
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import lmdb
 import msgpack
 from xxhash import xxh3_64_intdigest
 
+from .lmdb_meta import STATE_FIELDS, MetaTables, StoreState, ns_row
 from .record import RecordHeader, header_or_none
+from .tables import DamageLog, is_namespace_row, unpacked
 from .writer import Batch
 
 if TYPE_CHECKING:
@@ -28,30 +30,6 @@ if TYPE_CHECKING:
     from lmdb import _Database as Database
 
 _LEN, _SEQ = struct.Struct("<I"), struct.Struct(">Q")
-_STATE_FIELDS = ("bytes_used", "pages", "access_seq", "capacity", "clock")
-
-
-@dataclass
-class StoreState:
-    """The meta numbers, read and written back inside one write transaction, and the
-    per-namespace changes that transaction makes (added to ``namespaces`` on save)."""
-
-    bytes_used: int = 0
-    pages: int = 0
-    access_seq: int = 0
-    clock: int = 0  # the ``cost`` policy's aging clock: the priority of the last victim
-    capacity: int = 0
-    namespaces: dict[bytes, list[int]] = field(default_factory=dict)  # digest -> [pages, bytes, tokens]
-    used: set[bytes] = field(default_factory=set)  # namespaces whose pages were written or read
-
-    def tally(self, namespace: bytes | None, pages: int, nbytes: int, tokens: int) -> None:
-        """Count records in or out (namespace None: a record whose header is unreadable)."""
-        if namespace is not None:
-            row = self.namespaces.setdefault(namespace, [0, 0, 0])
-            for i, n in enumerate((pages, nbytes, tokens)):
-                row[i] += n
-        self.bytes_used += nbytes
-        self.pages += pages
 
 
 @dataclass
@@ -61,11 +39,6 @@ class Outcome:
     inserts: int = 0
     evictions: int = 0
     writes_dropped: int = 0
-
-
-def ns_row() -> dict:
-    """A namespaces-table row before anything is counted in it."""
-    return {"pages": 0, "bytes": 0, "tokens": 0, "last_use": 0.0, "about": {}}
 
 
 def _uses(stamp: memoryview | bytes) -> int:
@@ -105,9 +78,13 @@ class PageTables:
     payloads stand for full pages), else its stored size.
     """
 
-    def __init__(self, env: lmdb.Environment, dbs: Databases, policy: str, record_bytes: int | None) -> None:
+    def __init__(
+        self, env: lmdb.Environment, dbs: Databases, policy: str, record_bytes: int | None, default_capacity: int
+    ) -> None:
         self.env, self.dbs = env, dbs
         self._policy, self._record_bytes = policy, record_bytes
+        self.damage = DamageLog(env.path())  # damaged side values, each told once
+        self.meta = MetaTables(dbs.meta, dbs.pages, dbs.order, self.size, policy, default_capacity, self.damage)
 
     def size(self, value: memoryview | bytes) -> int:
         """Bytes a record counts against the cap (and in bytes_used)."""
@@ -125,23 +102,27 @@ class PageTables:
             )
 
     def load_state(self, txn: lmdb.Transaction) -> StoreState:
-        state = StoreState()  # a number not stored yet reads as 0
-        for name in _STATE_FIELDS:
-            if (stored := txn.get(name.encode(), db=self.dbs.meta)) is not None:
-                setattr(state, name, msgpack.unpackb(bytes(stored)))
-        return state
+        """The meta numbers (a damaged one: its fallback, ``tiers.l3.lmdb_meta``)."""
+        return self.meta.load_state(txn)
 
     def save_state(self, txn: lmdb.Transaction, state: StoreState) -> None:
-        for name in _STATE_FIELDS:
+        for name in STATE_FIELDS:
             txn.put(name.encode(), msgpack.packb(getattr(state, name)), db=self.dbs.meta)
         self.save_namespaces(txn, state)
 
     def save_namespaces(self, txn: lmdb.Transaction, state: StoreState) -> None:
-        """Add the transaction's per-namespace changes into the namespaces table."""
+        """Add the transaction's per-namespace changes into the namespaces table (a
+        damaged row: the table is rebuilt from the records, this transaction's included)."""
         now = time.time()
         for digest in state.namespaces.keys() | state.used:
-            stored = txn.get(digest, db=self.dbs.namespaces)
-            row = ns_row() if stored is None else msgpack.unpackb(bytes(stored))
+            readable, row = unpacked(txn.get(digest, db=self.dbs.namespaces))
+            if not readable or not (row is None or is_namespace_row(row)):
+                self.damage.report("namespaces table", "rebuilt from the records")
+                self.meta.rebuild_namespaces(txn, self.dbs.namespaces)
+                state.namespaces.clear()  # counted by the rebuild: what is left is last_use
+                self.save_namespaces(txn, state)
+                return
+            row = row or ns_row()
             for name, n in zip(("pages", "bytes", "tokens"), state.namespaces.get(digest, (0, 0, 0))):
                 row[name] += n
             if digest in state.used:
@@ -150,11 +131,7 @@ class PageTables:
 
     def count_namespaces(self, txn: lmdb.Transaction) -> None:
         """Fill the namespaces table from the records (a store from before it existed)."""
-        state = StoreState()
-        for _, value in txn.cursor(db=self.dbs.pages):
-            if (header := header_or_none(value)) is not None:
-                state.tally(header.namespace, 1, self.size(value), len(header.tokens) // 4)
-        self.save_namespaces(txn, state)
+        self.meta.rebuild_namespaces(txn, self.dbs.namespaces)
 
     def write(self, batch: Batch, records: list[tuple[bytes, bytes]]) -> Outcome:
         """Commit a batch in one transaction: deletes (if unchanged), uses, then writes."""
@@ -186,7 +163,7 @@ class PageTables:
         txn.put(key, value, db=self.dbs.pages)
         self.stamp(txn, state, key)
         header = RecordHeader.unpack(value)[0]  # encoded by the writer just now
-        state.tally(header.namespace, 1, self.size(value), len(header.tokens) // 4)
+        state.tally(header.namespace, 1, self.size(value), header.token_count)
         state.used.add(header.namespace)
         outcome.inserts += 1
 
@@ -222,7 +199,7 @@ class PageTables:
         """Delete a record and its lru/order entries (value None: the record is gone)."""
         if value is not None:
             header = header_or_none(value)
-            namespace, tokens = (None, 0) if header is None else (header.namespace, len(header.tokens) // 4)
+            namespace, tokens = (None, 0) if header is None else (header.namespace, header.token_count)
             state.tally(namespace, -1, -self.size(value), -tokens)
             txn.delete(key, db=self.dbs.pages)
         if (stamp := txn.get(key, db=self.dbs.lru)) is not None:

@@ -1,19 +1,40 @@
 """The L3 page record (DESIGN §4), the same in every backend (LMDB, Redis).
 
 A record is ``u32 little-endian header length | msgpack header | payload``. The header
-is ``{"v": format version, "ns": namespace digest, "tok": token ids as <u4 bytes,
-"codec": "raw" | "zstd" | "zstd-shuffle", "n": raw length, "xxh": xxh3_64 of the raw
-bytes}``, and a writer may add ``"pad"``: zero bytes that place the payload where its
-backend keeps it aligned (readers ignore keys they do not know); dtype and shape are
-implied by the namespace and the raw length. A page of a model with sliding-window
-layers adds ``"seg"``: ``[length, xxh3_64]`` of each segment of the raw bytes (global
-rows, window rows: ``tiers.page.PageGeometry.segments``), so that a restore reading one
-segment of a raw record checks it without reading the other. The payload is the raw bytes or a zstd
-frame (of the 2-byte planes for zstd-shuffle).
+is ``{"v": record format version (``RECORD_VERSION``), "key": the record's own 16-byte
+page key, "ns": namespace digest, "tok": token ids as <u4 bytes, "codec": "raw" | "zstd"
+| "zstd-shuffle", "n": raw length, "xxh": xxh3_64 of the raw bytes}``, and a writer may
+add ``"pad"``: zero bytes that place the payload where its backend keeps it aligned
+(readers ignore keys they do not know); dtype and shape are implied by the namespace and
+the raw length. A page of a model with sliding-window layers adds ``"seg"``: ``[length,
+xxh3_64]`` of each segment of the raw bytes (global rows, window rows:
+``tiers.page.PageGeometry.segments``), so that a restore reading one segment of a raw
+record checks it without reading the other. The payload is the raw bytes or a zstd frame
+(of the 2-byte planes for zstd-shuffle).
 
-A record is served only when its header names this format version, this namespace and
-these token ids, and its payload decodes to the raw length with this checksum; anything
-else raises ``CorruptRecord`` (the backend deletes such a record and counts it).
+A record is served only when its header names this format version, the very key it was
+looked up under, this namespace and these token ids, and its payload decodes to the raw
+length with this checksum; anything else raises ``CorruptRecord`` (the backend deletes
+such a record and counts it). The key is what binds a record to its place: a page key
+chains the parent's key with the page's tokens (``tiers.page``), so it commits to the whole
+prefix and the namespace, which the tokens and namespace alone do not. Without it a record
+of another prefix whose page has the same tokens, copied under this key (an LMDB file
+edited, any client of a shared Redis), passed every check and was served as this page.
+The check is ``check_header``, which every read of every backend passes through
+(``checked_record``, from ``Snapshot.find``) before a byte of the payload is used. The
+unkeyed checksum detects damage, not forgery: a writer who can put records can compute it.
+
+An encrypted record (``--encrypt-l3``, ``tiers.l3.cipher``) adds ``"nonce"`` and
+``"ntok"`` (its token count), holds ``"tok": b""`` and ``"xxh": 0`` (no digest of the
+raw bytes: it would confirm a guessed page), and its payload is AES-GCM of the codec's
+output with the page key, the header's bytes and the token ids as associated data
+(``sealed_record``); its tag is the check. A reader with a key serves only encrypted
+records, one without serves none.
+
+``FORMAT_VERSION`` is the store's layout (its tables, kept in meta); records carry their
+own ``RECORD_VERSION``, so a store of older records still opens and refuses each such
+record the first time it is read ("format version differs": counted, deleted, recomputed).
+Version 1 records had no ``key``.
 """
 
 from __future__ import annotations
@@ -30,10 +51,13 @@ import zstandard
 from xxhash import xxh3_64_intdigest
 
 from ..layout import SLOT_OFFSET as RAW_PAYLOAD_OFFSET
+from .cipher import TAG_BYTES, RecordCipher
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 1  # the store's layout (meta ``format_version``), not the records'
+RECORD_VERSION = 2  # the header's ``v``: 2 added ``key``
 CODECS = ("raw", "zstd", "zstd-shuffle")
 _LEN = struct.Struct("<I")
+_FIELDS = ("v", "key", "ns", "tok", "codec", "n", "xxh")  # the header's keys, in RecordHeader's order
 _PAD_FIELD = len(msgpack.packb({"pad": b""})) - 1  # bytes the "pad" key adds with no padding
 
 
@@ -44,18 +68,27 @@ class CorruptRecord(ValueError):
 @dataclass(frozen=True)
 class RecordHeader:
     version: int
+    key: bytes  # the page key the record was written under
     namespace: bytes
     tokens: bytes
     codec: str
     raw_len: int
     checksum: int
     segments: tuple[tuple[int, int], ...] = ()  # (length, xxh3_64) of each segment; () when one
+    nonce: bytes = b""  # an encrypted record's AES-GCM nonce; b"": not encrypted
+    sealed_tokens: int = 0  # an encrypted record's token count (its token ids are not stored)
+
+    @property
+    def token_count(self) -> int:
+        return self.sealed_tokens if self.nonce else len(self.tokens) // 4
 
     def pack(self, pad: int = 0) -> bytes:
         """The header's bytes, ``pad`` bytes longer than without padding."""
-        fields = dict(zip(("v", "ns", "tok", "codec", "n", "xxh"), astuple(self)[:6]))
+        fields = dict(zip(_FIELDS, astuple(self)[: len(_FIELDS)]))
         if self.segments:
             fields["seg"] = [list(s) for s in self.segments]
+        if self.nonce:
+            fields["nonce"], fields["ntok"] = self.nonce, self.sealed_tokens
         if pad:
             fields["pad"] = bytes(pad - _PAD_FIELD)
         head = msgpack.packb(fields)
@@ -76,17 +109,18 @@ class RecordHeader:
             raise CorruptRecord("header runs past the record")
         try:
             f = msgpack.unpackb(value[_LEN.size : end])
-            values = (f["v"], f["ns"], f["tok"], f["codec"], f["n"], f["xxh"])
+            values = (f["v"], f.get("key", b""), f["ns"], f["tok"], f["codec"], f["n"], f["xxh"])  # v1: no key
             segments = tuple((int(n), int(x)) for n, x in f.get("seg", ()))
+            sealing = (f.get("nonce", b""), f.get("ntok", 0))
         except Exception as exc:  # msgpack raises many types on garbage
             raise CorruptRecord(f"header does not parse ({type(exc).__name__})") from None
-        if tuple(map(type, values)) != (int, bytes, bytes, str, int, int):
+        if tuple(map(type, values + sealing)) != (int, bytes, bytes, bytes, str, int, int, bytes, int):
             raise CorruptRecord("header field of the wrong type")
-        if segments and sum(n for n, _ in segments) != values[4]:
+        if segments and sum(n for n, _ in segments) != values[5]:
             raise CorruptRecord("segments do not add up to the raw length")
         if f.get("pad", b"").strip(b"\0"):
             raise CorruptRecord("header padding is not zeros")
-        return cls(*values, segments), end
+        return cls(*values, segments, *sealing), end
 
 
 @dataclass
@@ -97,6 +131,7 @@ class StoredRecord:
     header: RecordHeader
     value: memoryview  # the whole record: in LMDB's map, or bytes read from Redis
     payload: memoryview
+    tokens: bytes  # the page's token ids as looked up (<u4 bytes): an encrypted record's tag covers them
 
     @property
     def stored(self) -> int:
@@ -105,7 +140,15 @@ class StoredRecord:
 
     @property
     def compressed(self) -> bool:
-        return self.header.codec != "raw"
+        """The payload must be decoded whole before use (compressed, or encrypted): it is
+        never read in place, nor checked segment by segment."""
+        return self.header.codec != "raw" or bool(self.header.nonce)
+
+    @property
+    def associated(self) -> bytes:
+        """What an encrypted record's tag also authenticates: the key it was looked up
+        under, its header's bytes and the page's token ids."""
+        return self.key + bytes(self.value[: len(self.value) - len(self.payload)]) + self.tokens
 
     def segment_checksum(self, index: int) -> int:
         """xxh3_64 of raw segment ``index`` (CorruptRecord when the header has none)."""
@@ -125,12 +168,22 @@ def header_or_none(value: memoryview | bytes) -> RecordHeader | None:
         return None
 
 
-def check_header(header: RecordHeader, namespace: bytes, tokens: bytes, raw_nbytes: int) -> None:
-    """CorruptRecord unless the header describes this page of this namespace."""
+def check_header(
+    header: RecordHeader, key: bytes, namespace: bytes, tokens: bytes, raw_nbytes: int, encrypted: bool = False
+) -> None:
+    """CorruptRecord unless the header describes the page looked up under ``key`` (the
+    version first: an older record's other fields mean nothing), encrypted exactly when
+    the reader holds a key (``encrypted``): an encrypted store serves no plain record,
+    which anyone who can write the store could forge."""
+    sealed = bool(header.nonce)
     for ok, reason in (
-        (header.version == FORMAT_VERSION, "format version differs"),
+        (header.version == RECORD_VERSION, "format version differs"),
+        (header.key == key, "page key differs"),
+        (sealed or not encrypted, "record is not encrypted"),
+        (encrypted or not sealed, "record is encrypted and this store has no key"),
         (header.namespace == namespace, "namespace digest differs"),
-        (header.tokens == tokens, "token ids differ"),
+        (header.tokens == (b"" if sealed else tokens), "token ids differ"),
+        (header.token_count == len(tokens) // 4, "token count differs"),
         (header.raw_len == raw_nbytes, "raw length differs"),
         (header.codec in CODECS, "unknown codec"),
     ):
@@ -139,18 +192,25 @@ def check_header(header: RecordHeader, namespace: bytes, tokens: bytes, raw_nbyt
 
 
 def checked_record(
-    key: bytes, value: memoryview | bytes, namespace: bytes, tokens: Sequence[int], raw_nbytes: int
+    key: bytes,
+    value: memoryview | bytes,
+    namespace: bytes,
+    tokens: Sequence[int],
+    raw_nbytes: int,
+    encrypted: bool = False,
 ) -> StoredRecord:
-    """The record of a stored value whose header matches this page; CorruptRecord otherwise."""
-    value = memoryview(value)
+    """The record of a stored value whose header matches this page (``encrypted``: the
+    reader holds a key); CorruptRecord otherwise."""
+    value, own = memoryview(value), token_bytes(tokens)
     header, offset = RecordHeader.unpack(value)
-    check_header(header, namespace, token_bytes(tokens), raw_nbytes)
-    if header.codec == "raw" and len(value) - offset != raw_nbytes:
+    check_header(header, bytes(key), namespace, own, raw_nbytes, encrypted)
+    if header.codec == "raw" and len(value) - offset - (TAG_BYTES if header.nonce else 0) != raw_nbytes:
         raise CorruptRecord("raw payload length differs from the raw length")
-    return StoredRecord(bytes(key), header, value, value[offset:])
+    return StoredRecord(bytes(key), header, value, value[offset:], own)
 
 
 def encode_record(
+    key: bytes,
     namespace: bytes,
     tokens: bytes,
     raw: bytes,
@@ -158,39 +218,78 @@ def encode_record(
     level: int,
     at: int | None = None,
     segments: Sequence[int] = (),
+    cipher: RecordCipher | None = None,
 ) -> bytes:
-    """The stored value of a page (``tokens`` as <u4 bytes). ``at``: where the backend
+    """The stored value of the page keyed ``key`` (``tokens`` as <u4 bytes). ``at``: where the backend
     places the value within a 4 KiB page, if it knows; a raw payload then starts at
     ``RAW_PAYLOAD_OFFSET`` modulo 64 (see ``tiers.layout.slot_arena``: copies from it into
     mlx's arrays pair aligned loads with aligned stores). ``segments``: byte lengths
-    of the raw bytes' segments, each checksummed apart (module docstring)."""
+    of the raw bytes' segments, each checksummed apart (module docstring). With a
+    ``cipher`` the token ids and the payload are sealed instead (``sealed_record``)."""
     codec, body = encode_payload(codec, raw, level)
+    if cipher is not None:
+        return sealed_record(key, namespace, tokens, codec, len(raw), body, cipher)
     view, bounds = memoryview(raw), [0, *itertools.accumulate(segments)]
     checks = tuple((b - a, xxh3_64_intdigest(view[a:b])) for a, b in zip(bounds, bounds[1:]))
-    header = RecordHeader(FORMAT_VERSION, namespace, tokens, codec, len(raw), xxh3_64_intdigest(raw), checks)
+    header = RecordHeader(RECORD_VERSION, key, namespace, tokens, codec, len(raw), xxh3_64_intdigest(raw), checks)
     packed = header.pack() if at is None or codec != "raw" else header.pack_aligned(at, 64, RAW_PAYLOAD_OFFSET)
     return b"".join((packed, body))
+
+
+def sealed_record(
+    key: bytes, namespace: bytes, tokens: bytes, codec: str, raw_len: int, body: bytes, cipher: RecordCipher
+) -> bytes:
+    """An encrypted record: a header without token ids or checksums, then AES-GCM of the
+    payload with the page key, the header's bytes and the token ids as associated data.
+    The token ids are not stored (the key commits to them, the tag covers them); a
+    digest of the raw bytes would let whoever reads the store confirm a guessed page.
+    A window model's segments are not checksummed apart: the record is decrypted
+    whole, then used."""
+    nonce = cipher.nonce()
+    header = RecordHeader(RECORD_VERSION, key, namespace, b"", codec, raw_len, 0, (), nonce, len(tokens) // 4)
+    packed = header.pack()
+    return packed + cipher.seal(namespace, key, nonce, body, key + packed + tokens)
+
+
+def record_bytes(
+    record: StoredRecord, out: np.ndarray | None = None, cipher: RecordCipher | None = None
+) -> memoryview | np.ndarray | bytes:
+    """The raw bytes of a checked record (see ``decode_payload`` for ``out``), decrypted
+    first when it is encrypted: a raw one straight into ``out``; CorruptRecord when its
+    tag or checksum does not hold."""
+    header = record.header
+    if not header.nonce:
+        return verify_payload(header, record.payload, out)
+    assert cipher is not None, "an encrypted record passed its header check without a key"
+    into = out if header.codec == "raw" else None
+    plain = cipher.open(header.namespace, record.key, header.nonce, record.payload, record.associated, into)
+    if plain is None:
+        raise CorruptRecord("authentication failed")
+    if isinstance(plain, np.ndarray):  # decrypted into ``out``: a raw payload, checked by its tag
+        return plain
+    return verify_payload(header, memoryview(plain), out)
 
 
 def verify_payload(
     header: RecordHeader, payload: memoryview, out: np.ndarray | None = None
 ) -> memoryview | np.ndarray | bytes:
     """The raw bytes of a payload under a checked header (see ``decode_payload`` for
-    ``out``); CorruptRecord unless they have the header's length and checksum."""
+    ``out``); CorruptRecord unless they have the header's length and checksum (an
+    encrypted record's payload, already authenticated, has no checksum)."""
     raw = decode_payload(header.codec, payload, header.raw_len, out)
     view = raw.data if isinstance(raw, np.ndarray) else raw  # .data: tiers.join says why
-    if len(raw) != header.raw_len or xxh3_64_intdigest(view) != header.checksum:
+    if len(raw) != header.raw_len or (not header.nonce and xxh3_64_intdigest(view) != header.checksum):
         raise CorruptRecord("checksum mismatch")
     return raw
 
 
 def decode_record(
-    value: memoryview, namespace: bytes, tokens: bytes, raw_nbytes: int, out: np.ndarray | None = None
+    key: bytes, value: memoryview, namespace: bytes, tokens: bytes, raw_nbytes: int, out: np.ndarray | None = None
 ) -> memoryview | np.ndarray | bytes:
-    """The raw page of a stored value, checked against the page it should hold
-    (namespace, token ids as <u4 bytes, raw length); CorruptRecord otherwise."""
+    """The raw page of a stored value, checked against the page it should hold (its key,
+    namespace, token ids as <u4 bytes, raw length); CorruptRecord otherwise."""
     header, offset = RecordHeader.unpack(value)
-    check_header(header, namespace, tokens, raw_nbytes)
+    check_header(header, key, namespace, tokens, raw_nbytes)
     return verify_payload(header, value[offset:], out)
 
 

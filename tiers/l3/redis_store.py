@@ -43,8 +43,10 @@ from redis.retry import Retry
 
 from ..text import format_bytes, one_line
 from .base import L3Store, ReadThrough, Snapshot, StoreError, StoreUnreachable
-from .record import FORMAT_VERSION, encode_record
-from .redis_tables import RedisTables
+from .cipher import RecordCipher
+from .record import FORMAT_VERSION
+from .redis_tables import RedisTables, counter_number
+from .tables import DamageLog
 from .writer import Batch, PendingPut
 
 log = logging.getLogger(__name__)
@@ -148,9 +150,12 @@ class RedisTier(L3Store):
         readonly: bool = False,
         record_bytes: int | None = None,
         policy: str = "lru",
+        cipher: RecordCipher | None = None,
     ) -> None:
         # policy and record_bytes are LMDB's: the server evicts by its own policy, by real size
-        super().__init__(0, codec=codec, zstd_level=zstd_level, queue_pages=queue_pages, readonly=readonly)
+        super().__init__(
+            0, codec=codec, zstd_level=zstd_level, queue_pages=queue_pages, readonly=readonly, cipher=cipher
+        )
         self.url = url
         try:
             self._client, self._prefix = _connect(url)
@@ -159,7 +164,8 @@ class RedisTier(L3Store):
         self._cluster = isinstance(self._client, RedisCluster)
         self._all = {"target_nodes": RedisCluster.PRIMARIES} if self._cluster else {}  # server-wide numbers
         self._meta = self._prefix + b"meta"
-        self.tables = RedisTables(self._client, self._prefix, self._call, readonly=readonly)
+        self.damage = DamageLog(self.location)
+        self.tables = RedisTables(self._client, self._prefix, self._call, self.damage, readonly=readonly)
         self._down_until = 0.0
         self._backoff = 0.0
         self._evicted_at_open = 0
@@ -183,9 +189,14 @@ class RedisTier(L3Store):
         if not self.readonly:
             self._client.hsetnx(self._meta, "format_version", FORMAT_VERSION)
         stored = self._client.hget(self._meta, "format_version")
-        if stored is not None and int(stored) != FORMAT_VERSION:
+        version = None if stored is None else counter_number(stored)
+        if stored is not None and not isinstance(version, int):  # every record's own version is checked on read
+            self.damage.report("meta value format_version", f"taken as {FORMAT_VERSION}")
+            if not self.readonly:
+                self._client.hset(self._meta, "format_version", FORMAT_VERSION)
+        elif version is not None and version != FORMAT_VERSION:
             raise StoreError(
-                f"store {self.location} has format version {int(stored)}, this kvtier reads version {FORMAT_VERSION}"
+                f"store {self.location} has format version {version}, this kvtier reads version {FORMAT_VERSION}"
             )
         self._evicted_at_open = _total(self._client.info("stats", **self._all), "evicted_keys")
         try:
@@ -290,10 +301,7 @@ class RedisTier(L3Store):
         puts = self._absent(batch.puts)
         if not puts:
             return
-        records = [
-            (p.key, encode_record(p.namespace, p.tokens, p.payload, self._codec, self._level, segments=p.segments))
-            for p in puts
-        ]
+        records = [(p.key, self.encoded(p)) for p in puts]
 
         def write() -> list:
             pipe = self._client.pipeline(transaction=False)
