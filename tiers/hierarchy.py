@@ -60,7 +60,7 @@ from .join import keep_buffers_for_restores
 from .l3.base import L3Store, ReadThrough
 from .l3.open import open_l3
 from .l3_join import describe, join_later, open_disk
-from .l3_reads import AheadRead, Readers
+from .l3_reads import AheadRead, Readers, degraded
 from .links import LinkLedger, Throttle
 from .page import Namespace, PageGeometry, PageKey, Source, page_tokens, partial_key, shared_start
 from .placement import Pins, Placement
@@ -263,13 +263,8 @@ class TieredStore:
         return self.readers.start(disk, keys, self.geometry.nbytes, deadline, done)
 
     def degraded(self) -> list[str]:
-        """The tiers that answer slowly or not at all now: "L3" while a read has run past
-        its deadline, while its server backs off after a failure, or while a store
-        unreachable at start has not joined yet."""
-        disk = self.disk
-        late = disk is None and self.config.store_dir is not None and not self._closing.is_set() and self._retrying
-        down = disk is not None and (self.readers.stalled() or not disk.reachable())
-        return ["L3"] if late or down else []
+        """The tiers that answer slowly or not at all now (``tiers.l3_reads.degraded``)."""
+        return degraded(self.readers, self.disk, self._retrying and not self._closing.is_set())
 
     def finish(self, pending: PendingRestore, then: PartialMatch | None = None) -> RestoredPrefix:
         """Join a begun restore's pages into per-layer device arrays and end its snapshot;
@@ -373,6 +368,12 @@ class TieredStore:
             for tier in (self.l2, *(() if self.snapshots is None else (self.snapshots.l2,))):
                 for key in list(tier):
                     tier.pop(key)
+
+    def has(self, key: PageKey) -> bool:
+        """Whether some tier holds ``key`` (unverified; asks L3: for replays and tools, never
+        on a request's path)."""
+        with self._lock:
+            return key in self.l1 or key in self.l2 or (self.disk is not None and self.disk.contains(key))
 
     def publish(
         self, key: PageKey, tokens: Sequence[int], kv: mx.array, cost: float = 1.0, parent: bytes | None = None

@@ -122,3 +122,11 @@ class Readers:
     def close(self) -> None:
         """Stop the threads without waiting for a stalled read (it ends on its own)."""
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def degraded(readers: Readers, disk: L3Store | None, joining: bool) -> list[str]:
+    """["L3"] while a read has run past its deadline, while L3's server backs off after a
+    failure, or while a store unreachable at start has not joined yet (``joining``)."""
+    late = disk is None and joining
+    down = disk is not None and (readers.stalled() or not disk.reachable())
+    return ["L3"] if late or down else []

@@ -42,6 +42,9 @@ def test_a_restored_request_costs_a_constant_number_of_round_trips(loaded, redis
         for delay in (0.0, 0.05):
             prompt = text_prompt(loaded, pages * PAGE + 1, seed=pages + int(delay * 100))
             counts[pages, delay] = round_trips(loaded, redis_server.port, redis_server.url, prompt, delay)
-    assert counts[2, 0.0] == (1, 2 * PAGE) and counts[12, 0.0] == (1, 12 * PAGE)  # one MGET, every page restored
+    assert counts[2, 0.0][0] == counts[12, 0.0][0] == 1, counts  # one MGET whatever the pages
+    assert counts[12, 0.0][1] == 12 * PAGE, (
+        counts
+    )  # every page restored (2 pages may be recomputed: their deadline is short)
     for pages in (2, 12):  # slower: one more round trip at most (a restore abandoned for recompute asks no more)
         assert counts[pages, 0.05][0] <= counts[pages, 0.0][0] + 1

@@ -502,6 +502,7 @@ def test_locate_sees_every_tier(tmp_path):
     publish(store, 0, 1, 2)  # 2 in L1, 1 in L2, 0 spilled to L3
     store.flush()
     assert store.locate(KEYS[:4], TOKENS) == [Source.L3, Source.L2, Source.L1]
+    assert [store.has(k) for k in KEYS[:4]] == [True, True, True, False]
     assert KEYS[0] not in store.l1 and KEYS[0] not in store.l2
     store.close()
 

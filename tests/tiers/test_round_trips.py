@@ -74,13 +74,13 @@ def test_a_server_down_at_start_joins_when_it_answers(redis_server, caplog):
     redis_server.stop()
     with caplog.at_level(logging.WARNING):
         store = store_at(redis_server.url, 0, 0)
-    assert store.disk is None and not store.view().l3_open
+    assert store.disk is None and not store.view().l3_open and store.degraded() == ["L3"]
     assert any("retried in the background" in r.getMessage() for r in caplog.records)
     redis_server.start()
     deadline = time.monotonic() + 10
     while not store.view().l3_open and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert store.view().l3_open
+    assert store.view().l3_open and store.degraded() == []
     publish(store, range(2))
     store.settle()
     assert redis_server.client().exists(b"kvtier:p:" + KEYS[0], b"kvtier:p:" + KEYS[1]) == 2
