@@ -31,6 +31,7 @@ from kvtier.engine.models.defaults import TOOLS_MODEL
 from kvtier.engine.models.load import load_model
 from kvtier.engine.serve.app import KVTierServer, ServerConfig
 from kvtier.tiers.hierarchy import StoreConfig
+from kvtier.tiers.page import IMPLICIT_ROOT
 
 
 class ToolCallingEngine(Engine):
@@ -38,11 +39,11 @@ class ToolCallingEngine(Engine):
 
     calls: list[str] = []
 
-    def submit(self, prompt, params=None):
+    def submit(self, prompt, params=None, root=IMPLICIT_ROOT):
         if params is not None and self.calls:
             tokenizer = self.loaded.tokenizer
             params.forced = tokenizer.encode(self.calls.pop(0)) + [tokenizer.eos_token_id]
-        return super().submit(prompt, params)
+        return super().submit(prompt, params, root)
 
 
 def tools(n: int) -> list[dict]:
