@@ -15,7 +15,7 @@ import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
 
 from kvtier.tiers.hierarchy import TieredStore
-from kvtier.tiers.page import KeyChain, Namespace, key_chain
+from kvtier.tiers.page import KeyChain, Namespace, key_chain, partial_key
 
 from .cache_layers import page_kv, snapshot
 from .config import EngineConfig
@@ -142,7 +142,8 @@ class Publisher:
         (DESIGN §8a). mlx-lm feeds every token it reports back into the cache, the last
         one too: the cache holds ``all_tokens``, prompt and output (EOS included). A
         hybrid model's state is after all of them, so without ``publish_answers`` its
-        partial page is the one kept at the end of its prompt (``with_state``)."""
+        partial page is the one kept at the end of its prompt (``with_state``). The request
+        keeps the keys it ended with (``ended_in``, the partial page's last), for a hold."""
         g = self.store.geometry
         if g.snapshot_nbytes and not self.config.publish_answers:
             return
@@ -154,11 +155,15 @@ class Publisher:
         if len(keys) > request.published:
             self.publish(request, caches, len(keys), chain, tokens)
         done = len(keys) * self.config.page_size
+        request.ended_in = list(keys)
         if done < len(tokens) and request.published >= len(keys):  # the pages before it are stored
             t0 = time.perf_counter()
             kv = page_kv(caches, g, done, len(tokens))
             if kv is not None:
                 state = snapshot(caches, g) if g.snapshot_nbytes else None
                 mx.eval(kv, state)
-                self.store.publish_partial(chain.parents[len(keys)], tokens[done:], kv, state)
+                parent, tail = chain.parents[len(keys)], tokens[done:]
+                self.store.publish_partial(parent, tail, kv, state)
+                request.ended_in.append(partial_key(parent, tail))
+                request.tail_tokens = len(tail)
             self.totals.store_seconds += time.perf_counter() - t0

@@ -73,6 +73,10 @@ class Request:
     prefix_tokens: int = 0  # tokens in the cache handed to mlx-lm: restored, or computed while loading
     partial_tokens: int = 0  # of them, the shared start of an L1 page after the restored pages
     published: int = 0  # leading pages known to be in the store
+    ended_in: list[PageKey] = field(
+        default_factory=list
+    )  # its sequence's keys at the end: full pages, then the partial page
+    tail_tokens: int = 0  # tokens of that partial page, kept in L1 (0: none): what a tool-wait hold pins too
     snapshot_spacing: int = 0  # a hybrid model's: its state is kept every this many pages (costmodel.spacing)
     snapshot_pages: list[int] = field(default_factory=list)  # and after these pages of its prompt
     matched_tokens: int = 0  # the longest stored match at admission: where the prompt left the cache

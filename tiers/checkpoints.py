@@ -41,18 +41,20 @@ class CounterCheckpoints:
         self._written = now
 
 
-def repeat(every_s: float, stop: threading.Event, work: Callable[[], None]) -> threading.Thread:
+def repeat(
+    every_s: float, stop: threading.Event, work: Callable[[], None], what: str = "counters checkpoint"
+) -> threading.Thread:
     """Run ``work`` every ``every_s`` seconds in a daemon thread until ``stop`` is set; a
-    failure is one warning, and the next round tries again."""
+    failure is one warning naming ``what``, and the next round tries again."""
 
     def loop() -> None:
         while not stop.wait(every_s):
             try:
                 work()
-            except Exception as err:  # a store fault must not end the checkpoints
-                log.warning("counters not checkpointed: %s", err)
+            except Exception as err:  # a store fault must not end the rounds
+                log.warning("%s failed: %s", what, err)
 
-    thread = threading.Thread(target=loop, name="kvtier-counters", daemon=True)
+    thread = threading.Thread(target=loop, name=f"kvtier {what}", daemon=True)
     thread.start()
     return thread
 

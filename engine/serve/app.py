@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -34,7 +35,7 @@ from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from kvtier.tiers.page import ChainRoot, key_chain
+from kvtier.tiers.page import ChainRoot
 
 from ..engine import Engine
 from ..limits import InputError, TextLimit, context_length
@@ -89,6 +90,7 @@ class KVTierServer:
         self.text_limit = TextLimit.measure(self.tokenizer, self.context)  # refuses huge prompts untokenized
         self.created = int(time.time())
         self._live: dict[int, Request] = {}  # by rid
+        self._closing = threading.Event()  # ends the holds' sweeper
         self.conversations = Conversations(engine.config.page_size)
         store = engine.store
         self.holds = Holds(store, store.view().l1.max_pages // 2 if store is not None else 0)
@@ -125,9 +127,11 @@ class KVTierServer:
 
     def start(self) -> None:
         self.engine.start()
+        self.holds.sweep_every(1.0, self._closing)
 
     def close(self) -> None:
         """Cancel what is still running, stop the engine and flush the store to L3 (idempotent)."""
+        self._closing.set()
         self.engine.stop(cancel=True)
         self.engine.close()
 
@@ -424,8 +428,8 @@ class KVTierServer:
 
     def _hold(self, gen: Generation, done: Finished) -> dict[str, int] | None:
         """Hold the prompt up to its cache_control breakpoints for their TTLs, and an answer
-        that ends in a tool call (prompt and answer) for ``tool_warm_s``: the tokens held,
-        by why; None when the request asked for neither."""
+        that ends in a tool call (prompt, answer and its partial page) for ``tool_warm_s``:
+        the tokens held, by why; None when the request asked for neither."""
         request, page = gen.request, self.engine.config.page_size
         held: dict[str, int] = {}
         if gen.prompt.breakpoints:
@@ -434,8 +438,10 @@ class KVTierServer:
                 self.holds.hold("cache_control", request.keys[: n // page], ttl) for n, ttl in marks
             )
         if done.finish_reason == "tool_calls" and self.config.tool_warm_s > 0:
-            keys = key_chain(self.engine.namespace, request.prompt + request.output, request.root).keys
-            held["tool_wait"] = self.holds.hold("tool_wait", keys, self.config.tool_warm_s) * page
+            keys = request.ended_in  # its pages and, last, its partial page
+            full = len(keys) - (request.tail_tokens > 0)
+            n = self.holds.hold("tool_wait", keys, self.config.tool_warm_s)
+            held["tool_wait"] = min(n, full) * page + (request.tail_tokens if n > full else 0)
         return held or None
 
     def _sse(self, events: AsyncIterator[str], gen: Generation) -> StreamingResponse:

@@ -7,8 +7,10 @@ A hold is a store pin (``TieredStore.pin``): its pages stay in L1 or L2, whereve
 are, and pins never exceed ``limit`` pages in all (half of L1 by default), so held
 pages can never fill the fast tiers: a hold that does not fit is cut short and the
 usage says how much was held. Holding the same pages again renews the deadline, as a
-cache hit renews Anthropic's TTL. Expired holds are released whenever a request
-ends or is submitted: with no traffic nothing is evicted, so nothing needs releasing.
+cache hit renews Anthropic's TTL. Expired holds are released every second
+(``sweep_every``) and whenever a request is submitted, so a hold ends on time. The
+hold of an answer that ended in a tool call includes its last partial page
+(``Request.ended_in``), so the next turn resumes where the answer ended.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from kvtier.tiers.checkpoints import repeat
 from kvtier.tiers.hierarchy import TieredStore
 from kvtier.tiers.page import PageKey
 
@@ -59,6 +62,10 @@ class Holds:
         with self._lock:
             for ident in [i for i, h in self._holds.items() if h.until <= now]:
                 self.store.release(self._holds.pop(ident).keys)
+
+    def sweep_every(self, seconds: float, stop: threading.Event) -> None:
+        """``sweep`` every ``seconds`` until ``stop`` is set (a daemon thread)."""
+        repeat(seconds, stop, self.sweep, "hold release")
 
     def pages(self) -> int:
         """Pages held now (a page in two holds counts twice)."""

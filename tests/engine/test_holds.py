@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import threading
+import time
+
 from kvtier.engine.engine import Engine, EngineConfig
 from kvtier.engine.request import SamplingParams
 from kvtier.engine.serve.holds import Holds
@@ -30,3 +33,23 @@ def test_a_hold_is_capped_renewed_and_released_when_its_time_is_up():
     holds.sweep()
     assert holds.pages() == 0 and not engine.store.view().pins
     engine.close()
+
+
+def test_expired_holds_are_released_with_no_traffic():
+    engine = Engine(tiny_model(), EngineConfig(page_size=PAGE, store=StoreConfig(store_dir=None)))
+    (request,) = engine.generate(["a prompt of several pages " * 4], SamplingParams(max_tokens=1))
+    now, stop = [0.0], threading.Event()
+    holds = Holds(engine.store, limit=8, clock=lambda: now[0])
+    assert holds.hold("tool_wait", request.keys, 10.0) == len(request.keys)
+    holds.sweep_every(0.01, stop)
+    try:
+        time.sleep(0.1)
+        assert holds.pages() == len(request.keys)  # not due yet
+        now[0] = 10.0
+        deadline = time.monotonic() + 5
+        while holds.pages() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert holds.pages() == 0 and not engine.store.view().pins
+    finally:
+        stop.set()
+        engine.close()

@@ -8,6 +8,7 @@ model's text is gibberish, so a test that needs a call forces the answer's token
 from __future__ import annotations
 
 import logging
+import time
 
 import anthropic
 import openai
@@ -404,11 +405,30 @@ def test_an_answer_that_calls_a_tool_stays_warm_while_the_tool_runs(small):
         usage = client.messages.create(**{**request, "max_tokens": 1}, messages=answered).usage
         turn_one = message.usage.input_tokens + message.usage.cache_read_input_tokens + message.usage.output_tokens
         if warm:
-            assert message.usage.model_extra["kvtier"]["held"]["tool_wait"] == turn_one // PAGE * PAGE
-            assert usage.cache_read_input_tokens >= turn_one // PAGE * PAGE > cold_read + 10 * PAGE
+            held = message.usage.model_extra["kvtier"]["held"]["tool_wait"]
+            assert held == turn_one + 1  # its pages and its last partial page (the cache holds the EOS too)
+            assert held % PAGE  # (so the partial page is not empty)
+            assert usage.cache_read_input_tokens >= turn_one > cold_read + 10 * PAGE  # the partial page too
         else:
             cold_read = usage.cache_read_input_tokens  # the template's start, which the pressure shares
             assert "held" not in message.usage.model_extra["kvtier"]
+
+
+def test_a_tool_wait_hold_ends_on_time_without_traffic(small):
+    server, client = small
+    server.config.tool_warm_s, server.engine.script = 0.5, CALL
+    try:
+        before = server.holds.pages()
+        message = client.messages.create(
+            model=TOOLS_MODEL, max_tokens=120, tools=[ANTHROPIC_WEATHER], messages=[{"role": "user", "content": "wx"}]
+        )
+    finally:
+        server.engine.script, server.config.tool_warm_s = None, 120.0
+    assert message.usage.model_extra["kvtier"]["held"]["tool_wait"] > 0 and server.holds.pages() > before
+    deadline = time.monotonic() + 10
+    while server.holds.pages() > before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert server.holds.pages() == before  # released by the server's sweeper: no request came
 
 
 def test_anthropic_diagnostics_say_why_the_cache_missed(claude, script):
