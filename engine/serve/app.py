@@ -423,7 +423,8 @@ class KVTierServer:
         if loss is not None:
             log_loss(turn_id, loss, gen.divergence())
         if gen.diagnose:
-            reason = miss_reason(loss, self.conversations.known(previous_id, scope), gen.divergence())
+            known = self.conversations.known(previous_id, scope)
+            reason = miss_reason(loss, known, gen.divergence(), gen.prompt.tools_digest)
             done.diagnostics = None if reason is None else {"cache_miss_reason": reason}
 
     def _hold(self, gen: Generation, done: Finished) -> dict[str, int] | None:
@@ -461,7 +462,8 @@ class KVTierServer:
         self._live.pop(request.rid, None)
         if request.finish_reason in ("stop", "length") and gen.turn is not None:
             turn_id, key, _ = gen.turn
-            self.conversations.remember(turn_id, key, request.prompt + request.output, request.root.own or b"")
+            sequence, scope = request.prompt + request.output, request.root.own or b""
+            self.conversations.remember(turn_id, key, sequence, scope, gen.prompt.tools_digest)
         if request.t_first_token is not None:
             self.metrics.ttft.observe(request.t_first_token - request.t_submit)
         if request.t_admit is not None:

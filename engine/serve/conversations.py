@@ -27,6 +27,7 @@ class Turn:
     key: str | None  # the conversation key it was sent with
     tokens: np.ndarray  # its prompt and answer
     scope: bytes = b""  # its caller's root (DESIGN §9a): only the same caller's requests compare with it
+    tools: str = ""  # its tools' digest (``Prompt.tools_digest``)
 
 
 @dataclass(frozen=True)
@@ -45,9 +46,9 @@ class Conversations:
         self._turns: OrderedDict[str, Turn] = OrderedDict()
         self._lock = threading.Lock()  # requests end on the event loop and in worker threads
 
-    def remember(self, turn_id: str, key: str | None, tokens: list[int], scope: bytes = b"") -> None:
+    def remember(self, turn_id: str, key: str | None, tokens: list[int], scope: bytes = b"", tools: str = "") -> None:
         with self._lock:
-            self._turns[turn_id] = Turn(turn_id, key, np.asarray(tokens, np.int64), scope)
+            self._turns[turn_id] = Turn(turn_id, key, np.asarray(tokens, np.int64), scope, tools)
             while len(self._turns) > self.keep:
                 self._turns.popitem(last=False)
 
@@ -91,17 +92,23 @@ def _common(a: np.ndarray, b: np.ndarray) -> int:
     return int(differ[0]) if len(differ) else n
 
 
-def miss_reason(loss: Loss | None, known: bool, report: dict) -> dict | None:
-    """Anthropic's ``cache_miss_reason`` (None: no miss): where the prompt changed, by the
-    role holding the divergence; pages evicted though unchanged are ``unavailable`` (the
-    request changed nothing; ``usage.kvtier`` says more)."""
+def miss_reason(loss: Loss | None, known: bool, report: dict, tools: str = "") -> dict | None:
+    """Anthropic's ``cache_miss_reason`` (None: no miss): ``tools_changed`` when the tools
+    differ from the previous turn's (``tools``: this request's digest; tools come first in
+    Anthropic's cache order, and a template renders them inside the system turn, so the
+    divergence's role cannot tell), else where the prompt changed, by the role holding
+    the divergence; pages evicted though unchanged are ``unavailable`` (the request
+    changed nothing; ``usage.kvtier`` says more)."""
     if not known:
         return {"type": "previous_message_not_found"}
     if loss is None:
         return None
     if loss.common > report["token"]:
         return {"type": "unavailable"}
-    kind = "system_changed" if report["role"] == "system" else "messages_changed"
+    if loss.previous.tools != tools:
+        kind = "tools_changed"
+    else:
+        kind = "system_changed" if report["role"] == "system" else "messages_changed"
     return {"type": kind, "cache_missed_input_tokens": loss.tokens}
 
 

@@ -3,6 +3,8 @@ the constraints its ``tool_choice`` puts on the answer (``tools``)."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import dataclass, field
 
 from ..limits import InputError, TextLimit
@@ -41,6 +43,14 @@ class Prompt:
             else:
                 low = mid + 1
         return self.origins[low]
+
+    @property
+    def tools_digest(self) -> str:
+        """What identifies the tools as the template took them ("" without tools): two
+        requests whose tools differ in any byte (order included) differ here."""
+        if not self.tools:
+            return ""
+        return hashlib.blake2b(json.dumps(self.tools).encode(), digest_size=16).hexdigest()
 
     @property
     def reads_calls(self) -> bool:

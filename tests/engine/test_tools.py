@@ -442,5 +442,21 @@ def test_anthropic_diagnostics_say_why_the_cache_missed(claude, script):
     changed = claude.messages.create(**ask, system="Today. " + system, diagnostics={"previous_message_id": same.id})
     reason = changed.diagnostics.cache_miss_reason
     assert reason.type == "system_changed" and reason.cache_missed_input_tokens > PAGE
+    tools = [ANTHROPIC_WEATHER]
+    with_tools = claude.messages.create(**ask, system=system, tools=tools, diagnostics={"previous_message_id": None})
+    renamed = [{**ANTHROPIC_WEATHER, "description": "Today's weather, by city."}]
+    again = claude.messages.create(
+        **ask, system=system, tools=renamed, diagnostics={"previous_message_id": with_tools.id}
+    )
+    reason = again.diagnostics.cache_miss_reason
+    assert reason.type == "tools_changed" and reason.cache_missed_input_tokens > PAGE
+    same_tools = claude.messages.create(
+        **ask, system=system, tools=renamed, diagnostics={"previous_message_id": again.id}
+    )
+    assert same_tools.diagnostics is None
+    moved = claude.messages.create(
+        **ask, system="Today. " + system, tools=renamed, diagnostics={"previous_message_id": same_tools.id}
+    )
+    assert moved.diagnostics.cache_miss_reason.type == "system_changed"  # the same tools, another system text
     unknown = claude.messages.create(**ask, system=system, diagnostics={"previous_message_id": "msg_unknown"})
     assert unknown.diagnostics.cache_miss_reason.type == "previous_message_not_found"
