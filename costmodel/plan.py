@@ -92,6 +92,15 @@ class LoadCost:
         return self.seconds(start, stop, READ_LINKS["L3"]), join
 
 
+def snapshot_seconds(restored: Sequence[Source], snapshot_bytes: int, profile: Profile) -> float:
+    """Reading the state snapshot that ends a hybrid restore of the ``restored`` pages:
+    priced on the links of the last page's tier (the snapshot is kept beside its page:
+    evicted with it and restored alike; raw in every tier); nothing for no pages."""
+    if not restored or not snapshot_bytes:
+        return 0.0
+    return sum(profile.links[link].predict(snapshot_bytes) for link in links_crossed(restored[-1]))
+
+
 def restore_seconds(sources: Sequence[Source], page_bytes: int, profile: Profile, codec: str = "raw") -> float:
     """Predicted time to bring these pages into a request's KV."""
     return LoadCost(sources, page_bytes, profile, codec).seconds(0, len(sources))
@@ -106,6 +115,7 @@ def plan_restore(
     codec: str = "raw",
     points: Sequence[int] | None = None,
     window: PageGeometry | None = None,
+    snapshot_bytes: int = 0,
 ) -> RestorePlan:
     """The plan with the least predicted time to the end of prefill.
 
@@ -125,6 +135,10 @@ def plan_restore(
 
     ``window``: a sliding-window model's geometry (``LoadCost``): its pages are priced at
     the bytes a restore reads, and it is restored serially.
+
+    ``snapshot_bytes``: a hybrid model's state, read with a restore that ends at one of
+    its ``points`` (``snapshot_seconds``), so a point whose snapshot is slow to read can
+    lose to an earlier one.
     """
     loads = LoadCost(matched, page_bytes, profile, codec, window)
     compute = profile.compute.predict
@@ -138,7 +152,7 @@ def plan_restore(
         if allowed is not None and k not in allowed:
             continue
         rest = compute(prompt_tokens - k * page_size, k * page_size)
-        options = [(loads.seconds(0, k) + rest, 0)]
+        options = [(loads.seconds(0, k) + rest + snapshot_seconds(matched[:k], snapshot_bytes, profile), 0)]
         serial = allowed is not None or loads.window is not None
         most = k - lead - 1 if k <= next_l1 and not serial else 0  # compute c pages while at least one loads
         if most >= 1:

@@ -18,8 +18,8 @@ of its own. Beside each replay the report gives what no store could beat
   after its snapshot pages (``costmodel.spacing``: every ``snapshot_spacing`` pages, or
   the cost model's choice, and its last full page), each counted as ``snapshot_bytes``
   in the snapshot tiers' caps and on the links; a prefix is restored only up to a
-  snapshot (``TieredStore.restore_points``), and its snapshot's read is added to the
-  time, priced at the slowest tier the restored prefix came from. The snapshots' L3
+  snapshot (``TieredStore.restore_points``), and the plan prices its snapshot's read
+  (``costmodel.plan.snapshot_seconds``: on the links of its last page's tier). The snapshots' L3
   records count as pages against L3's cap (one size for every record there).
 """
 
@@ -48,7 +48,6 @@ from .trace import BLOCK_TOKENS, SyntheticPrompts, TraceRequest, page_names
 
 SOURCES = tuple(s.value for s in Source)
 _STATE = LayerKind("state", arrays=(("float16", (2,)),))  # the replay's snapshot payload: 4 bytes
-_READ = {Source.L2: "L2->L1", Source.L3: "L3->L1"}  # the link a snapshot from that tier is read on
 
 
 def decode_seconds(compute: ComputeModel, context: int, tokens: int) -> float:
@@ -212,7 +211,15 @@ class Replay:
         result.held_pages += len(matched) + stranded
         result.stranded_pages += stranded
         points = store.restore_points(keys[: len(matched)])
-        plan = plan_restore(matched, request.input_length, size, self.config.page_bytes, self.profile, points=points)
+        plan = plan_restore(
+            matched,
+            request.input_length,
+            size,
+            self.config.page_bytes,
+            self.profile,
+            points=points,
+            snapshot_bytes=self.config.snapshot_bytes,
+        )
         if points is None:
             restored = [
                 *self._restore(store, keys[: plan.l1_pages], tokens, 0),  # as the engine does
@@ -232,9 +239,7 @@ class Replay:
                 store.publish_snapshot(keys[j - 1], tokens[(j - 1) * size : j * size], self.state)
         store.release([key for key, _ in restored])
         store.settle()
-        seconds = plan.predicted_s
-        if restored and self.snapshot_points and restored[-1][1] in _READ:
-            seconds += self.profile.links[_READ[restored[-1][1]]].predict(self.config.snapshot_bytes)
+        seconds = plan.predicted_s  # a hybrid plan's includes the snapshot's read
         arrival = request.arrival_s / self.config.speed
         start = max(arrival, free_at)
         result.ttft_s.append(start + seconds - arrival)

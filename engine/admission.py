@@ -78,6 +78,7 @@ class Admission:
             self.config.store.codec,
             points,
             self.geometry,
+            self.geometry.snapshot_nbytes,
         )
 
     def worth_reading(self, request: Request, resident: list[Source], profile: Profile) -> bool:

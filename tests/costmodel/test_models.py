@@ -184,3 +184,15 @@ def test_a_window_models_restore_is_priced_at_the_rows_it_reads():
     assert plan.predicted_s == pytest.approx(read + p.compute.predict(1, 8 * PAGE))
     whole = plan_restore([Source.L3] * 8, 8 * PAGE + 1, PAGE, geometry.nbytes, p)  # every row priced
     assert whole.predicted_s > plan.predicted_s
+
+
+def test_a_hybrid_plan_prices_the_snapshot_it_reads():
+    """Pages 0-1 in L1, 2-3 in L3, snapshots after pages 2 and 4: a state that takes
+    longer to read from L3 than computing two pages makes the earlier point (its snapshot
+    beside an L1 page, free) win; a small state keeps the longer restore."""
+    matched = [Source.L1, Source.L1, Source.L3, Source.L3]
+    slow = profile(link_gib_s=1.0)  # 1 GiB/s: 1 GiB of state is ~1 s, two pages' compute 0.256 s
+    small = plan_restore(matched, 6 * PAGE, PAGE, PAGE_BYTES, slow, points=[2, 4], snapshot_bytes=MIB)
+    big = plan_restore(matched, 6 * PAGE, PAGE, PAGE_BYTES, slow, points=[2, 4], snapshot_bytes=1 << 30)
+    assert small.restore_pages == 4
+    assert big.restore_pages == 2
