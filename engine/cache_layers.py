@@ -14,6 +14,11 @@ for it:
 - ``ArraysCache`` (recurrent state): no rows; its arrays after the cache's last token
   are a snapshot (``snapshot``), every state layer's arrays in model order as one flat
   uint8 array, put back by ``cache_from`` with the KV before it.
+
+A ``CacheList`` (a layer of several caches, such as Falcon-H1's Mamba state and KV) is
+its caches in order: the geometry's layers are the model's ``leaves``, so a CacheList
+layer is one state layer and one attention layer to every function here, and the cache
+handed back to mlx-lm keeps its CacheLists (their caches are changed in place).
 """
 
 from __future__ import annotations
@@ -21,9 +26,20 @@ from __future__ import annotations
 import math
 
 import mlx.core as mx
-from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
+from mlx_lm.models.cache import CacheList, RotatingKVCache, make_prompt_cache
 
 from kvtier.tiers.page import PageGeometry
+
+
+def leaves(caches: list) -> list:
+    """The model's caches with each ``CacheList`` replaced by its caches, in order: what
+    ``PageGeometry``'s layer indices count."""
+    return [leaf for c in caches for leaf in (c.caches if isinstance(c, CacheList) else (c,))]
+
+
+def offset(caches: list, geometry: PageGeometry) -> int:
+    """Tokens in a one-sequence mlx-lm cache (its first attention layer's offset)."""
+    return leaves(caches)[geometry.rows[0]].offset
 
 
 def _held(c) -> tuple[mx.array, mx.array, int]:
@@ -36,9 +52,9 @@ def page_kv(caches: list, geometry: PageGeometry, start: int, end: int) -> mx.ar
     """Tokens ``start..end`` of a one-sequence mlx-lm cache in page layout
     (rows, 2, kv_heads, tokens, head_dim), a new array; None when a window layer no
     longer holds them."""
-    rows = []
+    rows, flat = [], leaves(caches)
     for layer in geometry.rows:
-        keys, values, first = _held(caches[layer])
+        keys, values, first = _held(flat[layer])
         if start < first:
             return None
         rows.append(mx.stack([keys[0, :, start - first : end - first], values[0, :, start - first : end - first]]))
@@ -47,16 +63,17 @@ def page_kv(caches: list, geometry: PageGeometry, start: int, end: int) -> mx.ar
 
 def snapshot(caches: list, geometry: PageGeometry) -> mx.array:
     """The state layers' arrays of a one-sequence mlx-lm cache as one flat uint8 array."""
-    arrays = [a for layer in geometry.state_layers for a in caches[layer].cache]
+    flat = leaves(caches)
+    arrays = [a for layer in geometry.state_layers for a in flat[layer].cache]
     return mx.concatenate([mx.contiguous(a).reshape(-1).view(mx.uint8) for a in arrays])
 
 
 def _put_state(cache: list, geometry: PageGeometry, state: mx.array) -> None:
-    at = 0
+    at, flat = 0, leaves(cache)
     for layer in geometry.state_layers:
         for i, (dtype, shape) in enumerate(geometry.kinds[layer].arrays):
             n = math.prod(shape) * getattr(mx, dtype).size
-            cache[layer][i] = state[at : at + n].view(getattr(mx, dtype)).reshape(shape)
+            flat[layer][i] = state[at : at + n].view(getattr(mx, dtype)).reshape(shape)
             at += n
 
 
@@ -73,8 +90,9 @@ def cache_from(
     cache = make_prompt_cache(model)
     if state is not None:
         _put_state(cache, geometry, state)
+    flat = leaves(cache)
     for (keys, values), layer in zip(layers, geometry.rows):
-        c = cache[layer]
+        c = flat[layer]
         if isinstance(c, RotatingKVCache):
             n = min(num_tokens, c.max_size)
             c.state = (keys[:, :, -n:], values[:, :, -n:], num_tokens, c.keep, c.max_size, n)
@@ -85,5 +103,6 @@ def cache_from(
 
 def append_rows(cache: list, geometry: PageGeometry, kv: mx.array) -> None:
     """Append ``kv`` (page layout: rows, 2, kv_heads, tokens, head_dim) to each layer."""
+    flat = leaves(cache)
     for row, layer in enumerate(geometry.rows):
-        cache[layer].update_and_fetch(kv[row, 0][None], kv[row, 1][None])
+        flat[layer].update_and_fetch(kv[row, 0][None], kv[row, 1][None])

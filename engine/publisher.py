@@ -17,7 +17,7 @@ from mlx_lm.generate import BatchGenerator
 from kvtier.tiers.hierarchy import TieredStore
 from kvtier.tiers.page import KeyChain, Namespace, key_chain, partial_key
 
-from .cache_layers import page_kv, snapshot
+from .cache_layers import offset, page_kv, snapshot
 from .config import EngineConfig
 from .request import Request
 from .scheduler import Scheduler
@@ -61,7 +61,7 @@ class Publisher:
         Whatever the publish setting: a state exists only at the step that reaches it."""
         caches, _ = self.generator.extract_cache([request.uid])[request.uid]
         g, size, keys = self.store.geometry, self.config.page_size, request.keys
-        held = caches[g.rows[0]].offset  # tokens in the cache (at the end of the prompt: all of them)
+        held = offset(caches, g)  # tokens in the cache (at the end of the prompt: all of them)
         ready = min(len(keys), held // size)
         if ready > request.published:
             self.publish(request, caches, ready)
@@ -122,7 +122,7 @@ class Publisher:
         if len(sequence) // size <= request.published or len(sequence) % size not in (0, 1):
             return
         caches, _ = self.generator.extract_cache([request.uid])[request.uid]
-        tokens = sequence[: caches[g.rows[0]].offset]
+        tokens = sequence[: offset(caches, g)]
         chain = key_chain(self.namespace, tokens, request.root)
         keys = chain.keys
         if len(tokens) % size or len(keys) <= request.published:
@@ -149,7 +149,7 @@ class Publisher:
             return
         caches = response.prompt_cache
         tokens = list(response.all_tokens) if self.config.publish_answers else request.prompt
-        tokens = tokens[: caches[g.rows[0]].offset]
+        tokens = tokens[: offset(caches, g)]
         chain = key_chain(self.namespace, tokens, request.root)
         keys = chain.keys
         if len(keys) > request.published:

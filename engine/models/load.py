@@ -28,6 +28,8 @@ from mlx_lm.utils import _download
 from kvtier.costmodel.profile import profile_key
 from kvtier.tiers.page import GLOBAL, LayerKind, Namespace, PageGeometry
 
+from ..cache_layers import leaves
+
 from . import defaults
 from .gguf import GGUFError
 from .paths import kvtier_home
@@ -54,9 +56,10 @@ class LoadedModel:
         """KV page geometry, read off a one-token forward pass, with each layer's kind
         (``layer_kind``; DESIGN §3a)."""
         cache = make_prompt_cache(self.model)
-        for c in cache:
+        for c in leaves(cache):
             layer_kind(c)  # refuse an unknown kind before any work
         self.model(mx.array([[0]]), cache=cache)
+        cache = leaves(cache)  # a CacheList layer is its caches (``engine.cache_layers``)
         kinds = tuple(layer_kind(c) for c in cache)
         narrowest = min((k.window for k in kinds if k.name == "window"), default=page_size)
         if narrowest < page_size:
@@ -102,9 +105,10 @@ class LoadedModel:
 
 
 def layer_kind(cache: object) -> LayerKind:
-    """The kind of one layer's mlx-lm cache (a state layer's arrays are known once a
-    token has passed); ModelError naming the cache class for one kvtier cannot restore
-    (yet: ``CacheList`` and the others; for good: a rotating cache that keeps its first
+    """The kind of one of a model's leaf caches (``engine.cache_layers.leaves``: a
+    ``CacheList`` is its caches; a state layer's arrays are known once a token has
+    passed); ModelError naming the cache class for one kvtier cannot restore (yet:
+    ``ChunkedKVCache`` and the others; for good: a rotating cache that keeps its first
     tokens, which mlx-lm's ``BatchGenerator`` drops when it batches the cache)."""
     if type(cache) is KVCache:
         return GLOBAL
@@ -119,7 +123,8 @@ def layer_kind(cache: object) -> LayerKind:
             f"kvtier cannot serve RotatingKVCache(keep={cache.keep}): mlx-lm's BatchGenerator drops the kept tokens"
         )
     raise ModelError(
-        f"kvtier cannot restore {type(cache).__name__} layers yet; it serves KVCache, RotatingKVCache and ArraysCache"
+        f"kvtier cannot restore {type(cache).__name__} layers yet; "
+        "it serves KVCache, RotatingKVCache, ArraysCache and CacheLists of them"
     )
 
 

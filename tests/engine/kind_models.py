@@ -9,8 +9,9 @@ so that outputs depend on the context. Sizes are tiny so each test runs in secon
   layer every second layer (``KVCache``);
 - ``lfm2``: a recurrent hybrid, short-convolution layers (``ArraysCache``: one state
   array of the last ``conv_L_cache - 1`` inputs) between attention layers;
-- ``falcon_h1``: a ``CacheList`` (Mamba-2 state and KV) per layer, a kind kvtier does
-  not restore yet (its refusal names it).
+- ``falcon_h1``: a ``CacheList`` (Mamba-2 state and KV) per layer;
+- ``llama4``: chunked-attention layers (``ChunkedKVCache``), a kind kvtier does not
+  restore yet (its refusal names it).
 """
 
 from __future__ import annotations
@@ -79,6 +80,30 @@ CONFIGS = {
         "mamba_d_head": 16,
         "mamba_n_heads": 4,
         "mamba_chunk_size": 16,
+    },
+    "llama4": {
+        "model_type": "llama4",
+        "text_config": {
+            "model_type": "llama4_text",
+            "attention_bias": False,
+            "attention_chunk_size": 32,
+            "head_dim": 32,
+            "hidden_size": 64,
+            "interleave_moe_layer_step": 2,
+            "intermediate_size": 64,
+            "intermediate_size_mlp": 128,
+            "max_position_embeddings": 4096,
+            "num_attention_heads": 2,
+            "num_experts_per_tok": 1,
+            "num_hidden_layers": 4,
+            "num_key_value_heads": 1,
+            "num_local_experts": 2,
+            "rms_norm_eps": 1e-5,
+            "rope_scaling": None,
+            "rope_theta": 10000.0,
+            "use_qk_norm": True,
+            "vocab_size": _VOCAB,
+        },
     },
 }
 

@@ -30,6 +30,13 @@ def lfm2(tmp_path_factory):
     return load_model(str(write_model(tmp_path_factory.mktemp("models") / "lfm2", "lfm2")))
 
 
+@pytest.fixture(scope="module", params=["lfm2", "falcon_h1"])
+def hybrid(request, tmp_path_factory):
+    """Both hybrid layouts: state layers between attention layers (lfm2), and a
+    ``CacheList`` of a Mamba-2 state and a KV cache in every layer (falcon_h1)."""
+    return load_model(str(write_model(tmp_path_factory.mktemp("models") / request.param, request.param)))
+
+
 def make_engine(
     loaded, store_dir, l1_bytes: int = 1 << 26, step: int = 2048, snapshot_l1: int = 1 << 20, answers: bool = False
 ) -> Engine:
@@ -56,10 +63,10 @@ def sources(l1=0, l2=0, l3=0, recomputed=0) -> dict:
 
 
 @pytest.mark.parametrize("step", [8, 2048])  # prefill chunks within a page, and the whole prompt at once
-def test_hybrid_restored_from_l1_and_lmdb_equals_mlx_lm(lfm2, tmp_path, step):
-    prompt = text_prompt(lfm2, 150, seed=3)  # 9 full pages before the last token
-    expected = mlx_lm_greedy(lfm2, prompt, GREEDY.max_tokens)
-    engine = make_engine(lfm2, tmp_path, step=step)
+def test_hybrid_restored_from_l1_and_lmdb_equals_mlx_lm(hybrid, tmp_path, step):
+    prompt = text_prompt(hybrid, 150, seed=3)  # 9 full pages before the last token
+    expected = mlx_lm_greedy(hybrid, prompt, GREEDY.max_tokens)
+    engine = make_engine(hybrid, tmp_path, step=step)
     assert engine.geometry.snapshot_nbytes and "state" in engine.namespace.layers
     cold, warm = run_one(engine, prompt), run_one(engine, prompt)
     kept = engine.store.view().snapshots[0].pages
@@ -70,7 +77,7 @@ def test_hybrid_restored_from_l1_and_lmdb_equals_mlx_lm(lfm2, tmp_path, step):
     assert warm.output == expected and warm.sources() == sources(l1=144, recomputed=6)
     assert kept == 5  # after pages 2, 4, 6, 8 and 9
 
-    engine = make_engine(lfm2, tmp_path, step=step)  # a restart: LMDB has the pages and snapshots
+    engine = make_engine(hybrid, tmp_path, step=step)  # a restart: LMDB has the pages and snapshots
     restored = run_one(engine, prompt)
     stats = engine.stats()
     engine.close()
@@ -148,18 +155,18 @@ def test_next_chat_turn_restores_the_previous_prompt_and_answer(lfm2):
     assert kept == 6  # after pages 2, 4, 5 (the first prompt's last full page), 6, 8 (its answer), 9 (the second's)
 
 
-def test_a_restored_and_a_fresh_request_in_one_batch(lfm2, tmp_path):
+def test_a_restored_and_a_fresh_request_in_one_batch(hybrid, tmp_path):
     """With the snapshot spacing the cost model chooses (the prompt's last full page is
     always one)."""
-    shared = text_prompt(lfm2, 120, seed=9)
-    other = text_prompt(lfm2, 70, seed=10)
+    shared = text_prompt(hybrid, 120, seed=9)
+    other = text_prompt(hybrid, 70, seed=10)
     store = StoreConfig(1 << 26, 1 << 26, store_dir=tmp_path, snapshot_l2_bytes=1 << 20)
-    engine = restoring_wins(Engine(lfm2, EngineConfig(page_size=PAGE, store=store)))
+    engine = restoring_wins(Engine(hybrid, EngineConfig(page_size=PAGE, store=store)))
     run_one(engine, shared)
     restored, fresh = engine.generate([shared, other], GREEDY)
     engine.close()
-    assert restored.output == mlx_lm_greedy(lfm2, shared, GREEDY.max_tokens) and restored.sources()["L1"] == 112
-    assert fresh.output == mlx_lm_greedy(lfm2, other, GREEDY.max_tokens) and fresh.sources()["recomputed"] == 70
+    assert restored.output == mlx_lm_greedy(hybrid, shared, GREEDY.max_tokens) and restored.sources()["L1"] == 112
+    assert fresh.output == mlx_lm_greedy(hybrid, other, GREEDY.max_tokens) and fresh.sources()["recomputed"] == 70
 
 
 def test_snapshot_counters_persist_in_the_store(lfm2, tmp_path):

@@ -132,12 +132,12 @@ def test_bad_input_is_one_line_exit_2_and_the_store_is_intact(store, tmp_path, a
 
 
 def test_unsupported_model_is_one_line_and_exit_2(tmp_path):
-    """A model with a ``CacheList`` per layer: refused before any work, the kind named."""
-    model_dir = write_model(tmp_path / "falcon_h1", "falcon_h1")
+    """A model with chunked-attention layers: refused before any work, the kind named."""
+    model_dir = write_model(tmp_path / "llama4", "llama4")
     for argv in (["run", "--prompt", "hi"], ["calibrate"], ["bench", "restore"]):
         done = kvtier(*argv, "--model", str(model_dir), "--store", str(tmp_path / "s"), check=False)
         assert done.returncode == 2, done.stderr
-        assert "kvtier cannot restore CacheList layers yet" in done.stderr
+        assert "kvtier cannot restore ChunkedKVCache layers yet" in done.stderr
         assert len(done.stderr.strip().splitlines()) == 1
 
 
