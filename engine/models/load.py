@@ -29,7 +29,6 @@ from kvtier.costmodel.profile import profile_key
 from kvtier.tiers.page import GLOBAL, LayerKind, Namespace, PageGeometry
 
 from ..cache_layers import leaves
-
 from . import defaults
 from .gguf import GGUFError
 from .paths import kvtier_home
