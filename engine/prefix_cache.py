@@ -94,7 +94,7 @@ class PrefixCaches:
         then = None
         if restore == matched_pages:
             after = request.prompt[restore * size : len(request.prompt) - 1]
-            then = self.store.match_partial(request.parents[restore], after)
+            then = self.store.partials.match(request.parents[restore], after)
         keys = request.keys[:restore]
         request.restored = self.store.restore(
             keys, request.prompt, then=then, parents=request.parents, read=request.l3_read
@@ -114,7 +114,7 @@ class PrefixCaches:
         is always computed."""
         done, size = request.prefix_tokens, self.config.page_size
         after = request.prompt[done : min(done + size, len(request.prompt) - 1)]
-        match = self.store.match_partial(request.parents[done // size], after)
+        match = self.store.partials.match(request.parents[done // size], after)
         if match is None:
             return cache
         cache = cache or make_prompt_cache(self.model)

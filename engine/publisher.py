@@ -75,7 +75,7 @@ class Publisher:
             kv, state = page_kv(caches, g, done, held), snapshot(caches, g)
             if kv is not None:
                 mx.eval(kv, state)
-                self.store.publish_partial(request.parents[len(keys)], request.prompt[done:held], kv, state)
+                self.store.partials.publish(request.parents[len(keys)], request.prompt[done:held], kv, state)
         self.totals.store_seconds += time.perf_counter() - t0
 
     def publish(
@@ -135,7 +135,7 @@ class Publisher:
 
     def at_end(self, request: Request, response) -> None:
         """At the end, publish the full pages of the sequence not published yet, and keep
-        its last partial page in L1 (``TieredStore.publish_partial``; a hybrid model's
+        its last partial page in L1 (``TieredStore.partials``; a hybrid model's
         with the state after it). The sequence is the prompt or, with
         ``publish_answers``, the prompt and the answer, keyed by the generated tokens,
         so that a next turn whose prompt holds this prompt and this answer restores both
@@ -163,7 +163,7 @@ class Publisher:
                 state = snapshot(caches, g) if g.snapshot_nbytes else None
                 mx.eval(kv, state)
                 parent, tail = chain.parents[len(keys)], tokens[done:]
-                self.store.publish_partial(parent, tail, kv, state)
+                self.store.partials.publish(parent, tail, kv, state)
                 request.ended_in.append(partial_key(parent, tail))
                 request.tail_tokens = len(tail)
             self.totals.store_seconds += time.perf_counter() - t0

@@ -62,7 +62,8 @@ from .l3.open import open_l3
 from .l3_join import describe, join_later, open_disk
 from .l3_reads import AheadRead, Readers, degraded
 from .links import LinkLedger, Throttle
-from .page import Namespace, PageGeometry, PageKey, Source, page_tokens, partial_key, shared_start
+from .page import Namespace, PageGeometry, PageKey, Source, page_tokens
+from .partials import PartialPages
 from .placement import Pins, Placement
 from .policy import L3Admission, make_policy
 from .restore import PartialMatch, PendingRestore, RestoredPrefix, Restorer
@@ -138,6 +139,8 @@ class TieredStore:
             self.throttle,
         )
         self._lock = threading.RLock()
+        hybrid = self.snapshots is not None
+        self.partials = PartialPages(self.l1, self.placement, geometry.page_size, hybrid, self._lock)
         self._closed = False
         self._closing = threading.Event()  # ends the counter checkpoints and a late join
         self._checkpoints: CounterCheckpoints | None = None
@@ -295,9 +298,7 @@ class TieredStore:
             points = self.snapshots.points(keys)
             if parent is None:
                 parent = keys[-1] if keys else self.ns_digest
-            if any(
-                p.state is not None and tuple(after[: len(p.tokens)]) == p.tokens for _, p in self.l1.following(parent)
-            ):
+            if self.partials.resumes(parent, after):
                 points.append(len(keys))
             return points
 
@@ -384,7 +385,7 @@ class TieredStore:
         the first ones while later ones load) is kept in L1 like a restored page: the
         next request reads it from L1, not from below again.
         ``cost``: the seconds its recompute takes, for the ``cost`` eviction policy;
-        ``parent``: the key of the page before it (``match_partial`` finds it by that)."""
+        ``parent``: the key of the page before it (``partials.match`` finds it by that)."""
         with self._lock:
             self.admission.seen(key)
             if not self.wants(key):
@@ -402,41 +403,6 @@ class TieredStore:
         """Whether ``publish`` would keep a computed page of ``key``: L1 lacks it."""
         with self._lock:
             return key not in self.l1
-
-    def publish_partial(
-        self, parent: bytes, tokens: Sequence[int], kv: mx.array, state: mx.array | None = None
-    ) -> bool:
-        """Keep a request's last, partial page (``kv``: its tokens along axis 3; a hybrid
-        model's ``state`` after them) in L1 after the page keyed ``parent``. It lives in
-        L1 only: evicted, it is dropped, and it is never flushed (L2 and L3 hold whole
-        pages). It is weighed by the eviction policy as the fraction of a page's
-        recompute it saves. False if already there or if L1 has no room."""
-        key = partial_key(parent, tokens)
-        with self._lock:
-            if key in self.l1 or not self.placement.make_room(self.l1):
-                return False
-            self.l1.add(key, DevicePage(tuple(tokens), kv, parent, state), len(tokens) / self.geometry.page_size)
-            return True
-
-    def match_partial(self, parent: bytes, tokens: Sequence[int]) -> PartialMatch | None:
-        """The L1 page after ``parent`` (full or partial) whose start ``tokens`` shares
-        most, cut to that start; None if none shares a token. The caller passes the
-        prompt's tokens after its restored pages, its last token excluded. The match
-        counts as an L1 hit of its tokens. A hybrid model's state cannot be cut: its
-        match is a partial page with its state, all of whose tokens the prompt shares."""
-        with self._lock:
-            best, shared = None, 0
-            for key, page in self.l1.following(parent):
-                n = shared_start(page.tokens, tokens)
-                whole = page.state is not None and n == len(page.tokens)
-                if n > shared and (self.snapshots is None or whole):
-                    best, shared = key, n
-            if best is None:
-                return None
-            self.l1.counters = self.l1.counters.plus(hit_tokens=shared)
-            match = self.l1.get(best)  # marked most recently used
-            assert match is not None, "following() lists pages in L1 (under the same lock)"
-            return PartialMatch(best, match.kv[:, :, :, :shared], match.parent, match.state)
 
     # -- lifecycle and numbers -------------------------------------------------
 

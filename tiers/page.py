@@ -97,7 +97,7 @@ IMPLICIT_ROOT = ChainRoot()  # the one implicit tenant: today's keys
 class KeyChain:
     """The keys of a sequence's full pages and the key before each: ``parents[i]`` comes
     before page ``i`` (``parents[len(keys)]`` before the partial page after them; an L1
-    page is found by it, ``TieredStore.match_partial``). ``parents[i] == keys[i - 1]``
+    page is found by it, ``TieredStore.partials``). ``parents[i] == keys[i - 1]``
     except at page 0 (a root) and at the first page past a shared prefix (the caller's
     root mixed in)."""
 

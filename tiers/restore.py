@@ -54,7 +54,7 @@ class RestoredPrefix:
 
 @dataclass(frozen=True)
 class PartialMatch:
-    """The start of an L1 page that a prompt shares (``TieredStore.match_partial``)."""
+    """The start of an L1 page that a prompt shares (``TieredStore.partials``)."""
 
     key: PageKey
     kv: mx.array  # (layers, 2, kv_heads, tokens, head_dim): the shared tokens only

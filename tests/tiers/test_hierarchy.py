@@ -510,22 +510,22 @@ def test_locate_sees_every_tier(tmp_path):
 # -- partial pages: the shared start of an L1 page ---------------------------------
 
 
-def test_match_partial_finds_the_longest_shared_start_after_a_page():
+def test_a_partial_match_is_the_longest_shared_start_after_a_page():
     store = make_store(8, 8)
     store.publish(KEYS[0], page_tokens(0), KV[0], parent=NS.digest())
     store.publish(KEYS[1], page_tokens(1), KV[1], parent=KEYS[0])
     tail = KV[2][:, :, :, :3]
-    assert store.publish_partial(KEYS[1], page_tokens(2)[:3], tail)
-    assert not store.publish_partial(KEYS[1], page_tokens(2)[:3], tail), "already there"
+    assert store.partials.publish(KEYS[1], page_tokens(2)[:3], tail)
+    assert not store.partials.publish(KEYS[1], page_tokens(2)[:3], tail), "already there"
     other = [page_tokens(2)[0], 7, 7]  # shares one token only
-    assert store.publish_partial(KEYS[1], other, KV[3][:, :, :, :3])
+    assert store.partials.publish(KEYS[1], other, KV[3][:, :, :, :3])
 
-    match = store.match_partial(KEYS[1], page_tokens(2)[:2] + [9, 9])
+    match = store.partials.match(KEYS[1], page_tokens(2)[:2] + [9, 9])
     assert match.num_tokens == 2 and same_bytes(match.kv, KV[2][:, :, :, :2])
-    assert store.match_partial(KEYS[1], [5]) is None, "no token shared"
-    assert store.match_partial(KEYS[0], page_tokens(2)) is None, "another parent's pages are not candidates"
+    assert store.partials.match(KEYS[1], [5]) is None, "no token shared"
+    assert store.partials.match(KEYS[0], page_tokens(2)) is None, "another parent's pages are not candidates"
     # a full page is a candidate too: a prompt that leaves page 1 midway shares its start
-    match = store.match_partial(KEYS[0], page_tokens(1)[:3] + [1])
+    match = store.partials.match(KEYS[0], page_tokens(1)[:3] + [1])
     assert match.key == KEYS[1] and same_bytes(match.kv, KV[1][:, :, :, :3])
     assert store.l1.counters.hit_tokens == 2 + 3
 
@@ -533,12 +533,12 @@ def test_match_partial_finds_the_longest_shared_start_after_a_page():
 def test_partial_pages_stay_in_l1_evicted_they_are_dropped_never_flushed(tmp_path):
     store = make_store(2, 4, tmp_path)
     store.publish(KEYS[0], page_tokens(0), KV[0], parent=NS.digest())
-    store.publish_partial(KEYS[0], page_tokens(1)[:2], KV[1][:, :, :, :2])
+    store.partials.publish(KEYS[0], page_tokens(1)[:2], KV[1][:, :, :, :2])
     store.flush()
     assert store.stats().tiers["L3"].inserts == 1, "only the full page goes down"
     publish(store, 2, 3)  # L1 holds 2 pages: both earlier ones leave it
     assert store.l1.counters.pages == 2 and store.l2.counters.pages == 1, "the partial page was dropped"
-    assert store.match_partial(KEYS[0], page_tokens(1)) is None
+    assert store.partials.match(KEYS[0], page_tokens(1)) is None
     assert store.l1.following(KEYS[0]) == store.l1.following(NS.digest()) == []
     store.close()
 
@@ -549,7 +549,7 @@ def test_the_l1_follower_index_forgets_parents_whose_pages_left():
     store = make_store(2, 0)
     for i in range(6):  # each page evicts the one before last: L1 holds 2 pages
         store.publish(KEYS[i], page_tokens(i), KV[i], parent=KEYS[i - 1] if i else NS.digest())
-        store.publish_partial(KEYS[i], page_tokens(i + 1)[:2], KV[i + 1][:, :, :, :2])
+        store.partials.publish(KEYS[i], page_tokens(i + 1)[:2], KV[i + 1][:, :, :, :2])
         view = store.view().l1
         assert view.follower_pages == view.pages == 2
         assert view.follower_parents <= view.pages
