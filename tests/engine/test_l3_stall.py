@@ -1,10 +1,12 @@
 """The step loop never waits on L3: an L3 read that stalls (a store whose snapshots
 block on an Event, through ``L3Store.snapshot``) is abandoned at its deadline for
 recompute and counted, while other requests, ``/metrics``, ``/v1/kvtier/stats`` and
-``/health`` (degraded, naming L3) answer (the small generated model, in process)."""
+``/health`` (degraded, naming L3) answer (the small generated model, in process); the
+abandoned reads are persisted with the store's counters (``kvtier stats``)."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from contextlib import contextmanager
@@ -16,6 +18,7 @@ from kvtier.engine.request import SamplingParams
 from kvtier.engine.serve.app import KVTierServer, ServerConfig
 from kvtier.tiers.hierarchy import StoreConfig
 
+from .. import cli
 from .conftest import mlx_lm_greedy, text_prompt
 
 PAGE = 16
@@ -62,3 +65,7 @@ def test_a_stalled_l3_read_is_abandoned_and_everything_else_answers(loaded, tmp_
     finally:
         unfreeze.set()
         server.close()
+    stopped = cli.run(["stats", "--json", "--store", tmp_path])  # the store of a stopped server
+    assert json.loads(stopped.stdout)["reads_abandoned"] == 2
+    table = cli.run(["stats", "--store", tmp_path]).stdout
+    assert "L3 reads abandoned at their deadline (those requests recomputed instead): 2" in table
