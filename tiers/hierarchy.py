@@ -29,8 +29,10 @@ not in a page's layout, so the L1 copy is one device copy of the page's bytes ma
 while they are still pinned (a page already in L1 is not copied again). A raw L3
 page is read straight from LMDB's map into the request's KV (``L3->L1``) and not
 kept in L2: the OS page cache already holds it, and a copy into L2 would double the
-restore's work. A raw Redis page takes the same path from the bytes its snapshot
-read (in a few batched round trips, counted in ``L3->L1``'s seconds). A compressed
+restore's work (a read ahead off the step loop, ``tiers.l3_reads``, copies it out of
+the map on its reader thread, so that the loop never faults on the disk). A raw Redis
+page takes the same path from the bytes its snapshot read (in a few batched round
+trips, counted in ``L3->L1``'s seconds). A compressed
 L3 page is decoded into an L2 slot and kept there (``L3->L2``, then ``L2->L1``):
 decoding costs more than a copy. A page leaving
 L1 is copied to L2 only if L2 lacks it; a page leaving L2 is queued for L3 only if

@@ -3,7 +3,8 @@ writer thread (DESIGN §7).
 
 A read ahead (``TieredStore.read_ahead``) opens one L3 snapshot on a reader thread and
 reads there the records of a run of page keys (Redis: its batched ``MGET`` s; LMDB: in
-its read transaction), waiting out an L3 throttle too; the restore that follows on the
+its read transaction, each copied out of the map, so the step loop never faults on the
+disk: ``_LmdbSnapshot._owned``), waiting out an L3 throttle too; the restore that follows on the
 step loop (``begin``/``restore`` with ``read=``) finds them in memory and asks L3
 nothing, and asks nothing past them (a page the read did not find is a miss).
 

@@ -87,11 +87,16 @@ class Snapshot(ABC):
             value = None if self.store.check.doomed(key) else self._value(key)
             if value is None:
                 break
-            self._ahead[key] = value
+            self._ahead[key] = self._owned(value)
             nbytes += len(value)
         self.read_s = 0.0  # spent here, not by the restore: see ahead_s
         self._only_ahead = True
         return len(self._ahead), nbytes
+
+    def _owned(self, value: memoryview | bytes) -> memoryview | bytes:
+        """A value read ahead as the restore will find it: bytes this snapshot holds in
+        host memory (a backend whose values are views of something slower copies them)."""
+        return value
 
     def expect(self, keys: Sequence[bytes], raw_nbytes: int) -> None:  # noqa: B027 (a no-op unless a backend batches)
         """A hint: ``find`` will be asked for these keys, in this order (a remote backend
