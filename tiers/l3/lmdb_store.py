@@ -81,7 +81,7 @@ class _LmdbSnapshot(Snapshot):
         start = (at - room.ctypes.data) % _PAGE_ALIGN
         held = room[start : start + len(src)]
         np.copyto(held, src)
-        return memoryview(held)
+        return held.data
 
 
 class DiskTier(L3Store):
