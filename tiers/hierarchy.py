@@ -497,6 +497,19 @@ class TieredStore:
         if self._checkpoints is not None:
             repeat(seconds, self._closing, lambda: self.checkpoint_counters(extra_counters()))
 
+    def unflushed(self) -> Callable[[], int]:
+        """From now on: how many pages a flush has yet to get into L3 (those it will hand
+        to the writer, and those queued or being committed), read without the store's
+        lock (a close that holds it may be stuck on a frozen L3: ``Engine.close``)."""
+        with self._lock:
+            disk = self.disk
+            if disk is None or self._closed:
+                return lambda: 0
+            placements = [self.placement, *([self.snapshots.placement] if self.snapshots is not None else [])]
+            owed = sum(placement.unflushed() for placement in placements)
+            queued, _ = disk.writer.progress()
+        return lambda: max(0, owed + queued - disk.writer.progress()[1])
+
     def close(self, extra_counters: dict | None = None) -> None:
         """Flush to L3, add this process's counters to the store's, close L3 (once)."""
         self._closing.set()
