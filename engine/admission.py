@@ -60,7 +60,8 @@ class Admission:
         if self.prefix_flight and self.hold_for_prefix(request, matched, profile):
             return None
         after = request.prompt[len(matched) * self.config.page_size : len(request.prompt) - 1]
-        points = self.store.restore_points(request.keys[: len(matched)], after, request.parents[len(matched)])
+        keys, parent = request.keys[: len(matched)], request.parents[len(matched)]
+        points = self.store.restore_points(keys, after, parent, request.l3_read)
         request.plan = self.restore_plan(request, matched, profile, points)
         request.l1_tokens_at_admission = l1_tokens(matched, self.config.page_size)
         return matched

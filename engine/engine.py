@@ -402,23 +402,38 @@ class Engine:
         store = None if self.store is None else self.store.stats()
         return EngineStats(self.totals.snapshot(), window, self.profile.summary(), store)
 
-    def close(self) -> None:
+    def close(self, timeout_s: float | None = None) -> int | None:
         """Stop serving (``stop``: the requests already submitted finish first), then
         flush the store to L3 and persist counters; the engine is unusable after.
-        Closing twice does nothing."""
+        Closing twice does nothing. None once closed; with ``timeout_s``, the store's
+        flush and close (on L3, which may be frozen) get that long: past it they are
+        left running on a daemon thread (which ends with the process; an LMDB or Redis
+        write commits whole or not at all) and the pages not in L3 yet are returned."""
         if self._closed:
-            return
+            return None
         self.stop()
         self._closed = True
-        if self.store is not None:
-            stats = self.stats()  # keep what online refinement learned, and the last window
-            self.store.put_meta(self.loaded.profile_key(self.geometry), self.profile.to_dict())
-            assert stats.costmodel is not None  # an engine's stats always have its cost model
-            self.store.put_meta("last_run", LastRun(self.loaded.name, stats.windowed, stats.costmodel).to_json())
-            self.store.close(extra_counters={"engine": self.totals.to_dict()})
+        if self.store is not None and timeout_s is None:
+            self._close_store()
+        elif self.store is not None:
+            unflushed = self.store.unflushed()
+            closing = threading.Thread(target=self._close_store, name="kvtier-close", daemon=True)
+            closing.start()
+            closing.join(timeout_s)
+            if closing.is_alive():
+                return unflushed()
         if self.prefix_caches is not None:
             self.prefix_caches.close()
         self.generator.close()
+        return None
+
+    def _close_store(self) -> None:
+        assert self.store is not None, "closing the store of an engine without one"
+        stats = self.stats()  # keep what online refinement learned, and the last window
+        self.store.put_meta(self.loaded.profile_key(self.geometry), self.profile.to_dict())
+        assert stats.costmodel is not None  # an engine's stats always have its cost model
+        self.store.put_meta("last_run", LastRun(self.loaded.name, stats.windowed, stats.costmodel).to_json())
+        self.store.close(extra_counters={"engine": self.totals.to_dict()})
 
     def __enter__(self) -> Engine:
         return self

@@ -1,12 +1,15 @@
 """Requests waiting for their L3 pages, read off the step loop (DESIGN §7, §9).
 
 At admission, a request whose stored prefix may go on past what L1 and L2 hold (the
-store has an L3) is parked: its L3 records are read on the store's reader threads
+store has an L3), or, on a hybrid model, whose pages L1 and L2 hold may be restored
+further with a snapshot that only L3 holds (``tiers.snapshots``), is parked: its L3
+records (pages and snapshots) are read on the store's reader threads
 (``TieredStore.read_ahead``) while the step loop goes on with the other requests. A
 read done by its deadline sends the request back to admission, which plans and
 restores from what was read: the restore asks L3 nothing. The deadline is when
 recomputing those pages would have finished (the cost model's prefill time of the
-prompt's tokens after its resident pages, from the moment it was parked); past it the
+prompt's tokens after its resident pages, or after a hybrid's last resident restore
+point, from the moment it was parked); past it the
 read is abandoned (counted in the store's ``reads_abandoned``; it holds no pin, and its
 snapshot ends whenever it completes) and the request is admitted to recompute them, L3
 not asked again. L3 is not asked at all when the plan would not restore from it even
@@ -38,25 +41,38 @@ class L3Wait:
         self._parked: dict[int, Request] = {}
 
     def park(self, request: Request, profile: Profile, worth: Callable[[list[Source]], bool]) -> bool:
-        """Start reading ``request``'s L3 pages and hold it; False when there is nothing
-        to read (no L3, every page resident, read already, or L3 would not be restored
+        """Start reading ``request``'s L3 pages (and a hybrid's snapshots after its last
+        resident restore point) and hold it; False when there is nothing to read (no L3,
+        read already, every page resident with its state, or L3 would not be restored
         from even if it held every other page: ``worth`` of the resident pages)."""
         if request.l3_read is not None:
             return False
-        matched = self.store.locate(request.keys, request.prompt, nothing_read())
-        resident = len(matched)
-        if resident >= len(request.keys) or self.store.disk is None or not worth(matched):
-            request.l3_read = nothing_read()
+        request.l3_read = nothing_read()
+        if self.store.disk is None:
             return False
-        done = resident * self.page_size
+        matched = self.store.locate(request.keys, request.prompt, request.l3_read)
+        resident = len(matched)
+        pages = request.keys[resident:] if resident < len(request.keys) and worth(matched) else []
+        start = self._restorable(request, resident)
+        done = start * self.page_size
         deadline = time.perf_counter() + profile.compute.predict(len(request.prompt) - done, done)
-        read = self.store.read_ahead(request.keys[resident:], deadline, self._wake)
-        request.l3_read = read or nothing_read()
+        states = request.keys[start : resident + len(pages)]  # a hybrid's snapshots that could restore more
+        read = self.store.read_ahead(pages, deadline, self._wake, states)
         if read is None:
             return False
+        request.l3_read = read
         self._parked[request.rid] = request
         self.scheduler.park(request)
         return True
+
+    def _restorable(self, request: Request, resident: int) -> int:
+        """How many of the ``resident`` pages could be restored without L3: all of them,
+        but for a hybrid model only up to its last snapshot (or partial page with its
+        state) that L1 or L2 holds."""
+        size, keys = self.page_size, request.keys[:resident]
+        after = request.prompt[resident * size : len(request.prompt) - 1]
+        points = self.store.restore_points(keys, after, request.parents[resident], nothing_read())
+        return resident if points is None else max(points, default=0)
 
     def poll(self) -> None:
         """Send back to admission the parked requests whose read is done, and those whose

@@ -29,8 +29,10 @@ not in a page's layout, so the L1 copy is one device copy of the page's bytes ma
 while they are still pinned (a page already in L1 is not copied again). A raw L3
 page is read straight from LMDB's map into the request's KV (``L3->L1``) and not
 kept in L2: the OS page cache already holds it, and a copy into L2 would double the
-restore's work. A raw Redis page takes the same path from the bytes its snapshot
-read (in a few batched round trips, counted in ``L3->L1``'s seconds). A compressed
+restore's work (a read ahead off the step loop, ``tiers.l3_reads``, copies it out of
+the map on its reader thread, so that the loop never faults on the disk). A raw Redis
+page takes the same path from the bytes its snapshot read (in a few batched round
+trips, counted in ``L3->L1``'s seconds). A compressed
 L3 page is decoded into an L2 slot and kept there (``L3->L2``, then ``L2->L1``):
 decoding costs more than a copy. A page leaving
 L1 is copied to L2 only if L2 lacks it; a page leaving L2 is queued for L3 only if
@@ -234,7 +236,7 @@ class TieredStore:
         A page that vanished or failed its check since ``locate`` ends the run; the
         caller recomputes from there.
         """
-        return self.finish(self.begin(keys, tokens, first, parents=parents, read=read), then)
+        return self.finish(self.begin(keys, tokens, first, parents=parents, read=read), then, read)
 
     def begin(
         self,
@@ -254,48 +256,65 @@ class TieredStore:
     # -- reads ahead (off the step loop: tiers.l3_reads) -----------------------------
 
     def read_ahead(
-        self, keys: Sequence[PageKey], deadline: float, done: Callable[[], None] = lambda: None
+        self,
+        keys: Sequence[PageKey],
+        deadline: float,
+        done: Callable[[], None] = lambda: None,
+        states: Sequence[PageKey] = (),
     ) -> AheadRead | None:
         """Start reading the L3 records of ``keys`` on a reader thread (``done()`` once it
-        completes); None without L3. A restore given the read once it is done asks L3
-        nothing; ``deadline`` (perf_counter): when its caller stops waiting
-        (``readers.abandon``, counted in ``reads_abandoned``; else ``readers.end``)."""
+        completes), and of a hybrid model's snapshots after the pages ``states`` that L1
+        and L2 lack; None without L3, or with nothing to read. A restore given the read
+        once it is done asks L3 nothing (``restore_points`` and ``finish`` neither);
+        ``deadline`` (perf_counter): when its caller stops waiting (``readers.abandon``,
+        counted in ``reads_abandoned``; else ``readers.end``)."""
         disk = self.disk
-        if disk is None or self._closing.is_set():
+        with self._lock:
+            below = self.snapshots.below(states) if self.snapshots is not None else []
+        if disk is None or self._closing.is_set() or not (keys or below):
             return None
-        return self.readers.start(disk, keys, self.geometry.nbytes, deadline, done)
+        nbytes = self.geometry.snapshot_nbytes
+        return self.readers.start(disk, keys, self.geometry.nbytes, deadline, done, below, nbytes)
 
     def degraded(self) -> list[str]:
         """The tiers that answer slowly or not at all now (``tiers.l3_reads.degraded``)."""
         return degraded(self.readers, self.disk, self._retrying and not self._closing.is_set())
 
-    def finish(self, pending: PendingRestore, then: PartialMatch | None = None) -> RestoredPrefix:
+    def finish(
+        self, pending: PendingRestore, then: PartialMatch | None = None, read: AheadRead | None = None
+    ) -> RestoredPrefix:
         """Join a begun restore's pages into per-layer device arrays and end its snapshot;
         if the join fails its pages are unpinned. A hybrid model's restore ends after
         its last page with a snapshot and holds that state, or, when the partial page
         ``then`` (with its state) follows all of its pages, ends after that page's
-        tokens with its state (``Snapshots.attach``)."""
+        tokens with its state (``Snapshots.attach``; with ``read``, L3's snapshots are
+        those it read)."""
         with self._lock:
             restored = self.restorer.finish(pending)
             if self.snapshots is None or not (restored.keys or then):
                 return restored
             after = pending.parents[len(restored.keys)]  # the key before the partial page ``then`` must be
-            restored, cut = self.snapshots.attach(restored, [p.tokens for p in pending.pages], then, after)
+            restored, cut = self.snapshots.attach(restored, [p.tokens for p in pending.pages], then, after, read)
             self.pins.release(cut)
             return restored
 
     def restore_points(
-        self, keys: Sequence[PageKey], after: Sequence[int] = (), parent: bytes | None = None
+        self,
+        keys: Sequence[PageKey],
+        after: Sequence[int] = (),
+        parent: bytes | None = None,
+        read: AheadRead | None = None,
     ) -> list[int] | None:
         """The prefix lengths in pages (0..len(keys)) a hybrid model can restore: those
         followed by a snapshot, and ``len(keys)`` when a partial page with its state,
         all of whose tokens ``after`` (the prompt's tokens after those pages, its last
         excluded) starts with, follows them (unverified); None when every length can be.
-        ``parent``: the key before that partial page (None: the plain chain's)."""
+        ``parent``: the key before that partial page (None: the plain chain's); with
+        ``read``, L3 is not asked: its snapshots are those the read found."""
         with self._lock:
             if self.snapshots is None:
                 return None
-            points = self.snapshots.points(keys)
+            points = self.snapshots.points(keys, read)
             if parent is None:
                 parent = keys[-1] if keys else self.ns_digest
             if self.partials.resumes(parent, after):
@@ -443,6 +462,19 @@ class TieredStore:
         closes (``tiers.checkpoints``: a killed process loses at most that window)."""
         if self._checkpoints is not None:
             repeat(seconds, self._closing, lambda: self.checkpoint_counters(extra_counters()))
+
+    def unflushed(self) -> Callable[[], int]:
+        """From now on: how many pages a flush has yet to get into L3 (those it will hand
+        to the writer, and those queued or being committed), read without the store's
+        lock (a close that holds it may be stuck on a frozen L3: ``Engine.close``)."""
+        with self._lock:
+            disk = self.disk
+            if disk is None or self._closed:
+                return lambda: 0
+            placements = [self.placement, *([self.snapshots.placement] if self.snapshots is not None else [])]
+            owed = sum(placement.unflushed() for placement in placements)
+            queued, _ = disk.writer.progress()
+        return lambda: max(0, owed + queued - disk.writer.progress()[1])
 
     def close(self, extra_counters: dict | None = None) -> None:
         """Flush to L3, add this process's counters to the store's, close L3 (once)."""

@@ -3,7 +3,8 @@ writer thread (DESIGN §7).
 
 A read ahead (``TieredStore.read_ahead``) opens one L3 snapshot on a reader thread and
 reads there the records of a run of page keys (Redis: its batched ``MGET`` s; LMDB: in
-its read transaction), waiting out an L3 throttle too; the restore that follows on the
+its read transaction, each copied out of the map, so the step loop never faults on the
+disk: ``_LmdbSnapshot._owned``), waiting out an L3 throttle too; the restore that follows on the
 step loop (``begin``/``restore`` with ``read=``) finds them in memory and asks L3
 nothing, and asks nothing past them (a page the read did not find is a miss).
 
@@ -35,25 +36,35 @@ READERS = 2  # reader threads: a restore's reads are batched, so a few suffice
 
 @dataclass(eq=False)
 class AheadRead:
-    """One read ahead: the keys asked for, its deadline (perf_counter), and once it has
-    run the snapshot holding what it found."""
+    """One read ahead: the page keys asked for, a hybrid model's snapshot keys
+    (``states``), its deadline (perf_counter), and once it has run the snapshot holding
+    what it found."""
 
     keys: list[PageKey]
     deadline: float
-    future: Future[int] | None = None  # records found (the leading keys); None: nothing read
+    states: list[PageKey] = field(default_factory=list)
+    future: Future[tuple[list[PageKey], list[PageKey]]] | None = None  # (pages, states) found; None: nothing read
     snapshot: Snapshot | None = None
     stack: ExitStack = field(default_factory=ExitStack)
 
     def done(self) -> bool:
         return self.future is None or self.future.done()
 
-    @property
-    def found(self) -> list[PageKey]:
-        """The leading keys with a record (none until done, or when it failed)."""
+    def _result(self) -> tuple[list[PageKey], list[PageKey]]:
         future = self.future
         if future is None or not future.done() or future.cancelled() or future.exception() is not None:
-            return []
-        return self.keys[: future.result()]
+            return [], []
+        return future.result()
+
+    @property
+    def found(self) -> list[PageKey]:
+        """The leading page keys with a record (none until done, or when it failed)."""
+        return self._result()[0]
+
+    @property
+    def found_states(self) -> frozenset[PageKey]:
+        """The snapshot keys with a record (none until done, or when it failed)."""
+        return frozenset(self._result()[1])
 
 
 def nothing_read() -> AheadRead:
@@ -73,22 +84,33 @@ class Readers:
         self.abandoned = 0  # reads abandoned at their deadline, in all
 
     def start(
-        self, disk: L3Store, keys: Sequence[PageKey], raw_nbytes: int, deadline: float, done: Callable[[], None]
+        self,
+        disk: L3Store,
+        keys: Sequence[PageKey],
+        raw_nbytes: int,
+        deadline: float,
+        done: Callable[[], None],
+        states: Sequence[PageKey] = (),
+        state_nbytes: int = 0,
     ) -> AheadRead:
-        """Read ``keys`` on a reader thread; ``done()`` is called when it completes."""
-        read = AheadRead(list(keys), deadline)
+        """Read the run of ``keys`` and each of ``states`` (snapshot keys, of
+        ``state_nbytes``) on a reader thread; ``done()`` is called when it completes."""
+        read = AheadRead(list(keys), deadline, list(states))
         with self._lock:
             self._in_flight.add(read)
-        read.future = self._pool.submit(self._read, disk, read, raw_nbytes)
+        read.future = self._pool.submit(self._read, disk, read, raw_nbytes, state_nbytes)
         read.future.add_done_callback(lambda _: self._completed(read, done))
         return read
 
-    def _read(self, disk: L3Store, read: AheadRead, raw_nbytes: int) -> int:
+    def _read(
+        self, disk: L3Store, read: AheadRead, raw_nbytes: int, state_nbytes: int
+    ) -> tuple[list[PageKey], list[PageKey]]:
         t0 = time.perf_counter()
-        read.snapshot = read.stack.enter_context(disk.snapshot())
-        found, nbytes = read.snapshot.read_ahead(read.keys, raw_nbytes)
-        read.snapshot.ahead_s = self.throttle.wait("L3", nbytes, time.perf_counter() - t0) if nbytes else 0.0
-        return found
+        snapshot = read.snapshot = read.stack.enter_context(disk.snapshot())
+        pages, nbytes = snapshot.read_ahead(read.keys, raw_nbytes)
+        states, more = snapshot.read_ahead(read.states, state_nbytes, run=False) if read.states else ([], 0)
+        snapshot.ahead_s = self.throttle.wait("L3", nbytes + more, time.perf_counter() - t0) if nbytes + more else 0.0
+        return read.keys[: len(pages)], [PageKey(key) for key in states]  # pages: a leading run
 
     def _completed(self, read: AheadRead, done: Callable[[], None]) -> None:
         with self._lock:

@@ -146,13 +146,26 @@ class Placement:
         """Write every full page that lives only in L1 or L2 down to L3 and wait for it."""
         if self.disk is None:
             return
-        for key in self.l1:
+        for key in self._flushed_from_l1():
             page = self.l1.entries[key]
-            if key not in self.l2 and len(page.tokens) >= self.page_size:
-                if self.write_l3(key, page.tokens, kv_to_host(page.kv), Link.L1_L3, wait=True, in_l3=page.in_l3):
-                    self.l1.mark_in_l3(key)
+            if self.write_l3(key, page.tokens, kv_to_host(page.kv), Link.L1_L3, wait=True, in_l3=page.in_l3):
+                self.l1.mark_in_l3(key)
         for key in self.l2:
             entry = self.l2.entries[key]
             if self.write_l3(key, entry.tokens, self.l2.read(key), Link.L2_L3, wait=True, in_l3=entry.in_l3):
                 self.l2.mark_in_l3(key)
         self.disk.flush()
+
+    def unflushed(self) -> int:
+        """The pages ``flush`` would hand to the writer now (neither known to be in L3
+        nor queued; admitted)."""
+        if self.disk is None:
+            return 0
+        disk, admits = self.disk, self.admission.would_admit
+        l1 = [(k, self.l1.entries[k].in_l3) for k in self._flushed_from_l1()]
+        l2 = [(k, self.l2.entries[k].in_l3) for k in self.l2]
+        return sum(not in_l3 and not disk.writer.queued(k) and admits(k) for k, in_l3 in l1 + l2)
+
+    def _flushed_from_l1(self) -> list[PageKey]:
+        """L1's full pages that L2 lacks: the L1 pages a flush writes."""
+        return [k for k in self.l1 if k not in self.l2 and len(self.l1.entries[k].tokens) >= self.page_size]

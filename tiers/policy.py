@@ -153,10 +153,12 @@ class L3Admission:
     def admits(self, key: PageKey) -> bool:
         """Whether a write of ``key`` may go to L3 now (a key admitted is forgotten:
         L3 has it, and once it is evicted it must earn its place again)."""
-        if self.mode == "always":
-            return True
-        if self.sightings.get(key, 0) >= 2:
-            del self.sightings[key]
-            return True
-        self.rejected += 1
-        return False
+        if not self.would_admit(key):
+            self.rejected += 1
+            return False
+        self.sightings.pop(key, None)
+        return True
+
+    def would_admit(self, key: PageKey) -> bool:
+        """Whether ``admits(key)`` would be True now (changing nothing)."""
+        return self.mode == "always" or self.sightings.get(key, 0) >= 2

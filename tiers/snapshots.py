@@ -27,6 +27,7 @@ import mlx.core as mx
 import numpy as np
 
 from .l3.base import L3Store
+from .l3_reads import AheadRead
 from .links import Link, LinkLedger
 from .page import PageGeometry, PageKey, Source, snapshot_key
 from .placement import Pins, Placement
@@ -80,17 +81,30 @@ class Snapshots:
             self.placement.place_below_l1(key, entry.tokens, state, 1.0)
         return True
 
-    def points(self, keys: Sequence[PageKey]) -> list[int]:
+    def below(self, pages: Sequence[PageKey]) -> list[PageKey]:
+        """The snapshot keys after ``pages`` that neither L1 nor L2 holds (only L3 may)."""
+        wanted = [snapshot_key(page) for page in pages]
+        return [k for k in wanted if k not in self.l1 and k not in self.l2]
+
+    def points(self, keys: Sequence[PageKey], read: AheadRead | None = None) -> list[int]:
         """The page counts ``j`` (1..len(keys)) after which some tier holds a snapshot
-        (unverified: ``attach`` checks it)."""
+        (unverified: ``attach`` checks it); with ``read`` (a read ahead, done), L3 is not
+        asked: its snapshots are those the read found."""
+        below = self.below(keys)
+        in_l3: set[PageKey] = set()
+        if read is not None:
+            in_l3 = set(read.found_states.intersection(below))
+        elif self.disk is not None and below:
+            in_l3 = {k for k, n in zip(below, self.disk.present(below)) if n}
         wanted = [snapshot_key(page) for page in keys]
-        below = [k for k in wanted if k not in self.l1 and k not in self.l2]
-        in_l3 = {k for k, n in zip(below, self.disk.present(below)) if n} if self.disk is not None and below else set()
         return [j for j, key in enumerate(wanted, 1) if key in self.l1 or key in self.l2 or key in in_l3]
 
-    def fetch(self, page: PageKey, tokens: Sequence[int]) -> tuple[mx.array, Source] | None:
+    def fetch(
+        self, page: PageKey, tokens: Sequence[int], read: AheadRead | None = None
+    ) -> tuple[mx.array, Source] | None:
         """The snapshot after page ``page`` (whose tokens are ``tokens``) and the tier it
-        came from, kept in L1 when it came from below; None when no tier has a good one."""
+        came from, kept in L1 when it came from below; None when no tier has a good one.
+        With ``read``, L3's is the one the read found (L3 is asked nothing)."""
         key, own = snapshot_key(page), tuple(tokens)
         self.l1.counters = self.l1.counters.plus(lookups=1)
         resident = self.l1.get(key)
@@ -105,10 +119,11 @@ class Snapshots:
             state = mx.array(self.l2.read(key))
             self.ledger.record(Link.L2_L1, self.nbytes, time.perf_counter() - t0)
             return self._keep(key, own, state), Source.L2
-        if self.disk is None:
+        if self.disk is None or (read is not None and read.snapshot is None):
             return None
         t0 = time.perf_counter()
-        found = self.disk.get(key, self.ns_digest, own, self.nbytes)  # checks its checksum
+        snapshot = read.snapshot if read is not None else None
+        found = self.disk.get(key, self.ns_digest, own, self.nbytes, snapshot=snapshot)  # checks its checksum
         if found is None:
             return None
         raw, stored = found
@@ -127,12 +142,14 @@ class Snapshots:
         tokens: Sequence[Sequence[int]],
         then: PartialMatch | None,
         after: bytes,
+        read: AheadRead | None = None,
     ) -> tuple[RestoredPrefix, list]:
         """``restored`` with the state after it: the partial page ``then`` appended with
         its state when it follows the last restored page (its parent is ``after``, the
         key before the page after them); else cut back to its longest
         prefix after which a good snapshot is found, with that state; and the keys cut
-        off (the caller unpins them). ``tokens``: each restored page's token ids. A
+        off (the caller unpins them). ``tokens``: each restored page's token ids;
+        ``read``: the restore's read ahead, whose snapshots L3 holds (see ``points``). A
         window model's restore read only its last pages' window rows, so it is kept
         whole or not at all."""
         n = len(restored.keys)
@@ -147,10 +164,10 @@ class Snapshots:
                 else rows
             )
             return replace(restored, layers=layers, state=then.state, partial_tokens=then.num_tokens), []
-        for j in reversed(self.points(restored.keys)):
+        for j in reversed(self.points(restored.keys, read)):
             if j < n and self.geometry.window is not None:
                 break
-            found = self.fetch(restored.keys[j - 1], tokens[j - 1])
+            found = self.fetch(restored.keys[j - 1], tokens[j - 1], read)
             if found is not None:
                 state, source = found
                 sources = [*restored.sources[: j - 1], slowest(restored.sources[j - 1], source)]

@@ -65,7 +65,7 @@ class StoreStats:
     l3: L3Place | None = None
     snapshots: SnapshotStats | None = None
     ungauged: frozenset[str] = frozenset()
-    reads_abandoned: int = 0  # this process's L3 reads abandoned at their deadline (``tiers.l3_reads``)
+    reads_abandoned: int = 0  # L3 reads abandoned at their deadline (``tiers.l3_reads``): persisted too
 
     def gauged(self, tier: str) -> bool:
         """Whether ``tier``'s capacity, bytes used and pages are known."""
@@ -73,8 +73,9 @@ class StoreStats:
 
     def to_json(self) -> dict:
         """``{"tiers": {name: fields}, "links": {name: fields}, "snapshots": {...},
-        "l3": {...}}``, without "snapshots" or "l3" when there is none; an L3 row
-        with the store's ``file_bytes`` when they are known."""
+        "l3": {...}, "reads_abandoned": n}``, without "snapshots" or "l3" (and its
+        reads) when there is none; an L3 row with the store's ``file_bytes`` when they
+        are known."""
         shape = _counters(self.tiers, self.links, cumulative=False, ungauged=self.ungauged)
         if self.snapshots is not None:
             shape["snapshots"] = self.snapshots.to_json()
@@ -83,7 +84,6 @@ class StoreStats:
             if (file_bytes := place.pop("file_bytes")) is not None and "L3" in shape["tiers"]:
                 shape["tiers"]["L3"]["file_bytes"] = file_bytes
             shape["l3"] = place
-        if self.l3 is not None and not self.ungauged:  # a process's own, not persisted
             shape["reads_abandoned"] = self.reads_abandoned
         return shape
 
@@ -99,13 +99,16 @@ class StoreStats:
         )
         raw = d.get("snapshots") if isinstance(d, Mapping) else None
         snapshots = SnapshotStats.from_cumulative(raw) if isinstance(raw, Mapping) else None
-        return cls(tiers, links, l3, snapshots, frozenset(tiers) - {"L3"})
+        abandoned = _numbers(d, ("reads_abandoned",), int) if isinstance(d, Mapping) else {}
+        return cls(tiers, links, l3, snapshots, frozenset(tiers) - {"L3"}, **abandoned)
 
     def cumulative(self) -> dict:
-        """What the store persists: the counters that only grow, snapshots' included."""
+        """What the store persists: the counters that only grow, snapshots' and the
+        abandoned reads' included."""
         shape = _counters(self.tiers, self.links, cumulative=True)
         if self.snapshots is not None:
             shape["snapshots"] = self.snapshots.cumulative()
+        shape["reads_abandoned"] = self.reads_abandoned
         return shape
 
 

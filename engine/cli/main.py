@@ -362,6 +362,14 @@ def add_serve_parser(tree: Tree, sub) -> None:
         help="on SIGTERM/SIGINT, let requests in flight finish this long, then cancel them",
     )
     serve.add_argument(
+        "--flush-timeout",
+        type=positive_number,
+        default=60.0,
+        metavar="SECONDS",
+        help="on stop, give the flush of L1/L2 to L3 and the store's close this long; past it, exit 1 saying "
+        "how many pages were not written",
+    )
+    serve.add_argument(
         "--tool-warm",
         type=seconds,
         default=120.0,

@@ -49,9 +49,25 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"kvtier: serving {shown} on http://{args.host}:{port}", file=sys.stderr, flush=True)
         uv.run(sockets=[sock])
     finally:
-        close_engine(engine, cancel=True)
+        unflushed = close_engine(engine, cancel=True, timeout_s=args.flush_timeout)
+        if unflushed is not None:
+            _exit_unflushed(unflushed, args.flush_timeout)
     print(f"kvtier: stopped; {pages_kept(args)}", file=sys.stderr)
     return 0
+
+
+def _exit_unflushed(pages: int, timeout_s: float) -> None:
+    """The store did not close within ``--flush-timeout`` (a frozen disk, a hung Redis):
+    one line, and exit 1 at once, without waiting for the threads stuck on it (what L3
+    committed stays whole: a transaction commits or does not)."""
+    print(
+        f"kvtier: stopped without a full flush: {pages} pages not written to L3 within "
+        f"--flush-timeout {timeout_s:g} s (the store did not answer); what it committed is intact",
+        file=sys.stderr,
+        flush=True,
+    )
+    sys.stdout.flush()
+    os._exit(1)
 
 
 def api_keys(args: argparse.Namespace) -> dict:

@@ -56,11 +56,12 @@ def open_engine(args: argparse.Namespace, loaded, store_dir: Path | None, **conf
         raise UsageError(str(err)) from None
 
 
-def close_engine(engine: Engine, cancel: bool) -> None:
+def close_engine(engine: Engine, cancel: bool, timeout_s: float | None = None) -> int | None:
     """Close with Ctrl-C held until the store's flush is done; after an interruption,
     the requests still running are cancelled first (their published pages stay),
-    instead of being run to the end."""
+    instead of being run to the end. ``timeout_s``: see ``Engine.close`` (the pages
+    not flushed when it ran out, else None)."""
     with deferred_interrupt():
         if cancel:
             engine.stop(cancel=True)
-        engine.close()
+        return engine.close(timeout_s)

@@ -52,6 +52,7 @@ def _print_tables(stats: EngineStats) -> None:
             f"data.mdb is {format_bytes(place.file_bytes or 0)} on disk (`kvtier store compact` shrinks it). "
             "L1 and L2 capacities belong to each run (-)."
         )
+    print(f"L3 reads abandoned at their deadline (those requests recomputed instead): {store.reads_abandoned}")
     if store.snapshots is not None and store.snapshots.tiers:
         print("\nState snapshots of hybrid models (their L3 records count in L3 above):")
         print(format_tier_table(store.snapshots))

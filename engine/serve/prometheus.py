@@ -45,7 +45,7 @@ class StatsCollector(Collector):
         if (store := stats.store) is not None:
             yield from _tiers("tier", store.tiers, store.ungauged, store.l3.file_bytes if store.l3 else None)
             yield from _links("link", store.links)
-            if store.l3 is not None and not store.ungauged:  # a process's own count
+            if store.l3 is not None:
                 yield CounterMetricFamily(
                     "kvtier_l3_reads_abandoned",
                     "L3 reads abandoned at their deadline for recompute",

@@ -16,6 +16,7 @@ REFUSED = [  # (argv, words of the one line)
     (["serve", "--drain-timeout", "-5"], "0 seconds or more"),
     (["serve", "--drain-timeout", "inf"], "expected a number"),
     (["serve", "--drain-timeout", "soon"], "expected a number"),
+    (["serve", "--flush-timeout", "0"], "more than 0"),
     (["serve", "--max-waiting", "0"], "positive whole number"),
     (["serve", "--max-running", "-1"], "positive whole number"),
     (["serve", "--max-tokens", "0"], "positive whole number"),

@@ -35,12 +35,13 @@ STOPPED = re.compile(r"kvtier: stopped; (\d+) pages kept in (.+)")
 class Child:
     """A ``kvtier`` process whose stdout and stderr are read as they come."""
 
-    def __init__(self, args: list[str], env: dict[str, str] | None = None) -> None:
+    def __init__(self, args: list[str], env: dict[str, str] | None = None, module: str = "kvtier.engine.cli") -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvtier.engine.cli", *on_tiny_model(args)],
+            [sys.executable, "-m", module, *on_tiny_model(args)],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             env=env or dict(os.environ),
+            cwd=Path(__file__).parents[2],  # where ``tests`` is a package (``tests.engine.frozen_l3``)
         )
         self.out, self.err = bytearray(), bytearray()
         self.readers = [
@@ -226,6 +227,41 @@ def test_ctrl_c_with_a_request_in_flight_drains_and_flushes(tmp_path):
     assert "shutting down" in rest[-2] and rest[-1] == "data: [DONE]", (rest[-3:], child.text("err"))
     assert_stopped(child, code, tmp_path)
     assert store_pages(tmp_path) > 0, "the prompt's pages were flushed to L3"
+
+
+UNFLUSHED = re.compile(
+    r"kvtier: stopped without a full flush: (\d+) pages not written to L3 within --flush-timeout 2 s "
+    r"\(the store did not answer\); what it committed is intact"
+)
+
+
+def test_sigterm_with_a_frozen_store_exits_within_the_flush_timeout(tmp_path):
+    """The store's writes freeze (``frozen_l3``) while a served prompt's pages are in L1
+    only: SIGTERM flushes for ``--flush-timeout`` seconds, then exits 1 with one line
+    naming the pages not written; the store opens afterwards, holding what an earlier
+    run committed and nothing half-written."""
+    store, flag = tmp_path / "store", tmp_path / "frozen"
+    ran = cli.run(
+        on_tiny_model(["run", "--store", store, "--page-size", PAGE, "--max-tokens", "1", "--prompt", SHORT_PROMPT])
+    )
+    assert ran.returncode == 0, ran.stderr
+    committed = store_pages(store)
+    child = Child(
+        serve_args(store, "--flush-timeout", "2"), env_with(KVTIER_TEST_FREEZE=str(flag)), "tests.engine.frozen_l3"
+    )
+    url = child.wait_for("err", r"on (http://\S+)\n").group(1)
+    flag.touch()  # from now on every write of the store waits
+    prompt = ("another prompt, not in the store yet " * 3)[:100]  # 100 bytes: 6 full pages, with its answer too
+    usage = httpx.post(url + "/v1/completions", json={"prompt": prompt, "max_tokens": 1}, timeout=60).json()["usage"]
+    t0 = time.monotonic()
+    code = child.signal_and_wait(signal.SIGTERM, timeout=30)
+    took = time.monotonic() - t0
+    err = child.text("err")
+    assert code == 1 and "Traceback" not in err, err
+    assert (found := UNFLUSHED.fullmatch(err.strip().splitlines()[-1])), err
+    assert int(found.group(1)) == usage["prompt_tokens"] // int(PAGE) == 6
+    assert took < 2 + 10, f"{took:.1f} s from SIGTERM to exit"  # the flush timeout, and the process's own end
+    assert store_pages(store) == committed > 0  # it opens, and holds what was committed before
 
 
 # -- the pieces --------------------------------------------------------------------

@@ -644,3 +644,24 @@ def test_a_store_from_before_the_namespaces_table_is_counted_on_open(store: Path
     row = tier.tables.namespaces()[NS]
     assert (row["pages"], row["tokens"], row["bytes"]) == (3, 24, tier.counters.bytes_used)
     tier.close()
+
+
+def test_a_read_ahead_holds_its_own_bytes_not_views_of_the_map(store: Path) -> None:
+    """What a snapshot read ahead (on a reader thread) is what the restore finds later on
+    the step loop, though the map under it changed: its bytes were copied as they were
+    read, so the step loop never touches (or faults on) the map for them."""
+    tier = DiskTier(store, 1 << 20)
+    data = [payload(i, 16384) for i in range(8)]
+    for i, d in enumerate(data):
+        tier.put(key(i), NS, TOKENS, d)
+    tier.flush()
+    keys = [key(i) for i in range(8)]
+    with tier.snapshot() as snapshot:
+        assert snapshot.read_ahead(keys, len(data[0]))[0] == keys
+    tier.clear()  # its pages freed once the snapshot ended: LMDB reuses them for the next writes
+    for i in range(100, 140):
+        tier.put(key(i), NS, TOKENS, payload(i, 16384))
+    tier.flush()
+    found = [snapshot.find(k, NS, TOKENS, len(d)) for k, d in zip(keys, data)]
+    assert [bytes(tier.check.verified(record)) for record in found if record is not None] == data
+    tier.close()

@@ -27,7 +27,7 @@ from __future__ import annotations
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -76,22 +76,31 @@ class Snapshot(ABC):
         self._ahead: dict[bytes, memoryview | bytes] = {}
         self._only_ahead = False  # read ahead: a key it did not find is a miss, not asked again
 
-    def read_ahead(self, keys: Sequence[bytes], raw_nbytes: int) -> tuple[int, int]:
-        """Read the values of ``keys`` in order, up to the first absent one, and keep them
-        for ``find``, which then reads nothing (``tiers.l3_reads``: a reader thread does
-        this before a restore); (records found, their bytes). Counts nothing: ``find``
-        counts the lookups the restore makes."""
+    def read_ahead(self, keys: Sequence[bytes], raw_nbytes: int, run: bool = True) -> tuple[list[bytes], int]:
+        """Read the values of ``keys`` in order, up to the first absent one (``run``), or
+        each that is stored (not ``run``: a hybrid model's snapshots, any page of a
+        prefix may have one), and keep them for ``find``, which then reads nothing
+        (``tiers.l3_reads``: a reader thread does this before a restore); (the keys
+        found, their bytes). Counts nothing: ``find`` counts the lookups the restore
+        makes."""
         self.expect(keys, raw_nbytes)
-        nbytes = 0
+        found, nbytes = [], 0
         for key in keys:
             value = None if self.store.check.doomed(key) else self._value(key)
-            if value is None:
+            if value is None and run:
                 break
-            self._ahead[key] = value
-            nbytes += len(value)
+            if value is not None:
+                self._ahead[key] = self._owned(value)
+                found.append(key)
+                nbytes += len(value)
         self.read_s = 0.0  # spent here, not by the restore: see ahead_s
         self._only_ahead = True
-        return len(self._ahead), nbytes
+        return found, nbytes
+
+    def _owned(self, value: memoryview | bytes) -> memoryview | bytes:
+        """A value read ahead as the restore will find it: bytes this snapshot holds in
+        host memory (a backend whose values are views of something slower copies them)."""
+        return value
 
     def expect(self, keys: Sequence[bytes], raw_nbytes: int) -> None:  # noqa: B027 (a no-op unless a backend batches)
         """A hint: ``find`` will be asked for these keys, in this order (a remote backend
@@ -224,14 +233,21 @@ class L3Store(ABC):
         return next((i for i, n in enumerate(self.present(keys)) if not n), len(keys))
 
     def get(
-        self, key: bytes, namespace_digest: bytes, tokens: Sequence[int], raw_nbytes: int, out: np.ndarray | None = None
+        self,
+        key: bytes,
+        namespace_digest: bytes,
+        tokens: Sequence[int],
+        raw_nbytes: int,
+        out: np.ndarray | None = None,
+        snapshot: Snapshot | None = None,
     ) -> tuple[bytes | np.ndarray, int] | None:
         """Verified raw payload and the stored record size D (bytes read), or None.
 
         With ``out`` (uint8, ``raw_nbytes`` long) the payload is written there and
-        ``out`` returned; on a miss its content is unspecified.
+        ``out`` returned; on a miss its content is unspecified. ``snapshot``: look in
+        that one (a read ahead's, which asks the backend nothing), not a new one.
         """
-        with self.snapshot() as snap:
+        with nullcontext(snapshot) if snapshot is not None else self.snapshot() as snap:
             record = snap.find(key, namespace_digest, tokens, raw_nbytes)
             if record is None or (raw := self.check.verified(record, out)) is None:
                 return None

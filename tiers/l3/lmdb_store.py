@@ -24,6 +24,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import lmdb
+import numpy as np
 from xxhash import xxh3_64_intdigest
 
 from ..policy import POLICIES
@@ -43,6 +44,7 @@ log = logging.getLogger(__name__)
 
 _MIB = 1 << 20
 _REOPEN_WAIT_S = 10.0  # a reopen waits this long for caller threads to leave the old environment
+_PAGE_ALIGN = 4096  # a copy read ahead keeps its record's offset modulo this (see _LmdbSnapshot._owned)
 _VALUE_AT = 16  # LMDB keeps a value larger than a page on overflow pages, past their 16-byte header
 
 
@@ -61,6 +63,25 @@ class _LmdbSnapshot(Snapshot):
         except lmdb.Error as exc:
             self.store.failures.report("read", exc)
             return None
+
+    def _owned(self, value: memoryview | bytes) -> memoryview:
+        """A copy of a record read ahead, made on the reader thread (``tiers.l3_reads``).
+
+        Why: a value LMDB hands out is a view of its memory map, and finding it touched
+        only its first page; the rest is read from disk when first touched. Kept as a
+        view, the restore's join on the step loop would fault on the disk, and a hung
+        disk would hang the step loop there, past any deadline. The copy touches every
+        byte here instead (numpy copies without holding the GIL, so a hung disk stalls
+        this reader alone), and the restore reads only host memory. It lands at the
+        view's offset modulo 4 KiB, where the map put it (records start where L2 slots
+        do: ``tiers.join``)."""
+        src = np.frombuffer(value, np.uint8)
+        at = src.ctypes.data % _PAGE_ALIGN
+        room = np.empty(len(src) + _PAGE_ALIGN, np.uint8)
+        start = (at - room.ctypes.data) % _PAGE_ALIGN
+        held = room[start : start + len(src)]
+        np.copyto(held, src)
+        return held.data
 
 
 class DiskTier(L3Store):

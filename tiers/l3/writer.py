@@ -72,11 +72,18 @@ class Writer:
         self._deleting: frozenset[bytes] = frozenset()  # deletes of the batch being committed
         self._in_flight = self._closing = self._stopped = readonly
         self._flushers = 0
+        self._accepted = self._settled = 0  # writes queued, and of them those whose batch has ended
         self._thread = threading.Thread(target=self._run, name="kvtier-l3-writer", daemon=True)
 
     def start(self) -> None:
         if not self.readonly:
             self._thread.start()
+
+    def progress(self) -> tuple[int, int]:
+        """(writes queued in all, those whose batch has ended: committed, skipped as
+        stored, or lost): their difference is what a flush still waits for."""
+        with self._lock:
+            return self._accepted, self._settled
 
     def state(self) -> WriterState:
         with self._lock:
@@ -96,7 +103,9 @@ class Writer:
                 self._wake.wait()
             if self._closing or len(self._puts) >= self._queue_pages:
                 return False
-            self._puts.setdefault(pending.key, pending)
+            if pending.key not in self._puts:
+                self._puts[pending.key] = pending
+                self._accepted += 1
             self._wake.notify_all()
         return True
 
@@ -170,5 +179,6 @@ class Writer:
             finally:
                 with self._lock:
                     self._in_flight = False
+                    self._settled += len(batch.puts)
                     self._deleting = frozenset()
                     self._wake.notify_all()
