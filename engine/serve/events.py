@@ -135,7 +135,9 @@ class EventStream:
         self._closing.set()
 
     async def events(self, http: HTTPRequest) -> Response:
-        return StreamingResponse(self._stream(http), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return StreamingResponse(
+            self._stream(http), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+        )
 
     def hello(self, holdings: Holdings, load: Load) -> dict:
         engine = self.engine
