@@ -169,9 +169,15 @@ def fleet_report(route: str, result: ReplayResult, fleet: Sequence[FleetEngine],
         "ttft_p99_s": float(p99),
         "makespan_s": makespan_s,
         "per_engine": {e.name: {"requests": e.requests, "prompt_tokens": e.prompt_tokens} for e in fleet},
-        "requests_spread": max(requests) / max(np.mean(requests), 1e-9),
-        "prompt_tokens_spread": max(tokens) / max(np.mean(tokens), 1e-9),
+        "requests_spread": spread(requests),
+        "prompt_tokens_spread": spread(tokens),
     }
+
+
+def spread(counts: Sequence[int]) -> float:
+    """Max over mean: 1.0 is an even spread (and nothing at all), N all on one of N engines."""
+    total = sum(counts)
+    return max(counts) * len(counts) / total if total else 1.0
 
 
 def replay_routes(
