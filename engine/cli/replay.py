@@ -44,7 +44,8 @@ def cmd_replay(args: argparse.Namespace) -> int:
         snapshot_bytes=state_bytes,
     )
     if args.engines is not None:
-        return _replay_fleet(args, trace, replace(base, policy=(args.policy or [DEFAULT_POLICY])[0]), profile)
+        one = replace(base, policy=(args.policy or [DEFAULT_POLICY])[0], l3_admit=args.l3_admit[0])
+        return _replay_fleet(args, trace, one, profile)
     configs = rp.configs_for(base, args.policy or list(POLICIES), args.l3_admit, args.sweep or ())
     replays = sum(c.policy != BELADY for c in configs)
     with tqdm(total=len(trace) * replays, desc="replaying", unit="req", file=sys.stderr) as bar:

@@ -107,13 +107,14 @@ def test_a_page_one_engine_spilled_is_found_by_another(tmp_path):
 
 def test_cli_replay_engines_reports_each_route(tmp_path):
     path = write_trace(tmp_path, conversations(3, 3))
-    done = kvtier(
-        "replay", str(path), "--kv-bytes-per-token", str(KV_PER_TOKEN), "--l2-bytes", "0", "--engines", "2", "--json"
-    )
+    args = ("replay", str(path), "--kv-bytes-per-token", str(KV_PER_TOKEN), "--l2-bytes", "0", "--engines", "2")
+    done = kvtier(*args, "--json")
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout)
     assert (report["engines"], report["requests"], report["max_imbalance"]) == (2, 9, fr.MAX_IMBALANCE)
     assert [r["route"] for r in report["routes"]] == list(fr.ROUTES)
+    admit = kvtier(*args, "--policy", "lru", "--l3-admit", "second-use", "--route", "round-robin", "--json")
+    assert json.loads(admit.stdout)["policy"] == "lru+second-use"
     text = kvtier(
         "replay", str(path), "--kv-bytes-per-token", str(KV_PER_TOKEN), "--engines", "2", "--route", "least-load"
     )
