@@ -164,14 +164,14 @@ class Replay:
         self.snapshot_points = config.snapshot_points(profile)
 
     def run(self, on_request: Callable[[], None] | None = None) -> ReplayResult:
-        with tempfile.TemporaryDirectory(prefix="kvtier-replay-", dir=_fast_tmp()) as tmp:
-            store = TieredStore(self.geometry, self.namespace, self._store_config(Path(tmp)))
+        with tempfile.TemporaryDirectory(prefix="kvtier-replay-", dir=fast_tmp()) as tmp:
+            store = TieredStore(self.geometry, self.namespace, self.store_config(Path(tmp)))
             try:
                 result = ReplayResult(self.config)
                 free_at = 0.0
                 prompts = SyntheticPrompts(self.namespace)
                 for request in self.trace:
-                    free_at = self._serve(store, prompts, request, free_at, result)
+                    _, free_at = self.serve(store, request, prompts.pages(request), free_at, result)
                     self._watch_caps(store, result)
                     if on_request is not None:
                         on_request()
@@ -181,7 +181,7 @@ class Replay:
             finally:
                 store.close()
 
-    def _store_config(self, store_dir: Path) -> StoreConfig:
+    def store_config(self, store_dir: Path) -> StoreConfig:
         c = self.config
         return StoreConfig(
             l1_bytes=c.l1_bytes,
@@ -200,12 +200,21 @@ class Replay:
         """A snapshot cap in the replay's payloads: as many snapshots as ``cap`` holds."""
         return cap // self.config.snapshot_bytes * _STATE.nbytes if self.config.snapshot_bytes else cap
 
-    def _serve(
-        self, store: TieredStore, prompts: SyntheticPrompts, request: TraceRequest, free_at: float, result: ReplayResult
-    ) -> float:
-        """Restore, publish and time one request; returns when the engine is free again."""
+    def serve(
+        self,
+        store: TieredStore,
+        request: TraceRequest,
+        pages: tuple[list[PageKey], list[int]],
+        free_at: float,
+        result: ReplayResult,
+    ) -> tuple[float, float]:
+        """One engine's step: restore, publish and time one request (its ``pages``: keys and
+        tokens, ``SyntheticPrompts.pages``) on ``store``, an engine free from ``free_at``
+        (simulated seconds), counted in ``result``. Returns when its first token comes and
+        when the engine is free again (the fleet replay, ``costmodel.fleet_replay``, steps
+        each of its engines with it)."""
         size, compute = self.config.page_size, self.profile.compute
-        keys, tokens = prompts.pages(request)
+        keys, tokens = pages
         matched = store.locate(keys, tokens)
         stranded = sum(map(store.has, keys[len(matched) + 1 :]))
         result.held_pages += len(matched) + stranded
@@ -244,7 +253,7 @@ class Replay:
         start = max(arrival, free_at)
         result.ttft_s.append(start + seconds - arrival)
         result.prefill_seconds_saved += plan.recompute_s - seconds
-        return start + seconds + decode_seconds(compute, request.input_length, request.output_length)
+        return start + seconds, start + seconds + decode_seconds(compute, request.input_length, request.output_length)
 
     @staticmethod
     def _restore(
@@ -276,7 +285,7 @@ class Replay:
         result.l3_writes_refused = store.admission.rejected
 
 
-def _fast_tmp() -> str | None:
+def fast_tmp() -> str | None:
     """A RAM-backed temporary directory when there is one (L3 commits sync each batch)."""
     shm = Path("/dev/shm")
     return str(shm) if shm.is_dir() and _writable(shm) else None

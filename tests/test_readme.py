@@ -59,6 +59,8 @@ COVERAGE = {
     "curl -s -H 'Authorization: Bearer sk-bob'": "test_security_snippets",
     ".venv/bin/kvtier replay mooncake_conversation_trace.jsonl": "test_replay_sizing",
     "12031 requests, 144793823 prompt tokens": "test_replay_sizing",
+    "head -n 6000 mooncake_conversation_trace.jsonl": "test_replay_fleet",
+    "6000 requests, 76643649 prompt tokens on 4 engines": "test_replay_fleet",
     "kvtier run   [--model PATH_OR_ID]": "test_flags_are_the_commands_flags",
     "# on the Redis host": "test_redis_example",
     ".venv/bin/kvtier run --model mlx-community/": "not run: a Hugging Face hub id needs the network",
@@ -467,6 +469,27 @@ def test_replay_sizing(shell):
     bound = f"{100 * reused / sum(r['input_length'] for r in requests):.1f}%"
     assert readme[1].startswith(f"infinite cache: reused {bound},")
     assert all(row.split()[4] == bound for row in readme[3:] if row.startswith("belady"))
+
+
+@slow
+def test_replay_fleet(shell):
+    """The README's fleet replay, as written, on the trace's first 40 requests (the 6,000
+    take minutes): the same header and one row per route, in order; the README's own
+    first line counts the first 6,000 requests of the trace."""
+    trace, short = _trace(), 40
+    requests = [json.loads(line) for line in trace.read_text().splitlines()]
+    (shell.cwd / trace.name).write_text("".join(json.dumps(r) + "\n" for r in requests[:short]))
+    printed = normalized(shell.run(block("head -n 6000 mooncake_conversation_trace.jsonl").text).stdout)
+    readme = normalized(block("6000 requests, 76643649 prompt tokens on 4 engines").text)
+
+    def head(rows: list[dict]) -> str:
+        return f"{len(rows)} requests, {sum(r['input_length'] for r in rows)} prompt tokens on 4 engines"
+
+    assert readme[0].startswith(head(requests[:6000])) and printed[0].startswith(head(requests[:short]))
+    assert readme[0].split(" on ", 1)[1] == printed[0].split(" on ", 1)[1]  # engines, eviction, cost model
+    assert printed[1:3] == readme[1:3]  # the blank line and the header
+    assert [row.split()[0] for row in printed[3:]] == [row.split()[0] for row in readme[3:]]
+    assert all(sum(map(int, row.split()[-4:])) == short for row in printed[3:])  # requests per engine
 
 
 @needs_redis

@@ -60,7 +60,6 @@ from .checkpoints import CounterCheckpoints, repeat
 from .counters import add_into
 from .join import keep_buffers_for_restores
 from .l3.base import L3Store, ReadThrough
-from .l3.open import open_l3
 from .l3_join import describe, join_later, open_disk
 from .l3_reads import AheadRead, Readers, degraded
 from .links import LinkLedger, Throttle
@@ -68,10 +67,11 @@ from .page import Namespace, PageGeometry, PageKey, Source, page_tokens
 from .partials import PartialPages
 from .placement import Pins, Placement
 from .policy import L3Admission, make_policy
+from .residency import Residency
 from .restore import PartialMatch, PendingRestore, RestoredPrefix, Restorer
 from .snapshots import Snapshots
 from .stats import L3Place, StoreStats
-from .store_config import StoreConfig, StoreView
+from .store_config import StoreConfig, StoreView, open_l3_of
 from .tier import DevicePage, DeviceTier, HostTier
 
 __all__ = ["PartialMatch", "PendingRestore", "RestoredPrefix", "StoreConfig", "StoreView", "TieredStore"]
@@ -143,24 +143,18 @@ class TieredStore:
         self._lock = threading.RLock()
         hybrid = self.snapshots is not None
         self.partials = PartialPages(self.l1, self.placement, geometry.page_size, hybrid, self._lock)
+        self.residency = Residency(self._lock, self.l1, self.l2, geometry.page_size)  # who holds which page, as changes
         self._closed = False
         self._closing = threading.Event()  # ends the counter checkpoints and a late join
         self._checkpoints: CounterCheckpoints | None = None
         self.readers = Readers(self.throttle)
         self._checkpointing = threading.Lock()  # taken before the store's lock, never after
         self._retrying = False  # L3 did not answer at open: a late join is being tried
-        if config.store_dir is None:
+        if config.shared_l3 is not None:  # one open L3 shared by stores of this process
+            self._join(config.shared_l3)
+        if config.store_dir is None or config.shared_l3 is not None:
             return
-        opener = partial(
-            open_l3,
-            config.store_dir,
-            config.l3_bytes,
-            codec=config.codec,
-            queue_pages=config.l3_queue_pages,
-            record_bytes=config.page_bytes,
-            policy=config.policy,
-            cipher=config.cipher,
-        )
+        opener = partial(open_l3_of, config)
         disk, retry = open_disk(opener)
         if disk is not None:
             self._join(disk)
@@ -487,7 +481,8 @@ class TieredStore:
         self.checkpoint_counters(extra_counters)  # takes the lock itself (see there)
         with self._lock:
             if not self._closed:
-                self.disk.close()
+                if self.config.shared_l3 is None:  # a shared L3: its opener closes it
+                    self.disk.close()
                 self._closed = True
 
     def _cumulative(self) -> dict:

@@ -7,7 +7,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .l3.base import L3Store
 from .l3.cipher import RecordCipher
+from .l3.open import open_l3
 from .page import PageKey
 from .policy import DEFAULT_POLICY
 from .tier import TierView
@@ -48,3 +50,22 @@ class StoreConfig:
     snapshot_l2_bytes: int = 1 << 30
     # L3 records encrypted with this (``tiers.l3.cipher``); the namespace must say so
     cipher: RecordCipher | None = None
+    # An L3 already open, shared by several stores of one process (a fleet replay's engines:
+    # LMDB must not be opened twice in a process); used instead of ``store_dir``, and
+    # closed by whoever opened it, never by a store using it
+    shared_l3: L3Store | None = None
+
+
+def open_l3_of(config: StoreConfig) -> L3Store:
+    """The L3 that ``config.store_dir`` names, opened as a store made with ``config`` opens
+    it (StoreError when it cannot be used)."""
+    assert config.store_dir is not None, "a store config without L3"
+    return open_l3(
+        config.store_dir,
+        config.l3_bytes,
+        codec=config.codec,
+        queue_pages=config.l3_queue_pages,
+        record_bytes=config.page_bytes,
+        policy=config.policy,
+        cipher=config.cipher,
+    )

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from kvtier import __version__
+from kvtier.costmodel.fleet_replay import MAX_IMBALANCE, ROUTES
 from kvtier.tiers.l3.lmdb_space import DEFAULT_CAPACITY
 from kvtier.tiers.policy import ADMISSIONS, DEFAULT_POLICY, POLICIES
 from kvtier.tiers.text import format_bytes
@@ -301,9 +302,8 @@ def add_replay_parser(tree: Tree, sub) -> None:
     replay.add_argument(
         "--policy",
         type=name_list([*POLICIES, "belady"]),
-        default=list(POLICIES),
-        help=f"comma-separated, each replayed: {','.join(POLICIES)}, or belady (the "
-        "offline bound for the same total capacity)",
+        help=f"comma-separated, each replayed: {','.join(POLICIES)} (default: all), or belady (the "
+        f"offline bound for the same total capacity); with --engines one (default {DEFAULT_POLICY})",
     )
     replay.add_argument(
         "--l3-admit",
@@ -324,6 +324,19 @@ def add_replay_parser(tree: Tree, sub) -> None:
         type=Path,
         metavar="FILE.png",
         help="reused ratio and TTFT against L2 size per policy (needs matplotlib)",
+    )
+    replay.add_argument("--engines", type=positive_int, metavar="N", help="a fleet: N engines sharing one L3")
+    replay.add_argument(
+        "--route",
+        type=name_list(ROUTES),
+        help=f"with --engines: comma-separated, each replayed: {','.join(ROUTES)} (default: all)",
+    )
+    replay.add_argument(
+        "--max-imbalance",
+        type=non_negative_int,
+        metavar="N",
+        help=f"with --engines, cache-aware: pass over an engine with N more requests than the least "
+        f"loaded one (default {MAX_IMBALANCE})",
     )
 
 

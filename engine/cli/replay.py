@@ -5,6 +5,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
+
+from kvtier.costmodel.bounds import BELADY
+from kvtier.tiers.policy import DEFAULT_POLICY, POLICIES
 
 from ..models.paths import default_store_dir
 from .common import UsageError, load_model, no_data
@@ -14,7 +18,6 @@ def cmd_replay(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from kvtier.costmodel import replay as rp
-    from kvtier.costmodel.bounds import BELADY
     from kvtier.costmodel.plan import Profile
     from kvtier.costmodel.replay_report import format_report, plot_report
     from kvtier.costmodel.trace import BLOCK_TOKENS, TraceError, read_trace
@@ -40,7 +43,10 @@ def cmd_replay(args: argparse.Namespace) -> int:
         speed=args.speed,
         snapshot_bytes=state_bytes,
     )
-    configs = rp.configs_for(base, args.policy, args.l3_admit, args.sweep or ())
+    if args.engines is not None:
+        one = replace(base, policy=(args.policy or [DEFAULT_POLICY])[0], l3_admit=args.l3_admit[0])
+        return _replay_fleet(args, trace, one, profile)
+    configs = rp.configs_for(base, args.policy or list(POLICIES), args.l3_admit, args.sweep or ())
     replays = sum(c.policy != BELADY for c in configs)
     with tqdm(total=len(trace) * replays, desc="replaying", unit="req", file=sys.stderr) as bar:
         report = rp.replay(trace, configs, profile or Profile.defaults(), lambda: bar.update())
@@ -50,6 +56,37 @@ def cmd_replay(args: argparse.Namespace) -> int:
     return 0
 
 
+def _replay_fleet(args: argparse.Namespace, trace, config, profile) -> int:
+    """``--engines N``: the fleet replayed once per route (``costmodel.fleet_replay``)."""
+    from tqdm import tqdm
+
+    from kvtier.costmodel import fleet_replay as fr
+    from kvtier.costmodel.plan import Profile
+
+    routes = args.route or list(fr.ROUTES)
+    imbalance = fr.MAX_IMBALANCE if args.max_imbalance is None else args.max_imbalance
+    with tqdm(total=len(trace) * len(routes), desc="replaying", unit="req", file=sys.stderr) as bar:
+        report = fr.replay_routes(
+            trace, config, profile or Profile.defaults(), args.engines, routes, imbalance, lambda: bar.update()
+        )
+    print(json.dumps(report) if args.json else fr.format_fleet(report))
+    return 0
+
+
+def _check_fleet_args(args: argparse.Namespace) -> None:
+    """What a fleet replay takes: one policy and admission, no sweep; routes only with it."""
+    if args.engines is None:
+        for flag, value in (("--route", args.route), ("--max-imbalance", args.max_imbalance)):
+            if value is not None:
+                raise UsageError(f"{flag} goes with --engines")
+        return
+    if args.policy is not None and (len(args.policy) > 1 or args.policy[0] == BELADY):
+        raise UsageError("--engines replays one --policy (not belady)")
+    for flag, given in (("--sweep", args.sweep), ("--plot", args.plot), ("a second --l3-admit", args.l3_admit[1:])):
+        if given:
+            raise UsageError(f"--engines replays one configuration: {flag} does not go with it")
+
+
 def _check_replay_args(args: argparse.Namespace, block_tokens: int) -> None:
     if block_tokens % args.page_size:
         raise UsageError(f"--page-size {args.page_size} does not divide {block_tokens}")
@@ -57,6 +94,7 @@ def _check_replay_args(args: argparse.Namespace, block_tokens: int) -> None:
         raise UsageError("--state-bytes goes with --kv-bytes-per-token (a --model's state size is its own)")
     if not args.speed > 0:
         raise UsageError("--speed must be positive")
+    _check_fleet_args(args)
     if args.plot is not None and not args.sweep:
         raise UsageError("--plot draws against L2 size: give --sweep l2-bytes=...")
     if args.plot is not None:
