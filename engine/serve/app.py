@@ -49,7 +49,7 @@ from .conversations import Conversations, log_loss, miss_reason
 from .dashboard import Dashboard
 from .events import QUEUE_CHANGES, EventStream
 from .generation import Generation, cancel_on_disconnect
-from .holds import Holds
+from .holds import TOOL_WAIT, Holds
 from .prometheus import ServerMetrics
 from .prompt import Prompt, check_text
 from .prompt import render as render_prompt
@@ -446,8 +446,8 @@ class KVTierServer:
         if done.finish_reason == "tool_calls" and self.config.tool_warm_s > 0:
             keys = request.ended_in  # its pages and, last, its partial page
             full = len(keys) - (request.tail_tokens > 0)
-            n = self.holds.hold("tool_wait", keys, self.config.tool_warm_s)
-            held["tool_wait"] = min(n, full) * page + (request.tail_tokens if n > full else 0)
+            n = self.holds.hold(TOOL_WAIT, keys, self.config.tool_warm_s)
+            held[TOOL_WAIT] = min(n, full) * page + (request.tail_tokens if n > full else 0)
         return held or None
 
     def _sse(self, events: AsyncIterator[str], gen: Generation) -> StreamingResponse:

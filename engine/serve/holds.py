@@ -7,7 +7,11 @@ A hold is a store pin (``TieredStore.pin``): its pages stay in L1 or L2, whereve
 are, and pins never exceed ``limit`` pages in all (half of L1 by default), so held
 pages can never fill the fast tiers: a hold that does not fit is cut short and the
 usage says how much was held. Holding the same pages again renews the deadline, as a
-cache hit renews Anthropic's TTL. Expired holds are released every second
+cache hit renews Anthropic's TTL. A tool wait that does not fit releases older tool
+waits first, oldest first (the newest answer's tool is the one whose result comes
+next; an older conversation's wait, or an earlier turn's whose prompt has changed
+since, would otherwise keep the cap until its time is up); ``cache_control`` holds,
+which a client asked for, are never released early. Expired holds are released every second
 (``sweep_every``) and whenever a request is submitted, so a hold ends on time. The
 hold of an answer that ended in a tool call includes its last partial page
 (``Request.ended_in``), so the next turn resumes where the answer ended.
@@ -25,6 +29,7 @@ from kvtier.tiers.hierarchy import TieredStore
 from kvtier.tiers.page import PageKey
 
 TTLS = {"5m": 300.0, "1h": 3600.0}  # Anthropic's cache_control ttl values, in seconds
+TOOL_WAIT = "tool_wait"  # the kind of an answer's hold while its tool runs
 
 
 @dataclass
@@ -47,6 +52,13 @@ class Holds:
         ident = (kind, keys[-1])
         with self._lock:
             held = self.store.pin(keys, self.limit)  # before the old hold goes: its pages never unpinned between
+            while kind == TOOL_WAIT and held < len(keys):  # the newest tool wait wins over older ones
+                older = next((i for i in self._holds if i[0] == TOOL_WAIT and i != ident), None)
+                if older is None:
+                    break
+                self.store.release(self._holds.pop(older).keys)
+                self.store.release(keys[:held])
+                held = self.store.pin(keys, self.limit)
             old = self._holds.pop(ident, None)
             if old is not None:
                 self.store.release(old.keys)

@@ -53,3 +53,19 @@ def test_expired_holds_are_released_with_no_traffic():
     finally:
         stop.set()
         engine.close()
+
+
+def test_a_tool_wait_that_does_not_fit_releases_older_tool_waits_never_cache_control():
+    engine = Engine(tiny_model(), EngineConfig(page_size=PAGE, store=StoreConfig(store_dir=None)))
+    prompts = [f"conversation {i} has a prompt of several pages " * 3 for i in range(3)]
+    first, second, third = engine.generate(prompts, SamplingParams(max_tokens=1))
+    assert min(len(r.keys) for r in (first, second, third)) >= 3
+    holds = Holds(engine.store, limit=3, clock=lambda: 0.0)
+    pins = lambda: set(engine.store.view().pins)  # noqa: E731
+    assert holds.hold("cache_control", first.keys[:1], 300.0) == 1
+    assert holds.hold("tool_wait", second.keys[:2], 120.0) == 2
+    assert holds.hold("tool_wait", third.keys[:2], 120.0) == 2  # the older tool wait gave way
+    assert pins() == {first.keys[0], *third.keys[:2]}
+    assert holds.hold("tool_wait", second.keys[:3], 120.0) == 2  # never the client's cache_control
+    assert pins() == {first.keys[0], *second.keys[:2]} and holds.pages() == 3
+    engine.close()
