@@ -32,6 +32,9 @@ from .page import PageGeometry
 _WORKERS = max(1, min(4, os.cpu_count() or 1))
 _MIN_SHARE = 4 << 20
 _MAX_BUFFER = 64 << 20  # bytes of one restored array (a group of layers)
+# A hashed page is hashed and copied this many bytes (whole layers) at a time, so the
+# copy reads what the hash just brought into the core's own cache instead of memory.
+_HASH_CHUNK = 512 << 10
 _SLACK = 4096  # bytes a joined array's buffer has beyond its payload, to place it (see _JoinedPages)
 # numpy declares ndarray's buffer protocol (``__buffer__``) for Python 3.12 on only, so
 # the hashers and memoryviews here take an array's ``.data``: the same bytes, no copy.
@@ -180,6 +183,7 @@ class _JoinedPages:
         self.shape = (len(layers), 2, g.num_kv_heads, g.page_size * len(hosts), g.head_dim)
         self.dtype = g.storage_dtype
         self.run = g.page_size * g.head_dim * self.dtype.itemsize
+        self.chunk = max(1, _HASH_CHUNK * g.num_layers // g.nbytes)  # layers of a page hashed, then copied
         self.payload = len(hosts) * g.nbytes * len(layers) // g.num_layers  # bytes of the join
         self.start = 0  # where the join starts in the file's payload
         self.size = self.payload + _SLACK  # bytes of the file's payload
@@ -221,9 +225,13 @@ class _JoinedPages:
 
             def fill(pages: Sequence[int]) -> None:
                 for i in pages:
-                    if (hasher := self.hashers[i]) is not None:
-                        hasher.update(self.hosts[i].data)
-                    joined[:, :, :, i * size : (i + 1) * size] = self.hosts[i]
+                    host, hasher, tokens = self.hosts[i], self.hashers[i], slice(i * size, (i + 1) * size)
+                    if hasher is None:
+                        joined[:, :, :, tokens] = host
+                        continue
+                    for a in range(0, len(host), self.chunk):  # hashed, then copied from the core's cache
+                        hasher.update(host[a : a + self.chunk].data)
+                        joined[a : a + self.chunk, :, :, tokens] = host[a : a + self.chunk]
 
             in_parallel(fill, shares(range(len(self.hosts)), self.payload))
             self.hashed = True
