@@ -74,24 +74,31 @@ class Joined:
 def join_pages(hosts: list[np.ndarray], geometry: PageGeometry, digest: Sequence[bool] = ()) -> Joined:
     """Per-layer K/V device arrays of consecutive pages, written in one pass.
 
-    ``mx.load`` reads the joined prefix from a file-like ``_JoinedPages``, whose
-    ``readinto`` is handed mlx's freshly allocated buffer and gathers the pages
+    One page is its own join (``_page_here``): copied layer by layer on this thread,
+    each layer into arrays of its own, with no mlx evaluation: waking mlx's threads
+    (its loads, its evaluation of views) or a hashing thread costs a one-page restore
+    about as much as its copy when the machine is busy.
+
+    Two pages or more: ``mx.load`` reads the joined prefix from a file-like ``_JoinedPages``,
+    whose ``readinto`` is handed mlx's freshly allocated buffer and gathers the pages
     straight into it: no host staging, no zero-fill, so nothing beyond the
     request's own KV (and ``_SLACK`` bytes an array, to place it). One load per group of
     layers of at most ``_MAX_BUFFER`` bytes (a few for a long prefix): mlx's buffer cache then keeps and reuses
     them like the model's own buffers, and a cache trim drops one group, not
     the whole prefix. The layers are views of the groups' arrays.
 
-    Pages flagged in ``digest`` are hashed, group by group, just before their bytes
-    are copied (they are then in the CPU cache), so checking them costs no second
+    Pages flagged in ``digest`` are hashed, a few layers at a time, just before those
+    bytes are copied (they are then in the CPU cache), so checking them costs no second
     pass over memory; the caller compares the digests and drops what follows a bad
     page.
     """
     global _joined
-    _joined = True
     g = geometry
     hashers = [xxh3_64() if i < len(digest) and digest[i] else None for i in range(len(hosts))]
     layer_bytes = len(hosts) * g.nbytes // g.num_layers
+    if len(hosts) == 1:
+        return Joined(_page_here(hosts[0], g, hashers[0]), [None if h is None else h.intdigest() for h in hashers])
+    _joined = True
     per_group = max(1, min(g.num_layers, _MAX_BUFFER // layer_bytes))
     layers: list[tuple[mx.array, mx.array]] = []
     for first in range(0, g.num_layers, per_group):
@@ -103,13 +110,30 @@ def join_pages(hosts: list[np.ndarray], geometry: PageGeometry, digest: Sequence
     return Joined(layers, [None if h is None else h.intdigest() for h in hashers])
 
 
+def _page_here(host: np.ndarray, geometry: PageGeometry, hasher: xxh3_64 | None) -> list[tuple[mx.array, mx.array]]:
+    """One page, its own join, layer by layer on this thread: each layer hashed (if
+    asked), then copied while it is in the CPU cache into its own K and V arrays.
+    ``mx.array`` copies now and leaves no lazy work, so the layers need no evaluation
+    (bfloat16's are views of them: one, of no copy)."""
+    layers = []
+    for layer in range(geometry.num_layers):
+        if hasher is not None:
+            hasher.update(host[layer].data)
+        layers.append((_device(host[layer, :1], geometry), _device(host[layer, 1:], geometry)))
+    return layers
+
+
+def _device(rows: np.ndarray, geometry: PageGeometry) -> mx.array:
+    """A copy of ``rows`` as a new mlx array now, in the page's dtype."""
+    array = mx.array(rows)
+    return array.view(mx.bfloat16) if geometry.dtype == "bfloat16" else array
+
+
 def _join_group(
     hosts: list[np.ndarray], geometry: PageGeometry, layers: range, hashers: list[xxh3_64 | None]
 ) -> mx.array:
     """The pages joined along tokens for ``layers``, as one new mlx array, read now
     (while the pages are pinned), each hasher fed its page's bytes of these layers."""
-    if len(hosts) == 1 and len(layers) == geometry.num_layers:  # a page is its own join: one copy
-        return _copied(hosts[0], hashers[0])
     joined = _JoinedPages(hosts, geometry, layers, hashers)
     # mlx reads any object with readinto, seek and tell (its hint says a binary file); a
     # .npy file is one array (its hint gives every kind load returns)
@@ -122,27 +146,6 @@ def _join_group(
             if hasher is not None:
                 hasher.update(host.data)
     return kv
-
-
-def _copied(host: np.ndarray, hasher: xxh3_64 | None) -> mx.array:
-    """``mx.array(host)``, with ``host`` fed to ``hasher`` beside the copy. mx.array keeps
-    the GIL while it copies and xxhash lets it go, so the hash is started first."""
-    if hasher is None or _WORKERS == 1:
-        if hasher is not None:
-            hasher.update(host.data)
-        return mx.array(host)
-    started = threading.Event()
-
-    def feed() -> None:
-        started.set()
-        hasher.update(host.data)
-
-    hashing = _executor().submit(feed)
-    started.wait()
-    try:
-        return mx.array(host)
-    finally:
-        hashing.result()
 
 
 class _JoinedPages:
