@@ -114,7 +114,7 @@ def _page_here(host: np.ndarray, geometry: PageGeometry, hasher: xxh3_64 | None)
     """One page, its own join, layer by layer on this thread: each layer hashed (if
     asked), then copied while it is in the CPU cache into its own K and V arrays.
     ``mx.array`` copies now and leaves no lazy work, so the layers need no evaluation
-    (bfloat16's are views of them: one, of no copy)."""
+    (a bfloat16 page's are views of those copies, evaluated without copying)."""
     layers = []
     for layer in range(geometry.num_layers):
         if hasher is not None:
