@@ -41,7 +41,7 @@ L3 is not known to hold it. When L2 has no room (every page pinned) an L1 page g
 
 A restore plans the longest stored prefix (pins its pages, finds its L3 records in
 one snapshot, reserves L2 slots for compressed ones and decodes them), then joins all
-pages in one pass straight into the mlx array that becomes the request's KV
+pages in one pass straight into the mlx arrays that become the request's KV
 (``tiers.join``), hashing raw L3 pages as it copies them: no staging copy, nothing
 allocated beyond the request's own KV (and 4 KiB an array, to align it with L2's slots).
 """

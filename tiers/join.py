@@ -32,6 +32,9 @@ from .page import PageGeometry
 _WORKERS = max(1, min(4, os.cpu_count() or 1))
 _MIN_SHARE = 4 << 20
 _MAX_BUFFER = 64 << 20  # bytes of one restored array (a group of layers)
+# A hashed page is hashed and copied this many bytes (whole layers) at a time, so the
+# copy reads what the hash just brought into the core's own cache instead of memory.
+_HASH_CHUNK = 512 << 10
 _SLACK = 4096  # bytes a joined array's buffer has beyond its payload, to place it (see _JoinedPages)
 # numpy declares ndarray's buffer protocol (``__buffer__``) for Python 3.12 on only, so
 # the hashers and memoryviews here take an array's ``.data``: the same bytes, no copy.
@@ -71,24 +74,31 @@ class Joined:
 def join_pages(hosts: list[np.ndarray], geometry: PageGeometry, digest: Sequence[bool] = ()) -> Joined:
     """Per-layer K/V device arrays of consecutive pages, written in one pass.
 
-    ``mx.load`` reads the joined prefix from a file-like ``_JoinedPages``, whose
-    ``readinto`` is handed mlx's freshly allocated buffer and gathers the pages
+    One page is its own join (``_page_here``): copied layer by layer on this thread,
+    each layer into arrays of its own, with no mlx evaluation: waking mlx's threads
+    (its loads, its evaluation of views) or a hashing thread costs a one-page restore
+    about as much as its copy when the machine is busy.
+
+    Two pages or more: ``mx.load`` reads the joined prefix from a file-like ``_JoinedPages``,
+    whose ``readinto`` is handed mlx's freshly allocated buffer and gathers the pages
     straight into it: no host staging, no zero-fill, so nothing beyond the
     request's own KV (and ``_SLACK`` bytes an array, to place it). One load per group of
     layers of at most ``_MAX_BUFFER`` bytes (a few for a long prefix): mlx's buffer cache then keeps and reuses
     them like the model's own buffers, and a cache trim drops one group, not
     the whole prefix. The layers are views of the groups' arrays.
 
-    Pages flagged in ``digest`` are hashed, group by group, just before their bytes
-    are copied (they are then in the CPU cache), so checking them costs no second
+    Pages flagged in ``digest`` are hashed, a few layers at a time, just before those
+    bytes are copied (they are then in the CPU cache), so checking them costs no second
     pass over memory; the caller compares the digests and drops what follows a bad
     page.
     """
     global _joined
-    _joined = True
     g = geometry
     hashers = [xxh3_64() if i < len(digest) and digest[i] else None for i in range(len(hosts))]
     layer_bytes = len(hosts) * g.nbytes // g.num_layers
+    if len(hosts) == 1:
+        return Joined(_page_here(hosts[0], g, hashers[0]), [None if h is None else h.intdigest() for h in hashers])
+    _joined = True
     per_group = max(1, min(g.num_layers, _MAX_BUFFER // layer_bytes))
     layers: list[tuple[mx.array, mx.array]] = []
     for first in range(0, g.num_layers, per_group):
@@ -100,13 +110,30 @@ def join_pages(hosts: list[np.ndarray], geometry: PageGeometry, digest: Sequence
     return Joined(layers, [None if h is None else h.intdigest() for h in hashers])
 
 
+def _page_here(host: np.ndarray, geometry: PageGeometry, hasher: xxh3_64 | None) -> list[tuple[mx.array, mx.array]]:
+    """One page, its own join, layer by layer on this thread: each layer hashed (if
+    asked), then copied while it is in the CPU cache into its own K and V arrays.
+    ``mx.array`` copies now and leaves no lazy work, so the layers need no evaluation
+    (a bfloat16 page's are views of those copies, evaluated without copying)."""
+    layers = []
+    for layer in range(geometry.num_layers):
+        if hasher is not None:
+            hasher.update(host[layer].data)
+        layers.append((_device(host[layer, :1], geometry), _device(host[layer, 1:], geometry)))
+    return layers
+
+
+def _device(rows: np.ndarray, geometry: PageGeometry) -> mx.array:
+    """A copy of ``rows`` as a new mlx array now, in the page's dtype."""
+    array = mx.array(rows)
+    return array.view(mx.bfloat16) if geometry.dtype == "bfloat16" else array
+
+
 def _join_group(
     hosts: list[np.ndarray], geometry: PageGeometry, layers: range, hashers: list[xxh3_64 | None]
 ) -> mx.array:
     """The pages joined along tokens for ``layers``, as one new mlx array, read now
     (while the pages are pinned), each hasher fed its page's bytes of these layers."""
-    if len(hosts) == 1 and len(layers) == geometry.num_layers:  # a page is its own join: one copy
-        return _copied(hosts[0], hashers[0])
     joined = _JoinedPages(hosts, geometry, layers, hashers)
     # mlx reads any object with readinto, seek and tell (its hint says a binary file); a
     # .npy file is one array (its hint gives every kind load returns)
@@ -119,27 +146,6 @@ def _join_group(
             if hasher is not None:
                 hasher.update(host.data)
     return kv
-
-
-def _copied(host: np.ndarray, hasher: xxh3_64 | None) -> mx.array:
-    """``mx.array(host)``, with ``host`` fed to ``hasher`` beside the copy. mx.array keeps
-    the GIL while it copies and xxhash lets it go, so the hash is started first."""
-    if hasher is None or _WORKERS == 1:
-        if hasher is not None:
-            hasher.update(host.data)
-        return mx.array(host)
-    started = threading.Event()
-
-    def feed() -> None:
-        started.set()
-        hasher.update(host.data)
-
-    hashing = _executor().submit(feed)
-    started.wait()
-    try:
-        return mx.array(host)
-    finally:
-        hashing.result()
 
 
 class _JoinedPages:
@@ -180,6 +186,7 @@ class _JoinedPages:
         self.shape = (len(layers), 2, g.num_kv_heads, g.page_size * len(hosts), g.head_dim)
         self.dtype = g.storage_dtype
         self.run = g.page_size * g.head_dim * self.dtype.itemsize
+        self.chunk = max(1, _HASH_CHUNK * g.num_layers // g.nbytes)  # layers of a page hashed, then copied
         self.payload = len(hosts) * g.nbytes * len(layers) // g.num_layers  # bytes of the join
         self.start = 0  # where the join starts in the file's payload
         self.size = self.payload + _SLACK  # bytes of the file's payload
@@ -221,9 +228,13 @@ class _JoinedPages:
 
             def fill(pages: Sequence[int]) -> None:
                 for i in pages:
-                    if (hasher := self.hashers[i]) is not None:
-                        hasher.update(self.hosts[i].data)
-                    joined[:, :, :, i * size : (i + 1) * size] = self.hosts[i]
+                    host, hasher, tokens = self.hosts[i], self.hashers[i], slice(i * size, (i + 1) * size)
+                    if hasher is None:
+                        joined[:, :, :, tokens] = host
+                        continue
+                    for a in range(0, len(host), self.chunk):  # hashed, then copied from the core's cache
+                        hasher.update(host[a : a + self.chunk].data)
+                        joined[a : a + self.chunk, :, :, tokens] = host[a : a + self.chunk]
 
             in_parallel(fill, shares(range(len(self.hosts)), self.payload))
             self.hashed = True

@@ -26,6 +26,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from enum import Enum
+from functools import cached_property
 from typing import NewType
 
 import msgpack
@@ -266,16 +267,16 @@ class PageGeometry:
         """The layer kinds as the namespace digests them; empty when all are global."""
         return ",".join(k.describe() for k in self.kinds) if any(k.name != "kv" for k in self.kinds) else ""
 
-    @property
+    @cached_property  # on every restore's path; the geometry is frozen
     def shape(self) -> tuple[int, int, int, int, int]:
         return (self.num_layers, 2, self.num_kv_heads, self.page_size, self.head_dim)
 
-    @property
+    @cached_property
     def storage_dtype(self) -> np.dtype:
         """Numpy dtype with the same bytes (bfloat16 travels as uint16)."""
         return np.dtype(_NUMPY_STORAGE[self.dtype])
 
-    @property
+    @cached_property
     def nbytes(self) -> int:
         return math.prod(self.shape) * self.storage_dtype.itemsize
 

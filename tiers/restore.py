@@ -18,7 +18,7 @@ Not thread-safe by itself: the store calls it under its lock.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, ExitStack, nullcontext
 from dataclasses import dataclass, replace
 
@@ -157,7 +157,8 @@ class Restorer:
         read: AheadRead | None = None,
     ) -> PendingRestore:
         """The host side of a restore: find and pin the pages (L3 records in a snapshot
-        held until ``finish``), decode compressed L3 pages, wait out an L3 throttle.
+        held until ``finish``, opened at the first page that L1 and L2 lack: a restore
+        they serve alone opens none), decode compressed L3 pages, wait out an L3 throttle.
         With ``ahead`` the raw L3 pages are also checked now, so ``finish`` only
         copies; without, the join hashes them as it copies them. Touches no mlx
         array (an L1 page is read by ``finish``): safe on another thread while the
@@ -168,8 +169,15 @@ class Restorer:
         parents = list(parents) if parents is not None else [self.ns_digest, *keys]
         with ExitStack() as stack:
             t0 = time.perf_counter()
-            snap = read.snapshot if read is not None else stack.enter_context(self._snapshot())
-            pages = self._plan(keys, tokens, snap, parents, first)
+            opened: list[Snapshot | None] = [read.snapshot] if read is not None else []
+
+            def snapshot() -> Snapshot | None:
+                if not opened:
+                    opened.append(stack.enter_context(self._snapshot()))
+                return opened[0]
+
+            pages = self._plan(keys, tokens, snapshot, parents, first)
+            snap = opened[0] if opened else None
             try:
                 t1 = time.perf_counter()
                 read_s = snap.read_s if snap is not None else 0.0  # a remote L3's round trips, inside _plan
@@ -315,7 +323,7 @@ class Restorer:
         self,
         keys: Sequence[PageKey],
         tokens: Sequence[int],
-        snap: Snapshot | None,
+        snapshot: Callable[[], Snapshot | None],
         parents: Sequence[bytes],
         first: int = 0,
     ) -> list[_Page]:
@@ -323,20 +331,27 @@ class Restorer:
         their device array (not read here), L2 pages with host views of their bytes,
         L3 pages with their record (header checked) and a view of the map (raw) or an
         L2 slot reserved to decode into (compressed; None when L2 has no room).
+        ``snapshot()`` (L3's; None without one) is taken at the first page that
+        neither L1 nor L2 holds, and told the keys it will be asked for from there.
 
         Pages are pinned before any slot is reserved, so making room in L2 never
-        evicts a page of this run. Lookups and hits count here for L1 and L2, in the
-        snapshot for L3.
+        evicts a page of this run. Lookups and hits count here for L1 and L2 (added
+        once a restore), in the snapshot for L3.
         """
-        if snap is not None:
-            snap.expect([k for k in keys[first:] if k not in self.l1 and k not in self.l2], self.geometry.nbytes)
-        pages = []
+        pages: list[_Page] = []
+        snap: Snapshot | None = None
+        asked = False
+        size, nbytes = self.geometry.page_size, self.geometry.nbytes
         for i in range(first, len(keys)):
             key = keys[i]
-            own = page_tokens(tokens, i, self.geometry.page_size)
+            own = page_tokens(tokens, i, size)
             page = self._pin_resident(key, own)
+            if page is None and not asked:
+                asked, snap = True, snapshot()
+                if snap is not None:
+                    snap.expect([k for k in keys[i:] if k not in self.l1 and k not in self.l2], nbytes)
             if page is None and snap is not None:
-                record = snap.find(key, self.ns_digest, own, self.geometry.nbytes)
+                record = snap.find(key, self.ns_digest, own, nbytes)
                 if record is not None:
                     data = None if record.compressed else self._shaped(record.payload)
                     page = _Page(key, own, Source.L3, record=record, data=data)
@@ -346,18 +361,28 @@ class Restorer:
             self.admission.seen(key)
             page.parent = parents[i]
             pages.append(page)
+        self._count_lookups(pages, tried=min(len(pages) + 1, max(0, len(keys) - first)))
         for page in pages:
             if page.compressed and self.placement.make_room(self.l2):
                 page.slot = self.l2.take_slot()
         return pages
 
+    def _count_lookups(self, pages: list[_Page], tried: int) -> None:
+        """Count a plan's lookups and hits in L1 and L2: each of the ``tried`` pages was
+        looked up in L1, and in L2 unless L1 had it."""
+        in_l1 = sum(p.source is Source.L1 for p in pages)
+        in_l2 = sum(p.source is Source.L2 for p in pages)
+        size = self.geometry.page_size
+        for tier, lookups, hits in ((self.l1, tried, in_l1), (self.l2, tried - in_l1, in_l2)):
+            if lookups:
+                tier.counters = tier.counters.plus(lookups=lookups, hit_pages=hits, hit_tokens=hits * size)
+
     def _pin_resident(self, key: PageKey, own: tuple[int, ...]) -> _Page | None:
+        """The page pinned where L1 or L2 holds it (its tokens checked), else None."""
         for tier in (self.l1, self.l2):
             entry = tier.get(key)
             if entry is None or entry.tokens != own:
-                tier.counters = tier.counters.plus(lookups=1)
                 continue
-            tier.counters = tier.counters.plus(lookups=1, hit_pages=1, hit_tokens=self.geometry.page_size)
             self.pins.pin(key)
             if isinstance(entry, DevicePage):  # L1: its bytes are read at the join, on the joining thread
                 return _Page(key, own, Source.L1, kv=entry.kv)

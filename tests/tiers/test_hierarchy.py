@@ -206,12 +206,18 @@ def test_l2_slots_and_joins_start_half_a_page_from_fresh_mlx_buffers_modulo_4k()
         assert (slots[0] - np.asarray(array).ctypes.data) % 16 == 0
 
 
-@pytest.mark.parametrize("pages, groups, pieces", [(1, 1, False), (3, 1, False), (3, 2, False), (3, 2, True)])
-def test_join_hashes_the_flagged_pages_as_it_copies(monkeypatch, pages, groups, pieces):
+@pytest.mark.parametrize(
+    "pages, groups, pieces, chunked",
+    [(1, 1, False, False), (3, 1, False, False), (3, 2, False, False), (3, 2, True, False), (3, 1, False, True)],
+)
+def test_join_hashes_the_flagged_pages_as_it_copies(monkeypatch, pages, groups, pieces, chunked):
     """Digests of the flagged pages equal their xxh3 whichever way the join runs: one
-    page, one group of layers, several groups, or mlx reading the file in pieces."""
+    page, one group of layers, several groups, mlx reading the file in pieces, or each
+    page hashed and copied a layer at a time."""
     hosts = [kv_to_host(KV[i]).view(GEOMETRY.storage_dtype).reshape(GEOMETRY.shape) for i in range(pages)]
     monkeypatch.setattr(join, "_MAX_BUFFER", pages * PAGE // groups)
+    if chunked:
+        monkeypatch.setattr(join, "_HASH_CHUNK", PAGE // GEOMETRY.num_layers)
     if pieces:  # serve the payload in two reads: the run-by-run path, which hashes nothing
         whole = join._JoinedPages._gather
         monkeypatch.setattr(

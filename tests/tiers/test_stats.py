@@ -6,8 +6,9 @@ from __future__ import annotations
 import json
 
 from kvtier.tiers.links import Link
+from kvtier.tiers.page import Source
 
-from .test_hierarchy import PAGE, make_store, publish
+from .test_hierarchy import GEOMETRY, KEYS, PAGE, TOKENS, make_store, publish
 
 TIER_KEYS = [
     "capacity",
@@ -45,3 +46,20 @@ def test_a_store_without_l3_has_no_l3_in_its_stats():
     stats = make_store(1, 1).stats()
     assert list(stats.tiers) == ["L1", "L2"] and stats.l3 is None
     assert list(stats.to_json()) == ["tiers", "links"]
+
+
+def test_a_restore_counts_each_page_looked_up_in_l1_then_in_l2_only_when_l1_lacks_it(tmp_path):
+    store = make_store(2, 4, tmp_path)
+    publish(store, 0, 1, 2, 3)  # L1 keeps pages 2 and 3; 0 and 1 went down to L2
+    before = store.stats().tiers
+    restored = store.restore(KEYS[:5], TOKENS)  # page 4 is stored nowhere: the run ends there
+    after = store.stats().tiers
+    assert restored.sources == [Source.L2, Source.L2, Source.L1, Source.L1]
+    delta = {
+        tier: (after[tier].lookups - before[tier].lookups, after[tier].hit_pages - before[tier].hit_pages)
+        for tier in ("L1", "L2", "L3")
+    }
+    assert delta == {"L1": (5, 2), "L2": (3, 2), "L3": (1, 0)}
+    assert after["L2"].hit_tokens - before["L2"].hit_tokens == 2 * GEOMETRY.page_size
+    store.release(restored.keys)
+    store.close()
