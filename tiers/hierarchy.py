@@ -65,6 +65,7 @@ from .links import LinkLedger, Throttle
 from .page import Namespace, PageGeometry, PageKey, Source, page_tokens, partial_key, shared_start
 from .placement import Pins, Placement
 from .policy import L3Admission, make_policy
+from .residency import Residency
 from .restore import PartialMatch, PendingRestore, RestoredPrefix, Restorer
 from .snapshots import Snapshots
 from .stats import L3Place, StoreStats
@@ -138,6 +139,7 @@ class TieredStore:
             self.throttle,
         )
         self._lock = threading.RLock()
+        self.residency = Residency(self._lock, self.l1, self.l2, geometry.page_size)  # who holds which page, as changes
         self._closed = False
         self._closing = threading.Event()  # ends the counter checkpoints and a late join
         self._checkpoints: CounterCheckpoints | None = None

@@ -50,6 +50,9 @@ class Tier(Generic[Entry]):
         self.entries: OrderedDict[PageKey, Entry] = OrderedDict()
         self.policy = policy or EvictionPolicy()
         self.counters = TierStats(capacity=capacity)  # replaced at each change: see tiers.counters
+        # told (tier, key, tokens in the page, stored or not) of every page indexed or dropped:
+        # the one place a page's tier changes (``tiers.residency``)
+        self.on_change: Callable[[str, PageKey, int, bool], None] | None = None
 
     def __contains__(self, key: PageKey) -> bool:
         return key in self.entries
@@ -79,6 +82,8 @@ class Tier(Generic[Entry]):
         self.policy.added(key, cost)
         self.counters = self.counters.plus(inserts=1)
         self._update_gauges()
+        if self.on_change is not None:
+            self.on_change(self.name, key, len(entry.tokens), True)
 
     def mark_in_l3(self, key: PageKey) -> None:
         """Note on ``key``'s entry that L3 holds it (or its write is queued): moving down
@@ -90,6 +95,8 @@ class Tier(Generic[Entry]):
         entry = self.entries.pop(key)
         self.policy.removed(key)
         self._update_gauges()
+        if self.on_change is not None:
+            self.on_change(self.name, key, len(entry.tokens), False)
         return entry
 
     def view(self) -> TierView:

@@ -46,6 +46,7 @@ from .admin import Admin, Pins
 from .api import APIError
 from .conversations import Conversations, log_loss, miss_reason
 from .dashboard import Dashboard
+from .events import QUEUE_CHANGES, EventStream
 from .generation import Generation, cancel_on_disconnect
 from .holds import Holds
 from .prometheus import ServerMetrics
@@ -73,6 +74,7 @@ class ServerConfig:
     max_body_bytes: int = 8 << 20  # larger bodies answer 413
     body_timeout_s: float = 60.0  # a body not all received by then answers 408 (a trickling client)
     tool_warm_s: float = 120.0  # an answer that ends in a tool call is held this long (0: not held)
+    events_queue: int = QUEUE_CHANGES  # page changes an events stream may have unsent before it is closed
 
 
 class KVTierServer:
@@ -95,6 +97,7 @@ class KVTierServer:
         self.recent = RecentRequests()  # the dashboard's last requests
         pins = Pins(store, self.holds.limit)
         dashboard = Dashboard(engine, config.model_name, self.recent, self._gauges, pins.listing)
+        self.events = EventStream(engine, config.events_queue)  # a fleet router's view (DESIGN §11)
         self.app = Starlette(
             routes=[
                 Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
@@ -106,6 +109,7 @@ class KVTierServer:
                 Route("/health", self.health, methods=["GET"]),
                 Route("/metrics", self.prometheus, methods=["GET"]),
                 Route("/v1/kvtier/stats", self.stats, methods=["GET"]),
+                self.events.route(),
                 *dashboard.routes(),
                 Admin(engine, self.recent, pins, self.tokenizer).mount(),  # every admin action: /v1/kvtier/admin/...
             ],
@@ -127,6 +131,7 @@ class KVTierServer:
 
     def close(self) -> None:
         """Cancel what is still running, stop the engine and flush the store to L3 (idempotent)."""
+        self.events.close()
         self.engine.stop(cancel=True)
         self.engine.close()
 

@@ -52,8 +52,10 @@ class DrainingServer(uvicorn.Server):
         )
         self._cancel_later = threading.Timer(drain_timeout, server.cancel_live)
         self._cancel_later.daemon = True
+        self._events = server.events
 
     def handle_exit(self, sig: int, frame) -> None:
         if not self.should_exit:  # the first stop signal starts the drain clock
             self._cancel_later.start()
+            self._events.close()  # an events stream never ends by itself: end it, so it holds up nothing
         super().handle_exit(sig, frame)

@@ -13,7 +13,7 @@ the one implicit tenant, whose root is the namespace's digest: today's keys.
 API keys come as ``Authorization: Bearer KEY`` (OpenAI) or ``x-api-key: KEY``
 (Anthropic) and are compared in constant time: the SHA-256 of what was sent against
 every key's, with no early exit. ``/health`` answers anyone; the server's own numbers
-(``/metrics``, ``/v1/kvtier/stats``) need a key flagged ``admin``.
+(``/metrics``, ``/v1/kvtier/stats``, ``/v1/kvtier/events``) need a key flagged ``admin``.
 """
 
 from __future__ import annotations
@@ -33,13 +33,15 @@ from kvtier.tiers.page import IMPLICIT_ROOT, ChainRoot, reusable_pages, shared_s
 from .admin import ADMIN_PREFIX
 from .api import APIError
 from .dashboard import FEED_PATH, STATIC_PREFIX
+from .events import EVENTS_PATH
 
 # A load balancer's probe, and the dashboard's page and files (a browser fetches them
 # without a key; they hold no data: the page asks the feed for it, with the key typed in).
 OPEN_PATHS = ("/health", "/", "/dashboard")
 OPEN_PREFIXES = (STATIC_PREFIX,)
-# The whole server's numbers, every tenant's requests (the dashboard's feed) and its actions.
-ADMIN_PATHS = ("/metrics", "/v1/kvtier/stats", FEED_PATH)
+# The whole server's numbers, every tenant's requests (the dashboard's feed), what its
+# tiers hold (the events a fleet router reads) and its actions.
+ADMIN_PATHS = ("/metrics", "/v1/kvtier/stats", FEED_PATH, EVENTS_PATH)
 ADMIN_PREFIXES = (ADMIN_PREFIX + "/",)
 
 
