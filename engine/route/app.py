@@ -37,6 +37,7 @@ log = logging.getLogger(__name__)
 
 
 VIEW_PATH = "/v1/kvtier/route"
+CONNECT_TIMEOUT_S = 5.0
 _Body = TypeVar("_Body", api.ChatCompletionRequest, api.CompletionRequest, api.MessagesRequest)
 
 
@@ -54,8 +55,12 @@ class RouterApp:
     ) -> None:
         self.tokenizer, self.backends, self.placer, self.l3 = tokenizer, list(backends), placer, l3
         self._admin = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        # The answers: as many at once as clients send (no pool limit); each attempt's own timeout is the deadline.
-        self._client = httpx.AsyncClient(limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
+        # The answers: as many at once as clients send (no pool limit), and no read timeout:
+        # an answer may take long to start (a plain one starts when it is done); the deadline bounds it.
+        self._client = httpx.AsyncClient(
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
+            timeout=httpx.Timeout(None, connect=CONNECT_TIMEOUT_S),
+        )
         self._watch = httpx.AsyncClient()  # streams and health checks, apart from the answers' pool
         self.proxy = Proxy(self._client, placer, deadline_s)
         self.app = Starlette(

@@ -6,17 +6,22 @@ The in-flight count is prefix single flight across engines: the first request of
 prefix is sent to one backend; the requests that follow while it is prefilled see its
 pages there already, so they go there too (within the load bound) and wait for them
 (the backend's own single flight) instead of computing them again elsewhere. A page
-stops being in flight when the backend publishes it or the last request that flew it ends.
+stops being in flight when the backend publishes it, or when the last request that flew
+it ends: at once for a request that failed there, ``PUBLISH_GRACE_S`` after the answer
+of one that was served (its pages are stored by then, and published within one batch
+of the stream; a follower that comes in between still finds them).
 """
 
 from __future__ import annotations
 
-from collections import Counter
+import time
+from collections import Counter, deque
 from collections.abc import Iterable, Mapping, Sequence
 
 from kvtier.tiers.page import Source
 
 TIERS = (Source.L1, Source.L2)  # the tiers a backend's event stream lists
+PUBLISH_GRACE_S = 2.0  # more than a loaded backend takes to publish what it stored
 
 
 class PageIndex:
@@ -27,6 +32,7 @@ class PageIndex:
     def __init__(self) -> None:
         self._tiers: dict[Source, set[bytes]] = {tier: set() for tier in TIERS}
         self._flights: Counter[bytes] = Counter()
+        self._landing: deque[tuple[float, list[bytes]]] = deque()  # (when, keys) of served requests
 
     def reset(self, pages: Mapping[Source, Iterable[bytes]]) -> None:
         """Replace what the backend holds with a full snapshot (its hello)."""
@@ -52,6 +58,7 @@ class PageIndex:
 
     def where(self, key: bytes) -> Source | None:
         """L1 for a page in L1 or in flight, L2 for one in L2, else None."""
+        self._land_due()
         if key in self._tiers[Source.L1] or key in self._flights:
             return Source.L1
         return Source.L2 if key in self._tiers[Source.L2] else None
@@ -66,15 +73,25 @@ class PageIndex:
         self._flights.update(flown)
         return flown
 
-    def land(self, keys: Iterable[bytes]) -> None:
+    def land(self, keys: Sequence[bytes], served: bool = False) -> None:
         """A request that flew ``keys`` ended: each one's count down by one (gone at 0;
-        one the backend published already is not counted any more)."""
+        one the backend published already is not counted any more), ``PUBLISH_GRACE_S``
+        from now for a request the backend ``served``."""
+        if served:
+            self._landing.append((time.monotonic() + PUBLISH_GRACE_S, list(keys)))
+            return
         for key in keys:
             if key in self._flights:
                 self._flights[key] -= 1
                 if self._flights[key] <= 0:
                     del self._flights[key]
 
+    def _land_due(self) -> None:
+        now = time.monotonic()
+        while self._landing and self._landing[0][0] <= now:
+            self.land(self._landing.popleft()[1])
+
     def sizes(self) -> dict[str, int]:
         """Pages per tier and in flight (the router's view)."""
+        self._land_due()
         return {**{tier.value: len(self._tiers[tier]) for tier in TIERS}, "in_flight": len(self._flights)}

@@ -66,12 +66,15 @@ class Ticket:
             self.backend.sent_tokens -= self.tokens
 
     def end(self) -> None:
+        """The attempt is over: served if the backend's answer started (then its pages stay
+        in flight until published or a grace period), failed if not."""
         if self._ended:
             return
+        served = self._answering
         self.answering()
         self._ended = True
         self.backend.outstanding -= 1
-        self.backend.index.land(self.flown)
+        self.backend.index.land(self.flown, served)
 
 
 class Placer:

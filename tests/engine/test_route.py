@@ -137,9 +137,13 @@ def test_published_pages_stop_being_in_flight_and_an_ended_request_lands_its_pag
     assert a.index.sizes()["in_flight"] == len(KEYS)
     a.apply("pages", {"seq": 1, "epoch": "e1", "tier": "L1", "stored": [k.hex() for k in KEYS[:2]], "evicted": []})
     assert a.index.sizes() == {"L1": 2, "L2": 0, "in_flight": len(KEYS) - 2}
-    ticket.end()
+    ticket.end()  # it failed before an answer: its pages land at once
     ticket.end()  # once only
     assert a.index.sizes() == {"L1": 2, "L2": 0, "in_flight": 0} and a.outstanding == 0
+    served = place(placer)
+    served.answering()
+    served.end()  # served: its pages stay in flight until published (or the grace period)
+    assert a.index.sizes()["in_flight"] == len(KEYS) - 2 and a.outstanding == 0
 
 
 # -- the proxy ---------------------------------------------------------------------
