@@ -13,7 +13,7 @@ defaults, the same for every policy) so runs differ only by placement.
 
     python bench/fleet.py [--model M] [--policies cache-aware,round-robin,least-load,single]
                           [--conversations 24] [--turns 3] [--system-words 450] [--concurrency 6]
-                          [--max-tokens 12] [--json]
+                          [--max-tokens 12] [--page-size 32] [--json]
 """
 
 from __future__ import annotations
@@ -71,7 +71,8 @@ def run_policy(policy: str, args, redis_url: str) -> dict:
     backends = []
     for i in range(n):
         port = free_port()
-        cmd = kvtier("serve", "--port", str(port), "--store", store, "--no-auto-calibrate", *model)
+        flags = ["--store", store, "--page-size", str(args.page_size), "--no-auto-calibrate", *model]
+        cmd = kvtier("serve", "--port", str(port), *flags)
         backends.append(Server(f"backend-{i}", cmd, f"http://127.0.0.1:{port}", None).start())
     front = backends[0]
     router = None
@@ -131,6 +132,7 @@ def main() -> int:
     parser.add_argument("--system-words", type=int, default=450)
     parser.add_argument("--concurrency", type=int, default=6)
     parser.add_argument("--max-tokens", type=int, default=12)
+    parser.add_argument("--page-size", type=int, default=32)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     policies = args.policies.split(",")

@@ -479,15 +479,7 @@ def test_redis_example(shell, tmp_path):
     server_cmd, host_a, host_b, stats = block("# on the Redis host").commands()
     server = shell.start(server_cmd)
     try:
-        client = redis.Redis(port=shell.values["redis_port"], socket_timeout=5)
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                client.ping()
-                break
-            except redis.ConnectionError:
-                assert server.proc.poll() is None and time.monotonic() < deadline, "redis-server did not come up"
-                time.sleep(0.05)
+        client = _answering_redis(shell.values["redis_port"], server)
         assert client.config_get("maxmemory-policy")["maxmemory-policy"] == "allkeys-lru"
         a = _sources(shell.run(host_a).stdout)
         b = _sources(shell.run(host_b).stdout)
@@ -509,15 +501,7 @@ def test_fleet_example(shell):
     server_cmd, engine_cmd, route_cmd, ask, view = block("# the Redis host").commands()
     started = [shell.start(server_cmd)]
     try:
-        client = redis.Redis(port=shell.values["redis_port"], socket_timeout=5)
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                client.ping()
-                break
-            except redis.ConnectionError:
-                assert time.monotonic() < deadline, "redis-server did not come up"
-                time.sleep(0.05)
+        _answering_redis(shell.values["redis_port"], started[0])
         engines = [shell.start(engine_cmd) for _ in range(3)]
         started += engines
         for i, engine in enumerate(engines, 1):
@@ -538,6 +522,19 @@ def test_fleet_example(shell):
     finally:
         for process in reversed(started):
             process.stop()
+
+
+def _answering_redis(port: int, server) -> redis.Redis:
+    """A client of the README's redis-server once it answers (30 s at most)."""
+    client = redis.Redis(port=port, socket_timeout=5)
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            client.ping()
+            return client
+        except redis.ConnectionError:
+            assert server.proc.poll() is None and time.monotonic() < deadline, "redis-server did not come up"
+            time.sleep(0.05)
 
 
 def _sources(stdout: str) -> dict[str, int]:

@@ -7,19 +7,17 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
-import signal
 import subprocess
 import sys
 import tempfile
-import threading
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 
+from ..readme_blocks import Background
 from ..redis_servers import RedisServer, needs_redis
-from .conftest import mlx_lm_greedy, text_prompt
+from .conftest import mlx_lm_greedy, text_prompt, wait_until
 
 pytestmark = [pytest.mark.slow, needs_redis]  # starts processes
 
@@ -27,35 +25,20 @@ PAGE = 16
 TINY = "kvtier-tiny"
 
 
-class Child:
+class Child(Background):
     """A ``kvtier`` command in a child process that prints its URL (`` on http://...``) once it listens."""
 
     def __init__(self, *args: str) -> None:
-        self.args = args
         cmd = [sys.executable, "-m", "kvtier.engine.cli", *args]
-        self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=dict(os.environ))
-        self.log: list[str] = []
+        super().__init__(subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=dict(os.environ)))
 
     def wait_listening(self, timeout: float = 180) -> Child:
-        deadline = time.monotonic() + timeout
-        assert self.proc.stderr is not None
-        for line in self.proc.stderr:
-            self.log.append(line)
-            if " on http://" in line:
-                self.url = line.split(" on ")[-1].strip()
-                threading.Thread(target=lambda: self.log.extend(self.proc.stderr), daemon=True).start()
-                return self
-            assert time.monotonic() < deadline, "did not start: " + "".join(self.log)
-        raise AssertionError("exited: " + "".join(self.log))
+        self.url = self.wait_for(r" on (http://\S+)", timeout).group(1)
+        return self
 
-    def stop(self, sig: int = signal.SIGTERM) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-        try:
-            return self.proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            return self.proc.wait()
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
 
 
 def backend(store: str, port: int = 0) -> Child:
@@ -66,14 +49,6 @@ def backend(store: str, port: int = 0) -> Child:
 
 def router(backends: list[str], *flags: str) -> Child:
     return Child("route", "--model", TINY, "--port", "0", *(f for url in backends for f in ("--backend", url)), *flags)
-
-
-def until(check, what: str, timeout: float = 30.0):
-    deadline = time.monotonic() + timeout
-    while not (value := check()):
-        assert time.monotonic() < deadline, f"not so after {timeout} s: {what}"
-        time.sleep(0.05)
-    return value
 
 
 class Fleet:
@@ -88,7 +63,7 @@ class Fleet:
 
     def start_router(self, *flags: str) -> Child:
         child = router(self.urls, "--l3-redis", self.redis.url, *flags).wait_listening()
-        until(lambda: all(b["synced"] for b in self.view(child)["backends"]), "every backend's hello came")
+        wait_until(lambda: all(b["synced"] for b in self.view(child)["backends"]), "every backend's hello came")
         return child
 
     def view(self, child: Child | None = None) -> dict:
@@ -98,7 +73,7 @@ class Fleet:
         def quiet(b: dict) -> bool:
             return not any(b["load"][k] for k in ("running", "waiting", "pending_tokens", "outstanding"))
 
-        until(lambda: all(quiet(b) for b in self.view(child)["backends"]), "every backend is idle")
+        wait_until(lambda: all(quiet(b) for b in self.view(child)["backends"]), "every backend is idle")
 
     def backend_view(self, url: str, child: Child | None = None) -> dict:
         return next(b for b in self.view(child)["backends"] if b["url"] == url)
@@ -134,7 +109,7 @@ def test_a_conversations_next_turn_lands_where_it_was_served_even_through_a_rest
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What is a page of KV cache?"}]
     first = fleet.post("/v1/chat/completions", chat(messages))
     served = first.headers["x-kvtier-backend"]
-    until(lambda: fleet.backend_view(served)["pages"]["L1"] > 0, "the backend published its pages")
+    wait_until(lambda: fleet.backend_view(served)["pages"]["L1"] > 0, "the backend published its pages")
     fleet.router.stop()
     fleet.router = fleet.start_router()  # it rebuilds every index from the streams
     assert fleet.backend_view(served)["pages"]["L1"] > 0
@@ -193,13 +168,13 @@ def test_a_killed_backends_waiting_requests_finish_elsewhere_and_a_restarted_one
     body = {"model": TINY, "prompt": prompt, "max_tokens": 48, "temperature": 0}
     with concurrent.futures.ThreadPoolExecutor(3) as pool:
         sent = [pool.submit(fleet.http.post, fleet.router.url + "/v1/completions", json=body) for _ in range(3)]
-        victim = until(
+        victim = wait_until(
             lambda: next((b["url"] for b in fleet.view()["backends"] if b["load"]["outstanding"] == 3), None),
             "the three requests are on one backend",
         )
         index = fleet.urls.index(victim)
         epoch = fleet.backend_view(victim)["epoch"]
-        fleet.backends[index].stop(signal.SIGKILL)
+        fleet.backends[index].kill()
         answers = [future.result() for future in sent]
     assert [a.status_code for a in answers] == [200, 200, 200]
     assert [a.json()["choices"][0]["text"] for a in answers] == [expected] * 3
@@ -208,7 +183,7 @@ def test_a_killed_backends_waiting_requests_finish_elsewhere_and_a_restarted_one
 
     port = int(victim.rsplit(":", 1)[1])
     fleet.backends[index] = backend(fleet.redis.url, port).wait_listening()
-    rejoined = until(
+    rejoined = wait_until(
         lambda: (b := fleet.backend_view(victim))["healthy"] and b["synced"] and b["epoch"] != epoch and b,
         "the restarted backend rejoined with a new hello",
     )
@@ -216,7 +191,7 @@ def test_a_killed_backends_waiting_requests_finish_elsewhere_and_a_restarted_one
     # what it holds now is known from its new stream: a prompt it alone computed goes back to it
     alone = text_prompt(loaded, 6 * PAGE, seed=31)
     httpx.post(victim + "/v1/completions", json={**body, "prompt": alone, "max_tokens": 2}, timeout=120)
-    until(lambda: fleet.backend_view(victim)["pages"]["L1"] >= 5, "its pages are published")
+    wait_until(lambda: fleet.backend_view(victim)["pages"]["L1"] >= 5, "its pages are published")
     again = fleet.post("/v1/completions", {**body, "prompt": alone, "max_tokens": 2})
     assert again.headers["x-kvtier-backend"] == victim
     assert again.json()["usage"]["prompt_tokens_details"]["sources"]["L1"] >= 5 * PAGE
