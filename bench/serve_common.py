@@ -77,6 +77,7 @@ class Reply:
     tokens: int
     finish_reason: str | None = None
     usage: dict = field(default_factory=dict)
+    backend: str | None = None  # the x-kvtier-backend of an answer through kvtier route
 
 
 def stream_chat(client: httpx.Client, server: Server, messages: list[dict], max_tokens: int) -> Reply:
@@ -93,6 +94,7 @@ def stream_chat(client: httpx.Client, server: Server, messages: list[dict], max_
     ttft, pieces, usage, finish = None, [], {}, None
     with client.stream("POST", server.url + "/v1/chat/completions", json=body) as response:
         response.raise_for_status()
+        backend = response.headers.get("x-kvtier-backend")
         for line in response.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
@@ -106,7 +108,13 @@ def stream_chat(client: httpx.Client, server: Server, messages: list[dict], max_
                 pieces.append(text)
     total = time.perf_counter() - t0
     return Reply(
-        "".join(pieces), ttft if ttft is not None else total, total, usage.get("completion_tokens", 0), finish, usage
+        "".join(pieces),
+        ttft if ttft is not None else total,
+        total,
+        usage.get("completion_tokens", 0),
+        finish,
+        usage,
+        backend,
     )
 
 

@@ -34,6 +34,12 @@ SUBSTITUTIONS: list[tuple[str, str, str]] = [
     ("127.0.0.1:8000", "127.0.0.1:{port}", "the port serve printed"),
     ("--port 6379", "--port {redis_port} --bind 127.0.0.1", "a free port, on loopback only"),
     ("redis-host:6379", "127.0.0.1:{redis_port}", "the redis-server started by the test"),
+    ("--host 0.0.0.0", "--host 127.0.0.1", "loopback only: the fleet's three engine hosts are this machine"),
+    ("engine-1:8000", "127.0.0.1:{engine_1}", "the port the first engine printed"),
+    ("engine-2:8000", "127.0.0.1:{engine_2}", "the port the second engine printed"),
+    ("engine-3:8000", "127.0.0.1:{engine_3}", "the port the third engine printed"),
+    ("--port 8080", "--port 0", "the router takes a free port and prints it"),
+    ("localhost:8080", "localhost:{router_port}", "the port the router printed"),
 ]
 
 

@@ -63,6 +63,7 @@ COVERAGE = {
     "6000 requests, 76643649 prompt tokens on 4 engines": "test_replay_fleet",
     "kvtier run   [--model PATH_OR_ID]": "test_flags_are_the_commands_flags",
     "# on the Redis host": "test_redis_example",
+    "# the Redis host": "test_fleet_example",
     ".venv/bin/kvtier run --model mlx-community/": "not run: a Hugging Face hub id needs the network",
     "gguf=$(.venv/bin/python": "test_import_gguf",
     ".venv/bin/python bench/restore_bandwidth.py": (
@@ -501,15 +502,7 @@ def test_redis_example(shell, tmp_path):
     server_cmd, host_a, host_b, stats = block("# on the Redis host").commands()
     server = shell.start(server_cmd)
     try:
-        client = redis.Redis(port=shell.values["redis_port"], socket_timeout=5)
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                client.ping()
-                break
-            except redis.ConnectionError:
-                assert server.proc.poll() is None and time.monotonic() < deadline, "redis-server did not come up"
-                time.sleep(0.05)
+        client = _answering_redis(shell.values["redis_port"], server)
         assert client.config_get("maxmemory-policy")["maxmemory-policy"] == "allkeys-lru"
         a = _sources(shell.run(host_a).stdout)
         b = _sources(shell.run(host_b).stdout)
@@ -519,6 +512,52 @@ def test_redis_example(shell, tmp_path):
         assert "requests 2 " in printed
     finally:
         server.stop()
+
+
+@slow
+@needs_redis
+def test_fleet_example(shell):
+    """The fleet example on one machine: a redis-server, the engine command started three
+    times (each "host" its own port), the router in front of them; the request's header
+    names one of them, and the router's view lists all three, each synced from its stream."""
+    shell.values["redis_port"] = free_port()
+    server_cmd, engine_cmd, route_cmd, ask, view = block("# the Redis host").commands()
+    started = [shell.start(server_cmd)]
+    try:
+        _answering_redis(shell.values["redis_port"], started[0])
+        engines = [shell.start(engine_cmd) for _ in range(3)]
+        started += engines
+        for i, engine in enumerate(engines, 1):
+            shell.values[f"engine_{i}"] = int(engine.wait_for(r"serving .* on http://127\.0\.0\.1:(\d+)").group(1))
+        router = shell.start(route_cmd)
+        started.append(router)
+        routing = router.wait_for(r"routing to 3 backends \(cache-aware\) on http://127\.0\.0\.1:(\d+)")
+        shell.values["router_port"] = int(routing.group(1))
+        url = f"http://127.0.0.1:{shell.values['router_port']}/v1/kvtier/route"
+        deadline = time.monotonic() + 60
+        while not all(b["synced"] and b["healthy"] for b in httpx.get(url, timeout=10).json()["backends"]):
+            assert time.monotonic() < deadline, "the router did not sync with every engine"
+            time.sleep(0.1)
+        named = re.search(r"x-kvtier-backend: http://127\.0\.0\.1:(\d+)", shell.run(ask).stdout, re.IGNORECASE)
+        assert named and int(named.group(1)) in {shell.values[f"engine_{i}"] for i in (1, 2, 3)}
+        shown = json.loads(shell.run(view).stdout)
+        assert len(shown["backends"]) == 3 and sum(shown["routed"].values()) == 1
+    finally:
+        for process in reversed(started):
+            process.stop()
+
+
+def _answering_redis(port: int, server) -> redis.Redis:
+    """A client of the README's redis-server once it answers (30 s at most)."""
+    client = redis.Redis(port=port, socket_timeout=5)
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            client.ping()
+            return client
+        except redis.ConnectionError:
+            assert server.proc.poll() is None and time.monotonic() < deadline, "redis-server did not come up"
+            time.sleep(0.05)
 
 
 def _sources(stdout: str) -> dict[str, int]:

@@ -40,6 +40,7 @@ from .common import OncePerLine, UsageError, pages_kept
 from .encryption import add_encryption_flags
 from .import_gguf import cmd_import_gguf
 from .replay import cmd_replay
+from .route import add_route_parser, cmd_route
 from .run import cmd_run
 from .serve import cmd_serve
 from .stats import cmd_stats
@@ -88,6 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
         add_replay_parser,
         add_import_gguf_parser,
         add_serve_parser,
+        add_route_parser,
         add_stats_parser,
         add_store_parser,
         add_top_parser,
@@ -462,6 +464,7 @@ def add_top_parser(tree: Tree, sub) -> None:
 _COMMANDS = {
     "run": cmd_run,
     "serve": cmd_serve,
+    "route": cmd_route,
     "stats": cmd_stats,
     "calibrate": cmd_calibrate,
     "bench": cmd_bench,

@@ -25,11 +25,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     keys = api_keys(args)
     shared = {path: _read_text(path, "--shared-prefix") for path in args.shared_prefix}
-    family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
-    try:  # bound before the model loads: a busy port fails at once; --port 0 takes a free one
-        sock = socket.create_server((args.host, args.port), family=family)
-    except OSError as err:
-        raise UsageError(f"cannot listen on {args.host}:{args.port}: {err.strerror or err}") from None
+    sock = listen(args.host, args.port)  # before the model loads: a busy port fails at once
     store_dir = None if args.no_offload else usable_store(args.store)
     check_sizes(args, store_dir)
     secret = server_secret(args, store_dir)
@@ -68,6 +64,15 @@ def _exit_unflushed(pages: int, timeout_s: float) -> None:
     )
     sys.stdout.flush()
     os._exit(1)
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A listening socket (``--port 0`` takes a free one), or one error line."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        return socket.create_server((host, port), family=family)
+    except OSError as err:
+        raise UsageError(f"cannot listen on {host}:{port}: {err.strerror or err}") from None
 
 
 def api_keys(args: argparse.Namespace) -> dict:

@@ -24,6 +24,7 @@ import mlx.nn as nn
 from mlx_lm import load as mlx_load
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
 from mlx_lm.utils import _download
+from mlx_lm.utils import load_tokenizer as mlx_load_tokenizer
 
 from kvtier.costmodel.profile import profile_key
 from kvtier.tiers.page import GLOBAL, LayerKind, Namespace, PageGeometry
@@ -156,18 +157,34 @@ def resolve_model_path(name: str | None, progress: Callable[[int, int], None] | 
         raise ModelError(f"cannot fetch model {name!r}: {type(err).__name__}") from None
 
 
-def load_model(name: str | None = None, progress: Callable[[int, int], None] | None = None) -> LoadedModel:
-    """Load a model and tokenizer with ``mlx_lm.load``."""
-    label = name or default_model_name()
+def _model_dir(label: str, progress: Callable[[int, int], None] | None) -> Path:
     path = resolve_model_path(label, progress)
     if not (path / "config.json").exists():
         raise ModelError(f"{path} has no config.json; not an mlx-lm model directory")
+    return path
+
+
+def load_model(name: str | None = None, progress: Callable[[int, int], None] | None = None) -> LoadedModel:
+    """Load a model and tokenizer with ``mlx_lm.load``."""
+    label = name or default_model_name()
+    path = _model_dir(label, progress)
     try:
         # [:2]: mlx-lm's hint also allows the (model, tokenizer, config) of return_config=True
         model, tokenizer = mlx_load(str(path))[:2]
     except Exception as err:
         raise ModelError(f"cannot load model from {path}: {err}") from None
     return LoadedModel(_loadable_reference(name, path), path, label, model, tokenizer, model_fingerprint(path))
+
+
+def load_tokenizer(name: str | None = None, progress: Callable[[int, int], None] | None = None) -> tuple[Any, str]:
+    """A model's tokenizer without its weights (``kvtier route`` renders prompts and runs
+    no model), and the model's fingerprint (its namespace's: whose pages these are)."""
+    path = _model_dir(name or default_model_name(), progress)
+    try:
+        tokenizer = mlx_load_tokenizer(path)
+    except Exception as err:  # transformers' errors come in many types
+        raise ModelError(f"cannot load the tokenizer from {path}: {err}") from None
+    return tokenizer, model_fingerprint(path)
 
 
 def _loadable_reference(name: str | None, path: Path) -> str:

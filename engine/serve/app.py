@@ -42,7 +42,7 @@ from ..limits import InputError, TextLimit, context_length
 from ..request import Request, SamplingParams
 from ..text import OutputText
 from ..text import verbatim as verbatim_text
-from . import api, render, responses
+from . import api, responses
 from .admin import Admin, Pins
 from .api import APIError
 from .conversations import Conversations, log_loss, miss_reason
@@ -51,8 +51,7 @@ from .events import QUEUE_CHANGES, EventStream
 from .generation import Generation, cancel_on_disconnect
 from .holds import TOOL_WAIT, Holds
 from .prometheus import ServerMetrics
-from .prompt import Prompt, check_text
-from .prompt import render as render_prompt
+from .prompt import Prompt, anthropic_prompt, chat_prompt, check_text
 from .recent import RecentRequests
 from .responses import Finished
 from .tenancy import Authenticate, Tenancy
@@ -170,18 +169,7 @@ class KVTierServer:
 
     async def chat_completions(self, http: HTTPRequest) -> Response:
         body = api.parse_body(await self._read(http), api.ChatCompletionRequest)
-        prompt = await anyio.to_thread.run_sync(
-            lambda: render_prompt(
-                self.tokenizer,
-                render.chat_messages(body),
-                render.chat_origins(body),
-                render.chat_tools(body),
-                render.chat_tool_choice(body),
-                render.chat_has_tool_history(body),
-                render.chat_breakpoints(body),
-                self.text_limit,
-            )
-        )
+        prompt = await anyio.to_thread.run_sync(chat_prompt, self.tokenizer, body, self.text_limit)
         return await self._openai(http, body, prompt, chat=True)
 
     async def _openai(self, http: HTTPRequest, body, prompt: Prompt, chat: bool) -> Response:
@@ -276,17 +264,7 @@ class KVTierServer:
         return JSONResponse({"input_tokens": len(prompt.tokens)})
 
     def _anthropic_prompt(self, body: api.AnthropicPrompt) -> Prompt:
-        messages, origins = render.anthropic_messages(body)
-        return render_prompt(
-            self.tokenizer,
-            messages,
-            origins,
-            render.anthropic_tools(body),
-            render.anthropic_tool_choice(body),
-            render.anthropic_has_tool_history(body),
-            render.anthropic_breakpoints(body, origins),
-            self.text_limit,
-        )
+        return anthropic_prompt(self.tokenizer, body, self.text_limit)
 
     # -- the rest of the API -----------------------------------------------------------
 

@@ -8,8 +8,9 @@ import json
 from dataclasses import dataclass, field
 
 from ..limits import InputError, TextLimit
+from . import render as bodies
 from . import tools as tool_calls
-from .api import invalid
+from .api import AnthropicPrompt, ChatCompletionRequest, invalid
 from .tools import ToolChoice
 
 
@@ -85,6 +86,36 @@ def render(
     forced, banned = tool_calls.constraints(tokenizer, choice, tools, call_text)
     breakpoints = [(min(len(tokens), _length(tokenizer, messages[: j + 1], tools)), ttl) for j, ttl in marks]
     return Prompt(tokens, tools, forced, banned, messages, origins, breakpoints)
+
+
+def chat_prompt(tokenizer, body: ChatCompletionRequest, limit: TextLimit | None = None) -> Prompt:
+    """A chat completion's prompt: the one rendering ``kvtier serve`` submits and
+    ``kvtier route`` keys its placement by (the same tokens, so the same page keys)."""
+    return render(
+        tokenizer,
+        bodies.chat_messages(body),
+        bodies.chat_origins(body),
+        bodies.chat_tools(body),
+        bodies.chat_tool_choice(body),
+        bodies.chat_has_tool_history(body),
+        bodies.chat_breakpoints(body),
+        limit,
+    )
+
+
+def anthropic_prompt(tokenizer, body: AnthropicPrompt, limit: TextLimit | None = None) -> Prompt:
+    """An Anthropic request's prompt (messages and count_tokens alike), as :func:`chat_prompt`."""
+    messages, origins = bodies.anthropic_messages(body)
+    return render(
+        tokenizer,
+        messages,
+        origins,
+        bodies.anthropic_tools(body),
+        bodies.anthropic_tool_choice(body),
+        bodies.anthropic_has_tool_history(body),
+        bodies.anthropic_breakpoints(body, origins),
+        limit,
+    )
 
 
 def check_text(limit: TextLimit | None, text_bytes: int, param: str) -> None:

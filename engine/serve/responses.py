@@ -197,7 +197,8 @@ class OpenAIShape:
             tail = [sse({**last, "usage": usage(done)})]
         return tail + ["data: [DONE]\n\n"]
 
-    def error_chunks(self, err: APIError) -> list[str]:
+    @staticmethod
+    def error_chunks(err: APIError) -> list[str]:
         return [sse(err.body()), "data: [DONE]\n\n"]
 
 

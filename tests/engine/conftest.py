@@ -1,3 +1,4 @@
+import time
 from collections.abc import Sequence
 
 import pytest
@@ -56,3 +57,12 @@ def stored_once(engine, prompt: list[int]) -> list:
     engine.generate([prompt])
     engine.close()
     return page_keys(engine.namespace, prompt)
+
+
+def wait_until(predicate, what: str, timeout: float = 60):
+    """``predicate()``'s first true value, looked at every 50 ms; fails (instead of hanging) after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while not (value := predicate()):
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+    return value

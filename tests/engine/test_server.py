@@ -20,7 +20,7 @@ import pytest
 
 from kvtier.engine.models.defaults import packaged_gguf
 
-from .conftest import on_tiny_model
+from .conftest import on_tiny_model, wait_until
 
 pytestmark = pytest.mark.slow  # starts processes or loads the real model
 
@@ -384,14 +384,6 @@ def _stream_in_background(
     return thread, chunks
 
 
-def _wait_for(predicate, what: str, timeout: float = 60):
-    deadline = time.monotonic() + timeout
-    while not (value := predicate()):
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
-    return value
-
-
 def test_full_queue_answers_429_and_hung_up_streams_are_cancelled(server, model):
     """Two running (--max-running 2), two waiting (--max-waiting 2): the fifth is refused.
     Every client hangs up after a few chunks: the engine cancels all four long requests."""
@@ -400,14 +392,14 @@ def test_full_queue_answers_429_and_hung_up_streams_are_cancelled(server, model)
     streams = []  # distinct prompts: identical ones would wait behind one another (single flight)
     for group, state in (((0, 1), {"waiting": 0, "running": 2}), ((2, 3), {"waiting": 2, "running": 2})):
         streams += [_stream_in_background(server, model, 5000, f"stream number {i} " * 3, hang_up) for i in group]
-        _wait_for(lambda state=state: server.stats()["server"] == state, str(state))
+        wait_until(lambda state=state: server.stats()["server"] == state, str(state))
     refused = server.http.post("/v1/completions", json={"model": model, "prompt": "one more", "max_tokens": 1})
     hang_up.set()
     assert refused.status_code == 429 and refused.json()["error"]["code"] == "queue_full"
     assert int(refused.headers["retry-after"]) > 0
     for thread, _ in streams:
         thread.join(timeout=120)
-    _wait_for(lambda: server.stats()["engine"]["cancelled"] - before["cancelled"] == 4, "four cancellations")
+    wait_until(lambda: server.stats()["engine"]["cancelled"] - before["cancelled"] == 4, "four cancellations")
     after = server.stats()
     assert after["server"] == {"waiting": 0, "running": 0}
     assert after["engine"]["requests"] == before["requests"]  # none ran to its end
@@ -427,7 +419,7 @@ def test_sigterm_drains_flushes_to_l3_for_a_second_server_and_a_restart(tmp_path
         assert cold.usage.prompt_tokens_details.cached_tokens == 0
         pages = (cold.usage.prompt_tokens - 1) // PAGE
         thread, chunks = _stream_in_background(first, model, max_tokens=30)
-        _wait_for(lambda: len(chunks) > 3, "the stream to start")
+        wait_until(lambda: len(chunks) > 3, "the stream to start")
         assert first.stop() == 0, "".join(first.log)  # SIGTERM: the stream in flight is finished first
         thread.join(timeout=60)
         assert chunks[-1] == "data: [DONE]" and chunks[0] == 200

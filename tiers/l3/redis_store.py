@@ -62,8 +62,10 @@ _DELETE_IF_SAME = (
 )
 
 
-def _connect(url: str) -> tuple[redis.Redis | RedisCluster, bytes]:
-    """A client for ``url`` and the key prefix it names; ValueError on a malformed URL."""
+def connect(url: str) -> tuple[redis.Redis | RedisCluster, bytes]:
+    """A client for ``url`` and the key prefix it names; ValueError on a malformed URL.
+    The store's own, and a fleet router's (``kvtier route --l3-redis``) that asks which
+    pages the shared L3 holds: the same options, so both name the same keys."""
     parts = urlsplit(url)
     query = dict(parse_qsl(parts.query))
     prefix = query.pop("prefix", "kvtier:").encode()
@@ -86,7 +88,12 @@ def _connect(url: str) -> tuple[redis.Redis | RedisCluster, bytes]:
     ), prefix
 
 
-def _shown(url: str) -> str:
+def page_name(prefix: bytes, key: bytes) -> bytes:
+    """The Redis key of a page's record under ``prefix`` (see the module docstring)."""
+    return prefix + b"p:" + key
+
+
+def shown_url(url: str) -> str:
     """The URL without its password (for logs and stats)."""
     parts = urlsplit(url)
     auth, at, hosts = parts.netloc.rpartition("@")
@@ -158,9 +165,9 @@ class RedisTier(L3Store):
         )
         self.url = url
         try:
-            self._client, self._prefix = _connect(url)
+            self._client, self._prefix = connect(url)
         except (ValueError, redis.RedisError) as exc:
-            raise StoreError(f"bad store URL {_shown(url)}: {one_line(exc)}") from None
+            raise StoreError(f"bad store URL {shown_url(url)}: {one_line(exc)}") from None
         self._cluster = isinstance(self._client, RedisCluster)
         self._all = {"target_nodes": RedisCluster.PRIMARIES} if self._cluster else {}  # server-wide numbers
         self._meta = self._prefix + b"meta"
@@ -182,7 +189,7 @@ class RedisTier(L3Store):
 
     @property
     def location(self) -> str:
-        return _shown(self.url)
+        return shown_url(self.url)
 
     def _open(self, asked: int | None) -> None:
         """Check the format version (a new store takes ours) and the server's cap."""
@@ -246,7 +253,7 @@ class RedisTier(L3Store):
         return time.monotonic() >= self._down_until
 
     def _page(self, key: bytes) -> bytes:
-        return self._prefix + b"p:" + key
+        return page_name(self._prefix, key)
 
     def mget(self, keys: list[bytes]) -> list[bytes | None]:
         """The stored values of ``keys`` in one round trip (None: absent or unreadable)."""
@@ -413,4 +420,4 @@ def scratch_url(url: str) -> Iterator[str]:
             with RedisTier(scratch) as tier:
                 tier.drop_everything()
         except StoreError as err:
-            log.warning("scratch store %s not removed: %s", _shown(scratch), err)
+            log.warning("scratch store %s not removed: %s", shown_url(scratch), err)

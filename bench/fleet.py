@@ -1,0 +1,186 @@
+"""A fleet on this machine: three ``kvtier serve`` backends sharing one ``redis-server``
+as L3, ``kvtier route`` in front, and an agent-like workload through it, once per
+policy (cache-aware, round-robin, least-load), each on fresh backends and an empty L3
+(a key prefix of its own); ``single`` is one backend alone, for its cached fraction.
+
+The workload: ``--conversations`` conversations (24), half on each of two system
+prompts (``--system-words`` words each), ``--turns`` turns each (a user message, the
+answer appended before the next), ``--concurrency`` conversations at a time, each turn
+streamed (``--max-tokens``). Per policy: TTFT p50 and p95 (the first chunk with text),
+prompt tokens computed (``recomputed`` in the usage) and their share, and each
+backend's requests. The backends run without the first-use calibration (the profile
+defaults, the same for every policy) so runs differ only by placement.
+
+    python bench/fleet.py [--model M] [--policies cache-aware,round-robin,least-load,single]
+                          [--conversations 24] [--turns 3] [--system-words 450] [--concurrency 6]
+                          [--max-tokens 12] [--page-size 32] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import os
+import random
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+
+import httpx
+from serve_common import Server, percentile, stream_chat
+
+BACKENDS = 3
+POLICIES = ("cache-aware", "round-robin", "least-load", "single")
+WORDS = "cache page tier restore token prefix model host disk link queue engine router fleet batch".split()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def system_prompt(seed: int, words: int) -> str:
+    rng = random.Random(seed)
+    return f"You are agent {seed}. " + " ".join(rng.choice(WORDS) for _ in range(words))
+
+
+def conversation(index: int, systems: list[str], turns: int) -> list[list[dict]]:
+    """The messages of each turn but the answers (filled in as they come)."""
+    rng = random.Random(1000 + index)
+    asks = [f"Task {index}.{t}: " + " ".join(rng.choice(WORDS) for _ in range(30)) for t in range(turns)]
+    return [
+        [{"role": "system", "content": systems[index % len(systems)]}],
+        *([{"role": "user", "content": a}] for a in asks),
+    ]
+
+
+def kvtier(*args: str) -> list[str]:
+    return [sys.executable, "-m", "kvtier.engine.cli", *args]
+
+
+def run_policy(policy: str, args, redis_url: str) -> dict:
+    n = 1 if policy == "single" else BACKENDS
+    store = f"{redis_url}?prefix=fleet-{policy}-{os.getpid()}:"
+    model = ["--model", args.model] if args.model else []
+    backends = []
+    for i in range(n):
+        port = free_port()
+        flags = ["--store", store, "--page-size", str(args.page_size), "--no-auto-calibrate", *model]
+        cmd = kvtier("serve", "--port", str(port), *flags)
+        backends.append(Server(f"backend-{i}", cmd, f"http://127.0.0.1:{port}", None).start())
+    front = backends[0]
+    router = None
+    if policy != "single":
+        port = free_port()
+        flags = [f for b in backends for f in ("--backend", b.url)]
+        cmd = kvtier("route", "--port", str(port), "--policy", policy, "--l3-redis", store, *flags, *model)
+        router = front = Server("router", cmd, f"http://127.0.0.1:{port}", None).start()
+        deadline = time.monotonic() + 60
+        while not all(b["synced"] for b in httpx.get(router.url + "/v1/kvtier/route").json()["backends"]):
+            assert time.monotonic() < deadline, "the router did not sync"
+            time.sleep(0.2)
+    systems = [system_prompt(s, args.system_words) for s in range(2)]
+    replies = []
+
+    def converse(index: int) -> list:
+        messages, out = [], []
+        with httpx.Client(timeout=600) as client:
+            for part in conversation(index, systems, args.turns):
+                messages += part
+                if part[0]["role"] == "system":
+                    continue
+                reply = stream_chat(client, front, messages, args.max_tokens)
+                messages.append({"role": "assistant", "content": reply.text})
+                out.append(reply)
+        return out
+
+    t0 = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(args.concurrency) as pool:
+        for done in pool.map(converse, range(args.conversations)):
+            replies += done
+    wall = time.perf_counter() - t0
+    for server in [*([router] if router else []), *backends]:
+        server.stop()
+    ttfts = [r.ttft_s for r in replies]
+    prompt = sum(r.usage.get("prompt_tokens", 0) for r in replies)
+    computed = sum(r.usage["prompt_tokens_details"]["sources"]["recomputed"] for r in replies)
+    return {
+        "policy": policy,
+        "requests": len(replies),
+        "wall_s": round(wall, 1),
+        "ttft_p50_s": round(percentile(ttfts, 50), 3),
+        "ttft_p95_s": round(percentile(ttfts, 95), 3),
+        "prompt_tokens": prompt,
+        "computed_tokens": computed,
+        "cached_fraction": round(1 - computed / prompt, 3) if prompt else 0.0,
+        "per_backend": dict(sorted(Counter(r.backend or backends[0].url for r in replies).items())),
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", help="the backends' model (default: kvtier's default)")
+    parser.add_argument("--policies", default=",".join(POLICIES))
+    parser.add_argument("--conversations", type=int, default=24)
+    parser.add_argument("--turns", type=int, default=3)
+    parser.add_argument("--system-words", type=int, default=450)
+    parser.add_argument("--concurrency", type=int, default=6)
+    parser.add_argument("--max-tokens", type=int, default=12)
+    parser.add_argument("--page-size", type=int, default=32)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    policies = args.policies.split(",")
+    if unknown := set(policies) - set(POLICIES):
+        parser.error(f"unknown policies {sorted(unknown)}")
+    redis_server = shutil.which("redis-server")
+    if redis_server is None:
+        parser.error("redis-server is not installed")
+    with tempfile.TemporaryDirectory() as directory:
+        port = free_port()
+        redis = subprocess.Popen(
+            [
+                redis_server,
+                "--port",
+                str(port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                directory,
+                "--maxmemory",
+                "1gb",
+                "--maxmemory-policy",
+                "allkeys-lru",
+            ],
+            stdout=subprocess.DEVNULL,
+        )
+        try:
+            time.sleep(0.5)
+            results = [run_policy(p, args, f"redis://127.0.0.1:{port}") for p in policies]
+        finally:
+            redis.kill()
+            redis.wait()
+    if args.json:
+        print(json.dumps(results, indent=2))
+        return 0
+    print(f"{'policy':<12} {'reqs':>5} {'p50 s':>7} {'p95 s':>7} {'computed':>9} {'cached':>7}  per backend")
+    for r in results:
+        spread = " ".join(str(v) for v in r["per_backend"].values())
+        print(
+            f"{r['policy']:<12} {r['requests']:>5} {r['ttft_p50_s']:>7.3f} {r['ttft_p95_s']:>7.3f} "
+            f"{r['computed_tokens']:>9} {r['cached_fraction']:>7.1%}  {spread}"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
