@@ -65,6 +65,7 @@ from .links import LinkLedger, Throttle
 from .page import Namespace, PageGeometry, PageKey, Source, page_tokens, partial_key, shared_start
 from .placement import Pins, Placement
 from .policy import L3Admission, make_policy
+from .quant import namespace_codecs, page_quantizer
 from .restore import PartialMatch, PendingRestore, RestoredPrefix, Restorer
 from .snapshots import Snapshots
 from .stats import L3Place, StoreStats
@@ -87,6 +88,8 @@ class TieredStore:
     ) -> None:
         if namespace.encryption != (config.cipher.name if config.cipher is not None else ""):
             raise ValueError("a store with an L3 cipher needs a namespace that names it, and only then")
+        if namespace.codecs != namespace_codecs(config.codec):
+            raise ValueError("a store with a quantizing codec needs a namespace that names it, and only then")
         self.geometry = geometry
         self.namespace = namespace
         keep_buffers_for_restores()
@@ -111,6 +114,7 @@ class TieredStore:
             self.ledger,
             self.pins,
             geometry.segments,
+            page_quantizer(geometry, config.codec),
         )
         self.snapshots = (
             Snapshots(
