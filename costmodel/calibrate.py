@@ -35,6 +35,7 @@ from kvtier.tiers.l3.cipher import RecordCipher
 from kvtier.tiers.l3.open import scratch_location
 from kvtier.tiers.links import Link
 from kvtier.tiers.page import Namespace, PageGeometry, page_keys
+from kvtier.tiers.quant import namespace_codecs
 
 from .profile import Profile
 
@@ -55,14 +56,20 @@ Tick = Callable[[], None]
 
 
 def calibrate(
-    model: nn.Module, geometry: PageGeometry, store_dir: Path, tick: Tick = lambda: None, quick: bool = False
+    model: nn.Module,
+    geometry: PageGeometry,
+    store_dir: Path,
+    tick: Tick = lambda: None,
+    quick: bool = False,
+    codec: str = "raw",
 ) -> Profile:
     """Measure links and prefill on this machine; ``tick`` is called once per sample.
-    ``quick``: the quick grid (``quick_grid``), a rougher fit in seconds."""
+    ``quick``: the quick grid (``quick_grid``), a rougher fit in seconds. ``codec``: the
+    store's L3 codec, whose decode ``L3->L2`` measures (``link_samples``)."""
     profile = Profile.defaults()
     page_counts, repeats = (QUICK_PAGE_COUNTS, QUICK_REPEATS) if quick else (PAGE_COUNTS, REPEATS)
     for link, nbytes, seconds in [
-        *link_samples(geometry, store_dir, tick, page_counts, repeats),
+        *link_samples(geometry, store_dir, tick, page_counts, repeats, codec),
         *snapshot_samples(geometry, store_dir, tick, repeats),
     ]:
         profile.links[link].samples.append((nbytes, seconds))
@@ -111,10 +118,17 @@ def scratch_store(
     nothing in L1), with their keys and tokens; removed afterwards. For a hybrid model,
     also a random snapshot after the last page, likewise in L2 only.
     Random values compress a little (~0.93 with zstd), as real KV does. With a ``cipher``
-    its L3 records are encrypted."""
+    its L3 records are encrypted. Random values quantize like real KV (``tiers.quant``:
+    every group has its own scale)."""
     size, state_bytes = geometry.page_size, geometry.snapshot_nbytes
     tokens = list(range(pages * size + 1))
-    namespace = Namespace("kvtier-calibration", geometry.dtype, size, encryption=cipher.name if cipher else "")
+    namespace = Namespace(
+        "kvtier-calibration",
+        geometry.dtype,
+        size,
+        encryption=cipher.name if cipher else "",
+        codecs=namespace_codecs(codec),
+    )
     keys = page_keys(namespace, tokens)[:pages]
     room = (pages + 1) * geometry.nbytes + 2 * state_bytes
     with scratch_location(store_dir) as scratch:
@@ -148,14 +162,18 @@ def link_samples(
     tick: Tick,
     page_counts: Iterable[int] = PAGE_COUNTS,
     repeats: int | None = None,
+    codec: str = "raw",
 ) -> list[tuple[str, int, float]]:
     """(link, bytes, seconds) of restores from L2 and from L3 (OS page cache warm): raw
-    pages (``L3->L1``) and zstd pages (``L3->L2``, their decode into L2); the median of
-    ``repeats`` (default ``REPEATS``) timings each."""
+    pages (``L3->L1``) and pages of the store's ``codec`` (``L3->L2``: their stored
+    bytes and their decode into L2; zstd pages for a raw store); the median of
+    ``repeats`` (default ``REPEATS``) timings each. A quantizing codec's decode is what
+    decides whether its pages are worth restoring, so it is measured, not assumed."""
     counts = tuple(page_counts)
     samples = []
-    for codec, links in (("raw", (Link.L2_L1, Link.L3_L1)), ("zstd", (Link.L3_L2,))):
-        with scratch_store(geometry, store_dir, max(counts), codec) as (store, keys, tokens):
+    decoded = "zstd" if codec == "raw" else codec
+    for kind, links in (("raw", (Link.L2_L1, Link.L3_L1)), (decoded, (Link.L3_L2,))):
+        with scratch_store(geometry, store_dir, max(counts), kind) as (store, keys, tokens):
             store.flush()
             for link in links:
                 for k in counts:

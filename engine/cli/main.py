@@ -11,6 +11,7 @@ from pathlib import Path
 
 from kvtier import __version__
 from kvtier.tiers.l3.lmdb_space import DEFAULT_CAPACITY
+from kvtier.tiers.l3.record import QUANTIZED
 from kvtier.tiers.policy import ADMISSIONS, DEFAULT_POLICY, POLICIES
 from kvtier.tiers.text import format_bytes
 
@@ -122,7 +123,7 @@ def _add_engine_flags(tree: Tree, parser: argparse.ArgumentParser) -> None:
         "its filesystem where that is less); an existing store keeps its own (`kvtier store resize` changes it)",
     )
     parser.add_argument("--page-size", type=positive_int, default=128, metavar="N", help="tokens per KV page")
-    parser.add_argument("--codec", choices=["raw", "zstd"], default="raw", help="L3 payload codec")
+    add_codec_flag(parser)
     add_encryption_flags(parser)
     parser.add_argument("--cache-salt", default="", help="isolate this tenant's pages")
     parser.add_argument(
@@ -202,6 +203,20 @@ def add_calibrate_parser(tree: Tree, sub) -> None:
         "--quick",
         action="store_true",
         help="the quick calibration a first run does: fewer, shorter samples, a rougher fit",
+    )
+    add_codec_flag(calibrate)
+
+
+def add_codec_flag(parser: argparse.ArgumentParser) -> None:
+    """``--l3-codec`` (also spelled ``--codec``, its older name): how L3 stores pages."""
+    parser.add_argument(
+        "--l3-codec",
+        "--codec",
+        dest="codec",
+        choices=["raw", "zstd", *QUANTIZED],
+        default="raw",
+        help="L3 page codec; q8, q4 and k8v4 (keys 8-bit, values 4-bit) quantize: lossy, "
+        "and their pages are apart from raw ones",
     )
 
 
