@@ -61,15 +61,16 @@ def calibrate(
     store_dir: Path,
     tick: Tick = lambda: None,
     quick: bool = False,
-    codec: str = "raw",
+    codecs: tuple[str, str] = ("raw", "raw"),
 ) -> Profile:
     """Measure links and prefill on this machine; ``tick`` is called once per sample.
-    ``quick``: the quick grid (``quick_grid``), a rougher fit in seconds. ``codec``: the
-    store's L3 codec, whose decode ``L3->L2`` measures (``link_samples``)."""
+    ``quick``: the quick grid (``quick_grid``), a rougher fit in seconds. ``codecs``: the
+    store's L3 and L2 codecs, whose decodes ``L3->L2`` and ``L2->L1`` measure
+    (``link_samples``)."""
     profile = Profile.defaults()
     page_counts, repeats = (QUICK_PAGE_COUNTS, QUICK_REPEATS) if quick else (PAGE_COUNTS, REPEATS)
     for link, nbytes, seconds in [
-        *link_samples(geometry, store_dir, tick, page_counts, repeats, codec),
+        *link_samples(geometry, store_dir, tick, page_counts, repeats, *codecs),
         *snapshot_samples(geometry, store_dir, tick, repeats),
     ]:
         profile.links[link].samples.append((nbytes, seconds))
@@ -111,7 +112,12 @@ def steps(page_counts: Iterable[int] = PAGE_COUNTS, quick: bool = False, snapsho
 
 @contextmanager
 def scratch_store(
-    geometry: PageGeometry, store_dir: Path | str, pages: int, codec: str = "raw", cipher: RecordCipher | None = None
+    geometry: PageGeometry,
+    store_dir: Path | str,
+    pages: int,
+    codec: str = "raw",
+    cipher: RecordCipher | None = None,
+    l2_codec: str = "raw",
 ) -> Iterator[tuple[TieredStore, list, list[int]]]:
     """A throwaway store beside ``store_dir`` (same filesystem, or the same Redis server:
     the L3 link measured is the one in use) holding ``pages`` random pages in L2 (and
@@ -127,7 +133,7 @@ def scratch_store(
         geometry.dtype,
         size,
         encryption=cipher.name if cipher else "",
-        codecs=namespace_codecs(codec),
+        codecs=namespace_codecs(codec, l2_codec),
     )
     keys = page_keys(namespace, tokens)[:pages]
     room = (pages + 1) * geometry.nbytes + 2 * state_bytes
@@ -138,6 +144,7 @@ def scratch_store(
             l3_bytes=4 * room,
             store_dir=scratch,
             codec=codec,
+            l2_codec=l2_codec,
             snapshot_l1_bytes=0,
             snapshot_l2_bytes=2 * state_bytes,
             cipher=cipher,
@@ -163,17 +170,19 @@ def link_samples(
     page_counts: Iterable[int] = PAGE_COUNTS,
     repeats: int | None = None,
     codec: str = "raw",
+    l2_codec: str = "raw",
 ) -> list[tuple[str, int, float]]:
     """(link, bytes, seconds) of restores from L2 and from L3 (OS page cache warm): raw
     pages (``L3->L1``) and pages of the store's ``codec`` (``L3->L2``: their stored
     bytes and their decode into L2; zstd pages for a raw store); the median of
-    ``repeats`` (default ``REPEATS``) timings each. A quantizing codec's decode is what
-    decides whether its pages are worth restoring, so it is measured, not assumed."""
+    ``repeats`` (default ``REPEATS``) timings each, L2 holding its pages in ``l2_codec``.
+    A quantizing codec's decode is what decides whether its pages are worth restoring,
+    so it is measured, not assumed."""
     counts = tuple(page_counts)
     samples = []
     decoded = "zstd" if codec == "raw" else codec
     for kind, links in (("raw", (Link.L2_L1, Link.L3_L1)), (decoded, (Link.L3_L2,))):
-        with scratch_store(geometry, store_dir, max(counts), kind) as (store, keys, tokens):
+        with scratch_store(geometry, store_dir, max(counts), kind, None, l2_codec) as (store, keys, tokens):
             store.flush()
             for link in links:
                 for k in counts:

@@ -82,7 +82,8 @@ class Engine:
         self.config = config or EngineConfig()
         self.geometry = loaded.geometry(self.config.page_size)
         cipher = self.config.store.cipher if self.config.offload else None
-        codecs = namespace_codecs(self.config.store.codec) if self.config.offload else ""
+        store = self.config.store
+        codecs = namespace_codecs(store.codec, store.l2_codec) if self.config.offload else ""
         self.namespace = loaded.namespace(self.geometry, self.config.cache_salt, cipher.name if cipher else "", codecs)
         self.root = self.namespace.digest()  # the key "before" a sequence's first page
         self.store = (

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
-from functools import partial
 
 import mlx.core as mx
 import numpy as np
@@ -141,18 +140,46 @@ def decode(codec: str, payload: memoryview | bytes, raw_nbytes: int, out: np.nda
     return target
 
 
-def namespace_codecs(l3: str) -> str:
+def namespace_codecs(l3: str, l2: str = "raw") -> str:
     """What a namespace digests of its tiers' codecs (``Namespace.codecs``): each lossy
-    one, by tier (``"L3:q8"``); empty when every tier keeps the bytes computed, so a
-    lossless store's keys are what they always were."""
-    return f"L3:{l3}" if l3 in BITS else ""
+    one, by tier (``"L2:q8,L3:q8"``); empty when every tier keeps the bytes computed, so
+    a lossless store's keys are what they always were."""
+    return ",".join(f"{tier}:{codec}" for tier, codec in (("L2", l2), ("L3", l3)) if codec in BITS)
 
 
 def page_quantizer(geometry: PageGeometry, codec: str) -> Quantize | None:
     """How ``codec`` encodes one of these pages (None: it does not quantize); ValueError
     when its pages do not split into groups of ``GROUP``."""
-    if codec not in BITS:
-        return None
-    layout = PageLayout(geometry.num_layers, geometry.dtype)
-    layout.check(geometry.nbytes)
-    return partial(encode, layout=layout)
+    page = PageCodec.of(geometry, codec)
+    return page.encode if page is not None else None
+
+
+@dataclass(frozen=True)
+class PageCodec:
+    """A quantizing codec for the pages of one geometry (an L2 that quantizes its pages,
+    ``tiers.tier.HostTier``; a quantizing L3's writes)."""
+
+    name: str
+    layout: PageLayout
+    raw_nbytes: int
+
+    @classmethod
+    def of(cls, geometry: PageGeometry, codec: str) -> PageCodec | None:
+        """``codec`` for these pages; None when it does not quantize; ValueError when its
+        pages do not split into groups of ``GROUP``."""
+        if codec not in BITS:
+            return None
+        layout = PageLayout(geometry.num_layers, geometry.dtype)
+        layout.check(geometry.nbytes)
+        return cls(codec, layout, geometry.nbytes)
+
+    @property
+    def stored_nbytes(self) -> int:
+        return stored_nbytes(self.name, self.raw_nbytes, self.layout.dtype)
+
+    def encode(self, codec: str, raw: bytes | memoryview | np.ndarray) -> bytes:
+        """``Quantize`` for a record of this codec (``codec`` is the record's: this one)."""
+        return encode(codec, raw, self.layout)
+
+    def decode(self, payload: memoryview | bytes | np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        return decode(self.name, memoryview(payload), self.raw_nbytes, out)

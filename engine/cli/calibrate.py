@@ -12,10 +12,16 @@ from .common import UsageError, load_model, no_data, page_geometry, usable_store
 
 
 def calibrate_into(
-    loaded, geometry, store_dir: Path, quick: bool = False, desc: str = "calibrating", codec: str = "raw"
+    loaded,
+    geometry,
+    store_dir: Path,
+    quick: bool = False,
+    desc: str = "calibrating",
+    codec: str = "raw",
+    l2_codec: str = "raw",
 ):
     """Measure this machine (with a progress bar ``desc``) and save the profile in the
-    store, under the key of the L3 ``codec`` it measured."""
+    store, under the key of the L3 ``codec`` and ``l2_codec`` it measured."""
     from tqdm import tqdm
 
     from kvtier.costmodel.calibrate import calibrate, steps
@@ -25,18 +31,18 @@ def calibrate_into(
     try:
         total = steps(quick=quick, snapshots=bool(geometry.snapshot_nbytes))
         with tqdm(total=total, desc=desc, unit="sample", file=sys.stderr) as bar:
-            profile = calibrate(loaded.model, geometry, store_dir, bar.update, quick=quick, codec=codec)
+            profile = calibrate(loaded.model, geometry, store_dir, bar.update, quick, (codec, l2_codec))
         with open_l3(store_dir) as disk:
-            disk.tables.put_meta(loaded.profile_key(geometry, namespace_codecs(codec)), profile.to_dict())
+            disk.tables.put_meta(loaded.profile_key(geometry, namespace_codecs(codec, l2_codec)), profile.to_dict())
     except (OSError, StoreError) as err:
         raise UsageError(f"cannot calibrate with store {store_dir}: {err}") from None
     return profile
 
 
-def calibrate_on_first_use(loaded, geometry, store_dir: Path, codec: str = "raw") -> None:
-    """Calibrate once per store, model, page size and lossy L3 ``codec``: the default
-    cost model can be far off this machine, and online refinement needs many requests
-    to correct it."""
+def calibrate_on_first_use(loaded, geometry, store_dir: Path, codec: str = "raw", l2_codec: str = "raw") -> None:
+    """Calibrate once per store, model, page size and lossy codec (of L3, ``codec``, or
+    of L2): the default cost model can be far off this machine, and online refinement
+    needs many requests to correct it."""
     from kvtier.costmodel.profile import Profile
     from kvtier.tiers.l3.open import StoreError, open_l3
     from kvtier.tiers.quant import namespace_codecs
@@ -44,7 +50,7 @@ def calibrate_on_first_use(loaded, geometry, store_dir: Path, codec: str = "raw"
     if isinstance(store_dir, Path) and read_only_store(store_dir):
         return  # no profile could be kept: the engine uses the one the store holds, or defaults
     if not no_data(store_dir):
-        key = loaded.profile_key(geometry, namespace_codecs(codec))
+        key = loaded.profile_key(geometry, namespace_codecs(codec, l2_codec))
         try:
             with open_l3(store_dir, readonly=True) as disk:
                 if Profile.stored(disk.tables.get_meta(key), key) is not None:  # a damaged one: measured anew
@@ -56,7 +62,7 @@ def calibrate_on_first_use(loaded, geometry, store_dir: Path, codec: str = "raw"
         "(--no-auto-calibrate skips it; `kvtier calibrate` measures more)",
         file=sys.stderr,
     )
-    calibrate_into(loaded, geometry, store_dir, quick=True, desc="calibrating (quick, first use)", codec=codec)
+    calibrate_into(loaded, geometry, store_dir, True, "calibrating (quick, first use)", codec, l2_codec)
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
@@ -69,6 +75,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         args.quick,
         "calibrating (quick)" if args.quick else "calibrating",
         args.codec,
+        args.l2_codec,
     )
     summary = profile.summary()
     for name, link in summary.links.items():

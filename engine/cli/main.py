@@ -208,7 +208,14 @@ def add_calibrate_parser(tree: Tree, sub) -> None:
 
 
 def add_codec_flag(parser: argparse.ArgumentParser) -> None:
-    """``--l3-codec`` (also spelled ``--codec``, its older name): how L3 stores pages."""
+    """``--l3-codec`` (also spelled ``--codec``, its older name) and ``--l2-codec``: how
+    each tier stores pages."""
+    parser.add_argument(
+        "--l2-codec",
+        choices=["raw", *QUANTIZED],
+        default="raw",
+        help="L2 page codec: q8, q4 and k8v4 quantize (lossy), so L2 holds 2-4x the pages",
+    )
     parser.add_argument(
         "--l3-codec",
         "--codec",
