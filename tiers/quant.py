@@ -182,4 +182,4 @@ class PageCodec:
         return encode(codec, raw, self.layout)
 
     def decode(self, payload: memoryview | bytes | np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-        return decode(self.name, memoryview(payload), self.raw_nbytes, out)
+        return decode(self.name, payload.data if isinstance(payload, np.ndarray) else payload, self.raw_nbytes, out)

@@ -18,6 +18,7 @@ from kvtier.tiers.text import format_bytes
 from ..interrupts import ignored_interrupts
 from ..models.paths import default_store_dir, kvtier_home
 from .args import (
+    add_codec_flag,
     l2_sweep,
     name_list,
     non_negative_int,
@@ -207,26 +208,6 @@ def add_calibrate_parser(tree: Tree, sub) -> None:
     add_codec_flag(calibrate)
 
 
-def add_codec_flag(parser: argparse.ArgumentParser) -> None:
-    """``--l3-codec`` (also spelled ``--codec``, its older name) and ``--l2-codec``: how
-    each tier stores pages."""
-    parser.add_argument(
-        "--l2-codec",
-        choices=["raw", *QUANTIZED],
-        default="raw",
-        help="L2 page codec: q8, q4 and k8v4 quantize (lossy), so L2 holds 2-4x the pages",
-    )
-    parser.add_argument(
-        "--l3-codec",
-        "--codec",
-        dest="codec",
-        choices=["raw", "zstd", *QUANTIZED],
-        default="raw",
-        help="L3 page codec; q8, q4 and k8v4 (keys 8-bit, values 4-bit) quantize: lossy, "
-        "and their pages are apart from raw ones",
-    )
-
-
 def add_bench_parser(tree: Tree, sub) -> None:
     bench = tree.command(sub, "bench", "measure the store on this machine")
     bench_sub = bench.add_subparsers(dest="bench", required=True, parser_class=Parser)
@@ -251,6 +232,14 @@ def add_bench_parser(tree: Tree, sub) -> None:
         restore,
         secret_file=False,
         help="also restore AES-256-GCM encrypted L3 pages, and report their cost against the plain ones",
+    )
+    restore.add_argument(
+        "--l3-codec",
+        dest="codecs",
+        action="append",
+        choices=QUANTIZED,
+        default=[],
+        help="also restore L3 pages of this quantizing codec (repeat for more), beside raw and zstd",
     )
     restore.add_argument("--json", action="store_true", help="the report as one JSON object")
     restore.add_argument("--plot", type=Path, metavar="FILE.png", help="draw bandwidth against size (needs matplotlib)")
