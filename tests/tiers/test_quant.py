@@ -1,6 +1,8 @@
 """The quantizing page codecs (tiers/quant.py) in L2 and L3: their error bound, the
 namespace that keeps their pages apart, their checksums, and how the planner prices them."""
 
+from dataclasses import replace
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -9,7 +11,8 @@ from kvtier.costmodel.models import LinkModel
 from kvtier.costmodel.plan import plan_restore, restore_seconds
 from kvtier.costmodel.profile import Profile
 from kvtier.tiers.hierarchy import StoreConfig, TieredStore
-from kvtier.tiers.page import Namespace, PageGeometry, Source, page_keys
+from kvtier.tiers.l3.record import RecordHeader
+from kvtier.tiers.page import GLOBAL, LayerKind, Namespace, PageGeometry, Source, page_keys, snapshot_key
 from kvtier.tiers.quant import BITS, GROUP, PageCodec, namespace_codecs, stored_nbytes
 from kvtier.tiers.tier import kv_to_host
 
@@ -190,3 +193,28 @@ def test_the_planner_prices_a_quantized_page_at_its_stored_bytes():
     expected = p.links["L3->L2"].predict(8 * stored) + p.links["L2->L1"].predict(8 * page_bytes)
     assert restore_seconds([Source.L3] * 8, page_bytes, p, "q4", stored) == pytest.approx(expected)
     assert stored < 0.3 * page_bytes
+
+
+def test_a_hybrid_model_s_snapshots_stay_raw_under_a_quantizing_l3(tmp_path):
+    """Pages are stored q8, the recurrent-state snapshot after them raw: restored, the
+    state is the bytes computed, exactly."""
+    kinds = (LayerKind("state", arrays=(("float32", (1, 2, 8)),)), GLOBAL)
+    geometry = PageGeometry(1, 1, 64, 4, "float32", kinds)
+    ns = Namespace("hybrid", "float32", 4, layers=geometry.describe_layers(), codecs=namespace_codecs("q8"))
+    config = StoreConfig(0, 0, 1 << 20, tmp_path, "q8", snapshot_l1_bytes=0, snapshot_l2_bytes=0)
+    keys = page_keys(ns, TOKENS)[:2]
+    state = mx.array(np.random.default_rng(5).standard_normal(16).astype(np.float32)).view(mx.uint8)
+    writer = TieredStore(geometry, ns, config)
+    for i, key in enumerate(keys):
+        writer.publish(key, TOKENS[4 * i : 4 * i + 4], page(i, geometry), parent=keys[i - 1] if i else ns.digest())
+    writer.publish_snapshot(keys[1], TOKENS[4:8], state)
+    writer.close()
+    with raw_env(tmp_path) as (env, pages, _), env.begin() as txn:
+        codecs = {key: RecordHeader.unpack(txn.get(key, db=pages))[0].codec for key in (*keys, snapshot_key(keys[1]))}
+    assert codecs == {keys[0]: "q8", keys[1]: "q8", snapshot_key(keys[1]): "raw"}
+    reader = TieredStore(geometry, ns, replace(config, l2_bytes=1 << 16, snapshot_l2_bytes=1 << 12))
+    restored = reader.restore(keys, TOKENS)
+    assert restored.sources == [Source.L3] * 2
+    assert np.array_equal(np.asarray(restored.state), np.asarray(state))
+    reader.release(restored.keys)
+    reader.close()
