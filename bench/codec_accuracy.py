@@ -295,6 +295,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         stores = {c: CodecStore(Path(tmp), loaded, geometry, c) for c in codecs}
         ppl = perplexities(loaded, stores, tokens)
+        print(f"perplexity: {json.dumps(ppl)}", file=sys.stderr, flush=True)
         agree = agreement(loaded, stores, tokens, args.prompts, args.new_tokens)
     table = codec_table(loaded, geometry, codecs, args.pages, args.rounds, not args.no_redis)
     report = {
