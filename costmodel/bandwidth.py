@@ -50,8 +50,11 @@ RESTORES = (("L2->L1", "raw", Source.L2), ("L3->L1", "raw", Source.L3), ("L3 zst
 ENCRYPTED = ("L3 aes->L1", "raw", Source.L3)
 
 
-def restore_rows(encrypted: bool) -> tuple[tuple[str, str, Source], ...]:
-    return RESTORES + ((ENCRYPTED,) if encrypted else ())
+def restore_rows(encrypted: bool, codecs: tuple[str, ...] = ()) -> tuple[tuple[str, str, Source], ...]:
+    """The rows measured: ``RESTORES``, the encrypted one, and one per quantizing codec
+    of ``codecs`` (decoded into L2, then joined; compared with "L3->L1", no link sample)."""
+    quantized = tuple((f"L3 {codec}->L1", codec, Source.L3) for codec in codecs)
+    return RESTORES + ((ENCRYPTED,) if encrypted else ()) + quantized
 
 
 def throwaway_cipher() -> RecordCipher:
@@ -160,16 +163,18 @@ def measure(
     rounds: int = ROUNDS,
     tick: Tick = lambda: None,
     encrypted: bool = False,
+    codecs: tuple[str, ...] = (),
 ) -> dict:
     """Restores per link and page count, memcpy (one and two threads) of the same bytes,
     and, on the whole prompt (the most pages): LMDB's zero-copy read, zstd decompression
     and ``load_prompt_cache`` of the same KV; every row timed in the same rounds.
-    ``encrypted``: also restores of encrypted L3 pages, and their cost (``encryption``)."""
+    ``encrypted``: also restores of encrypted L3 pages, and their cost (``encryption``);
+    ``codecs``: of L3 pages in these quantizing codecs (``restore_rows``)."""
     pages = max(page_counts)
     nbytes = pages * geometry.nbytes
     with ExitStack() as stack, tempfile.TemporaryDirectory() as tmp:
         restores = {}
-        for name, codec, source in restore_rows(encrypted):
+        for name, codec, source in restore_rows(encrypted, codecs):
             cipher = throwaway_cipher() if name == ENCRYPTED[0] else None
             store, keys, tokens = stack.enter_context(scratch_store(geometry, store_dir, pages, codec, cipher))
             restores[name] = Restores(store, keys, tokens, source)
@@ -196,7 +201,7 @@ def measure(
         sealed = _stored_bytes(restores[ENCRYPTED[0]], page_counts) if encrypted else {}
         for restore in restores.values():
             restore.reset()
-    report = _report(calls, geometry, page_counts, rounds, compressed, restore_rows(encrypted))
+    report = _report(calls, geometry, page_counts, rounds, compressed, restore_rows(encrypted, codecs))
     if encrypted:
         report["encryption"] = [_encryption_cost(calls, n, sealed[n]) for n in page_counts]
     return report
@@ -291,7 +296,7 @@ def _link_samples(rows: list[dict], compressed: dict[int, int]) -> list[dict]:
     by = {(r["row"], r["pages"]): r for r in rows}
     links = []
     for r in rows:
-        if r["row"] == ENCRYPTED[0]:
+        if r["row"] not in {row[0] for row in RESTORES}:  # encrypted and quantized rows: compared, not fitted
             continue
         if r["row"] == "L3 zstd->L1":
             seconds = max(r["seconds"] - by["L2->L1", r["pages"]]["seconds"], 1e-9)
@@ -344,11 +349,12 @@ def run(
     rounds: int = ROUNDS,
     quick: bool = False,
     encrypted: bool = False,
+    codecs: tuple[str, ...] = (),
 ) -> dict:
     """The report behind ``kvtier bench restore --json``: ``measure``, and the shortest
     prompt worth restoring from each tier by a profile fitted to these samples and the
     model's timed prefills (``quick``: the quick calibration's shorter ones)."""
-    report = measure(geometry, store_dir, page_counts, rounds, tick, encrypted)
+    report = measure(geometry, store_dir, page_counts, rounds, tick, encrypted, codecs)
     if quick:
         prefill = prefill_samples(model, tick, *quick_grid(model), repeats=QUICK_REPEATS)
     else:

@@ -35,6 +35,7 @@ from kvtier.tiers.l3.cipher import RecordCipher
 from kvtier.tiers.l3.open import scratch_location
 from kvtier.tiers.links import Link
 from kvtier.tiers.page import Namespace, PageGeometry, page_keys
+from kvtier.tiers.quant import namespace_codecs
 
 from .profile import Profile
 
@@ -55,14 +56,21 @@ Tick = Callable[[], None]
 
 
 def calibrate(
-    model: nn.Module, geometry: PageGeometry, store_dir: Path, tick: Tick = lambda: None, quick: bool = False
+    model: nn.Module,
+    geometry: PageGeometry,
+    store_dir: Path,
+    tick: Tick = lambda: None,
+    quick: bool = False,
+    codecs: tuple[str, str] = ("raw", "raw"),
 ) -> Profile:
     """Measure links and prefill on this machine; ``tick`` is called once per sample.
-    ``quick``: the quick grid (``quick_grid``), a rougher fit in seconds."""
+    ``quick``: the quick grid (``quick_grid``), a rougher fit in seconds. ``codecs``: the
+    store's L3 and L2 codecs, whose decodes ``L3->L2`` and ``L2->L1`` measure
+    (``link_samples``)."""
     profile = Profile.defaults()
     page_counts, repeats = (QUICK_PAGE_COUNTS, QUICK_REPEATS) if quick else (PAGE_COUNTS, REPEATS)
     for link, nbytes, seconds in [
-        *link_samples(geometry, store_dir, tick, page_counts, repeats),
+        *link_samples(geometry, store_dir, tick, page_counts, repeats, *codecs),
         *snapshot_samples(geometry, store_dir, tick, repeats),
     ]:
         profile.links[link].samples.append((nbytes, seconds))
@@ -104,17 +112,29 @@ def steps(page_counts: Iterable[int] = PAGE_COUNTS, quick: bool = False, snapsho
 
 @contextmanager
 def scratch_store(
-    geometry: PageGeometry, store_dir: Path | str, pages: int, codec: str = "raw", cipher: RecordCipher | None = None
+    geometry: PageGeometry,
+    store_dir: Path | str,
+    pages: int,
+    codec: str = "raw",
+    cipher: RecordCipher | None = None,
+    l2_codec: str = "raw",
 ) -> Iterator[tuple[TieredStore, list, list[int]]]:
     """A throwaway store beside ``store_dir`` (same filesystem, or the same Redis server:
     the L3 link measured is the one in use) holding ``pages`` random pages in L2 (and
     nothing in L1), with their keys and tokens; removed afterwards. For a hybrid model,
     also a random snapshot after the last page, likewise in L2 only.
     Random values compress a little (~0.93 with zstd), as real KV does. With a ``cipher``
-    its L3 records are encrypted."""
+    its L3 records are encrypted. Random values quantize like real KV (``tiers.quant``:
+    every group has its own scale)."""
     size, state_bytes = geometry.page_size, geometry.snapshot_nbytes
     tokens = list(range(pages * size + 1))
-    namespace = Namespace("kvtier-calibration", geometry.dtype, size, encryption=cipher.name if cipher else "")
+    namespace = Namespace(
+        "kvtier-calibration",
+        geometry.dtype,
+        size,
+        encryption=cipher.name if cipher else "",
+        codecs=namespace_codecs(codec, l2_codec),
+    )
     keys = page_keys(namespace, tokens)[:pages]
     room = (pages + 1) * geometry.nbytes + 2 * state_bytes
     with scratch_location(store_dir) as scratch:
@@ -124,6 +144,7 @@ def scratch_store(
             l3_bytes=4 * room,
             store_dir=scratch,
             codec=codec,
+            l2_codec=l2_codec,
             snapshot_l1_bytes=0,
             snapshot_l2_bytes=2 * state_bytes,
             cipher=cipher,
@@ -148,14 +169,20 @@ def link_samples(
     tick: Tick,
     page_counts: Iterable[int] = PAGE_COUNTS,
     repeats: int | None = None,
+    codec: str = "raw",
+    l2_codec: str = "raw",
 ) -> list[tuple[str, int, float]]:
     """(link, bytes, seconds) of restores from L2 and from L3 (OS page cache warm): raw
-    pages (``L3->L1``) and zstd pages (``L3->L2``, their decode into L2); the median of
-    ``repeats`` (default ``REPEATS``) timings each."""
+    pages (``L3->L1``) and pages of the store's ``codec`` (``L3->L2``: their stored
+    bytes and their decode into L2; zstd pages for a raw store); the median of
+    ``repeats`` (default ``REPEATS``) timings each, L2 holding its pages in ``l2_codec``.
+    A quantizing codec's decode is what decides whether its pages are worth restoring,
+    so it is measured, not assumed."""
     counts = tuple(page_counts)
     samples = []
-    for codec, links in (("raw", (Link.L2_L1, Link.L3_L1)), ("zstd", (Link.L3_L2,))):
-        with scratch_store(geometry, store_dir, max(counts), codec) as (store, keys, tokens):
+    decoded = "zstd" if codec == "raw" else codec
+    for kind, links in (("raw", (Link.L2_L1, Link.L3_L1)), (decoded, (Link.L3_L2,))):
+        with scratch_store(geometry, store_dir, max(counts), kind, None, l2_codec) as (store, keys, tokens):
             store.flush()
             for link in links:
                 for k in counts:

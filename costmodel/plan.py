@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import accumulate
 
-from kvtier.tiers.links import READ_LINKS, links_crossed
+from kvtier.tiers.links import READ_LINKS, Link, links_crossed
 from kvtier.tiers.page import PageGeometry, Source
 
 from .profile import Profile
@@ -52,7 +52,12 @@ class LoadCost:
     ``window``: a sliding-window model's geometry. A restore of a prefix reads every
     page's global rows but the window rows only of the pages its window sees
     (``PageGeometry.window_pages``), so a page is priced at its global segment, and the
-    window segments of those pages are added for the prefix that ends at ``stop``."""
+    window segments of those pages are added for the prefix that ends at ``stop``.
+
+    ``stored_bytes``: what one page's record holds (None: ``page_bytes``), the bytes a
+    compressed or quantized page moves on ``L3->L2``, whose fit prices its decode (the
+    calibration measures that link with the store's own codec: ``costmodel.calibrate``);
+    such a page is decoded whole, window rows included."""
 
     def __init__(
         self,
@@ -61,15 +66,18 @@ class LoadCost:
         profile: Profile,
         codec: str = "raw",
         window: PageGeometry | None = None,
+        stored_bytes: int | None = None,
     ) -> None:
         self.profile = profile
         self.window = window if window is not None and window.window is not None else None
         self.window_bytes = self.window.segments[1] if self.window is not None else 0
         each = page_bytes - self.window_bytes  # what every page of a restore moves
+        whole = page_bytes if stored_bytes is None else stored_bytes  # a decoded page's record
         self.crossed = [links_crossed(source, codec) for source in matched]
+        moved = {link: whole if link == Link.L3_L2 else each for c in self.crossed for link in c}  # per page
         self.prefix = {
-            link: list(accumulate((each * (link in c) for c in self.crossed), initial=0))
-            for link in {link for c in self.crossed for link in c}
+            link: list(accumulate((nbytes * (link in c) for c in self.crossed), initial=0))
+            for link, nbytes in moved.items()
         }
         self.joined = list(accumulate((each * (s is not Source.L1) for s in matched), initial=0))
 
@@ -77,7 +85,9 @@ class LoadCost:
         seen = [i for i in self.window.window_pages(stop) if i >= start] if self.window is not None else []
         return sum(
             self.profile.links[link].predict(
-                sums[stop] - sums[start] + self.window_bytes * sum(link in self.crossed[i] for i in seen)
+                sums[stop]
+                - sums[start]
+                + self.window_bytes * sum(link in self.crossed[i] for i in seen if link != Link.L3_L2)
             )
             for link, sums in self.prefix.items()
             if links is None or link in links
@@ -101,9 +111,11 @@ def snapshot_seconds(restored: Sequence[Source], snapshot_bytes: int, profile: P
     return sum(profile.links[link].predict(snapshot_bytes) for link in links_crossed(restored[-1]))
 
 
-def restore_seconds(sources: Sequence[Source], page_bytes: int, profile: Profile, codec: str = "raw") -> float:
-    """Predicted time to bring these pages into a request's KV."""
-    return LoadCost(sources, page_bytes, profile, codec).seconds(0, len(sources))
+def restore_seconds(
+    sources: Sequence[Source], page_bytes: int, profile: Profile, codec: str = "raw", stored_bytes: int | None = None
+) -> float:
+    """Predicted time to bring these pages into a request's KV (``stored_bytes``: ``LoadCost``)."""
+    return LoadCost(sources, page_bytes, profile, codec, stored_bytes=stored_bytes).seconds(0, len(sources))
 
 
 def plan_restore(
@@ -116,6 +128,7 @@ def plan_restore(
     points: Sequence[int] | None = None,
     window: PageGeometry | None = None,
     snapshot_bytes: int = 0,
+    stored_bytes: int | None = None,
 ) -> RestorePlan:
     """The plan with the least predicted time to the end of prefill.
 
@@ -134,13 +147,14 @@ def plan_restore(
     its L1 pages are used only when one is at or after them. None: every length.
 
     ``window``: a sliding-window model's geometry (``LoadCost``): its pages are priced at
-    the bytes a restore reads, and it is restored serially.
+    the bytes a restore reads, and it is restored serially. ``stored_bytes``: a page's
+    record (``LoadCost``), when the codec compresses or quantizes.
 
     ``snapshot_bytes``: a hybrid model's state, read with a restore that ends at one of
     its ``points`` (``snapshot_seconds``), so a point whose snapshot is slow to read can
     lose to an earlier one.
     """
-    loads = LoadCost(matched, page_bytes, profile, codec, window)
+    loads = LoadCost(matched, page_bytes, profile, codec, window, stored_bytes)
     compute = profile.compute.predict
     l1 = [i for i, s in enumerate(matched) if s is Source.L1]
     lead = next((i for i, s in enumerate(matched) if s is not Source.L1), len(matched))
@@ -201,6 +215,7 @@ def plan_wait(
     page_bytes: int,
     profile: Profile,
     codec: str = "raw",
+    stored_bytes: int | None = None,
 ) -> WaitPlan:
     """Wait for ``awaited_pages`` pages after the ``stored`` ones, which a leader with
     ``leader_tokens`` tokens already in its cache is computing, or compute them now?
@@ -214,10 +229,9 @@ def plan_wait(
     compute = profile.compute.predict
     ready = (len(stored) + awaited_pages) * page_size
     leader_left = compute(ready - leader_tokens, leader_tokens) if ready > leader_tokens else 0.0
-    after = restore_seconds([*stored, *[Source.L1] * awaited_pages], page_bytes, profile, codec) + compute(
-        prompt_tokens - ready, ready
-    )
-    own = plan_restore(stored, prompt_tokens, page_size, page_bytes, profile, codec).predicted_s
-    now = own + min(own, leader_left)
+    after = restore_seconds([*stored, *[Source.L1] * awaited_pages], page_bytes, profile, codec, stored_bytes)
+    after += compute(prompt_tokens - ready, ready)
+    own = plan_restore(stored, prompt_tokens, page_size, page_bytes, profile, codec, stored_bytes=stored_bytes)
+    now = own.predicted_s + min(own.predicted_s, leader_left)
     waiting = leader_left + after
     return WaitPlan(waiting <= now, leader_left, waiting, now, max(now - after, 0.0))  # a tie waits: less work

@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping, Sequence
 from kvtier.costmodel.plan import Profile, RestorePlan, plan_restore, plan_wait
 from kvtier.tiers.hierarchy import TieredStore
 from kvtier.tiers.page import PageGeometry, Source
+from kvtier.tiers.quant import stored_nbytes
 
 from .config import EngineConfig
 from .request import Request
@@ -51,6 +52,7 @@ class Admission:
         self.running = running  # the engine's running requests, read to find a leader's progress
         self.prefix_flight = prefix_flight
         self.snapshot_at = snapshot_at  # a running hybrid leader keeps its state after a page too
+        self.stored_bytes = stored_nbytes(config.store.codec, geometry.nbytes, geometry.dtype)  # one L3 record
 
     def plan(self, request: Request, profile: Profile) -> list[Source] | None:
         """Plan ``request`` with ``profile`` and return the sources of its matched pages;
@@ -79,7 +81,8 @@ class Admission:
             self.config.store.codec,
             points,
             self.geometry,
-            self.geometry.snapshot_nbytes,
+            snapshot_bytes=self.geometry.snapshot_nbytes,
+            stored_bytes=self.stored_bytes,
         )
 
     def worth_reading(self, request: Request, resident: list[Source], profile: Profile) -> bool:
@@ -112,6 +115,7 @@ class Admission:
             self.geometry.nbytes,
             profile,
             self.config.store.codec,
+            self.stored_bytes,
         )
         if not plan.wait:
             return False

@@ -40,6 +40,7 @@ from kvtier.costmodel.spacing import choose_spacing, prefill_segments, snapshot_
 from kvtier.tiers.hierarchy import TieredStore
 from kvtier.tiers.l3_reads import nothing_read
 from kvtier.tiers.page import IMPLICIT_ROOT, ChainRoot, key_chain, reusable_pages
+from kvtier.tiers.quant import namespace_codecs
 
 from .admission import Admission, l1_tokens
 from .config import EngineConfig as EngineConfig  # re-exported: where callers have always found it
@@ -81,7 +82,9 @@ class Engine:
         self.config = config or EngineConfig()
         self.geometry = loaded.geometry(self.config.page_size)
         cipher = self.config.store.cipher if self.config.offload else None
-        self.namespace = loaded.namespace(self.geometry, self.config.cache_salt, cipher.name if cipher else "")
+        store = self.config.store
+        codecs = namespace_codecs(store.codec, store.l2_codec) if self.config.offload else ""
+        self.namespace = loaded.namespace(self.geometry, self.config.cache_salt, cipher.name if cipher else "", codecs)
         self.root = self.namespace.digest()  # the key "before" a sequence's first page
         self.store = (
             TieredStore(self.geometry, self.namespace, replace(self.config.store, policy=self.config.policy))
@@ -129,7 +132,7 @@ class Engine:
 
     def _load_profile(self) -> Profile:
         """The calibrated cost model of this machine and model, else conservative defaults."""
-        key = self.loaded.profile_key(self.geometry)
+        key = self.loaded.profile_key(self.geometry, self.namespace.codecs)
         saved = Profile.stored(self.store.get_meta(key), key) if self.store is not None else None
         if saved is not None:
             return saved
@@ -430,7 +433,7 @@ class Engine:
     def _close_store(self) -> None:
         assert self.store is not None, "closing the store of an engine without one"
         stats = self.stats()  # keep what online refinement learned, and the last window
-        self.store.put_meta(self.loaded.profile_key(self.geometry), self.profile.to_dict())
+        self.store.put_meta(self.loaded.profile_key(self.geometry, self.namespace.codecs), self.profile.to_dict())
         assert stats.costmodel is not None  # an engine's stats always have its cost model
         self.store.put_meta("last_run", LastRun(self.loaded.name, stats.windowed, stats.costmodel).to_json())
         self.store.close(extra_counters={"engine": self.totals.to_dict()})

@@ -68,6 +68,7 @@ from .partials import PartialPages
 from .placement import Pins, Placement
 from .policy import L3Admission, make_policy
 from .residency import Residency
+from .quant import PageCodec, namespace_codecs, page_quantizer
 from .restore import PartialMatch, PendingRestore, RestoredPrefix, Restorer
 from .snapshots import Snapshots
 from .stats import L3Place, StoreStats
@@ -90,13 +91,16 @@ class TieredStore:
     ) -> None:
         if namespace.encryption != (config.cipher.name if config.cipher is not None else ""):
             raise ValueError("a store with an L3 cipher needs a namespace that names it, and only then")
+        if namespace.codecs != namespace_codecs(config.codec, config.l2_codec):
+            raise ValueError("a store with a quantizing codec needs a namespace that names it, and only then")
         self.geometry = geometry
         self.namespace = namespace
         keep_buffers_for_restores()
         self.ns_digest = namespace.digest()
         page_bytes = config.page_bytes or geometry.nbytes
         self.l1 = DeviceTier(config.l1_bytes, page_bytes, make_policy(config.policy))
-        self.l2 = HostTier(config.l2_bytes, geometry.nbytes, page_bytes, make_policy(config.policy))
+        l2_codec = PageCodec.of(geometry, config.l2_codec)
+        self.l2 = HostTier(config.l2_bytes, geometry.nbytes, config.page_bytes, make_policy(config.policy), l2_codec)
         self.admission = L3Admission(config.l3_admit)
         self.disk: L3Store | None = None  # set by _join: now, or once an unreachable server answers
         self.config = config
@@ -114,6 +118,7 @@ class TieredStore:
             self.ledger,
             self.pins,
             geometry.segments,
+            page_quantizer(geometry, config.codec),
         )
         self.snapshots = (
             Snapshots(

@@ -65,12 +65,14 @@ def join_later(
 
 
 def describe(disk: L3Store, namespace: Namespace, geometry: PageGeometry, label: str, snapshots: bytes | None) -> None:
-    """Name a store's namespaces in ``disk``'s table (``kvtier store ls``): its pages',
-    and its state snapshots' (``snapshots``: their namespace digest) if it keeps any."""
+    """Name a store's namespaces in ``disk``'s table (``kvtier store ls``): its pages'
+    (with their lossy codecs, if any), and its state snapshots' (``snapshots``: their
+    namespace digest) if it keeps any."""
     model, salted = label or namespace.model_fingerprint[:12], bool(namespace.cache_salt)
+    pages = f"{model} ({namespace.codecs})" if namespace.codecs else model
     disk.tables.describe_namespace(
         namespace.digest(),
-        {"model": model, "page_size": geometry.page_size, "dtype": geometry.dtype, "salted": salted},
+        {"model": pages, "page_size": geometry.page_size, "dtype": geometry.dtype, "salted": salted},
     )
     if snapshots is not None:
         disk.tables.describe_namespace(

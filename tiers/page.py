@@ -66,13 +66,15 @@ class Namespace:
     cache_salt: str = ""
     layers: str = ""  # PageGeometry.describe_layers(): empty for a model of global-attention layers only
     encryption: str = ""  # the L3 cipher's name (``tiers.l3.cipher``) when its records are encrypted
+    codecs: str = ""  # the lossy codecs of its tiers (``tiers.quant.namespace_codecs``): "L3:q8"
 
     def digest(self) -> bytes:
-        """Stable 16-byte digest; the root of every page key in this namespace. ``layers``
-        and ``encryption`` are digested only when set, so a plain model's keys are what
-        they always were; encrypted and plain pages never share a key."""
+        """Stable 16-byte digest; the root of every page key in this namespace. ``layers``,
+        ``encryption`` and ``codecs`` are digested only when set, so a plain model's keys
+        are what they always were; encrypted and plain pages never share a key, nor
+        quantized and raw ones, nor pages of two quantizing codecs."""
         fields = asdict(self)
-        for name in ("layers", "encryption"):
+        for name in ("layers", "encryption", "codecs"):
             if not fields[name]:
                 del fields[name]
         return _hash(msgpack.packb(fields, use_bin_type=True))

@@ -31,6 +31,7 @@ import mlx.core as mx
 import numpy as np
 
 from .l3.base import L3Store
+from .l3.record import Quantize
 from .links import Link, LinkLedger
 from .page import PageKey
 from .policy import L3Admission
@@ -74,9 +75,11 @@ class Placement:
         ledger: LinkLedger,
         pins: Pins,
         segments: tuple[int, ...] = (),
+        quantize: Quantize | None = None,
     ) -> None:
         self.l1, self.l2, self.disk = l1, l2, disk
         self.segments = segments  # byte lengths of a page's separately checked segments (PageGeometry)
+        self.quantize = quantize  # how a quantizing L3 codec encodes a page (tiers.quant); None: none can
         self.ns_digest = ns_digest
         self.page_size = page_size
         self.admission = admission
@@ -136,7 +139,7 @@ class Placement:
             return False
         t0 = time.perf_counter()
         queued = self.disk.put(
-            key, self.ns_digest, page_tokens, data.data, wait=wait, segments=self.segments
+            key, self.ns_digest, page_tokens, data.data, wait=wait, segments=self.segments, quantize=self.quantize
         )  # the page's bytes, no copy
         if queued:
             self.ledger.record(link, len(data), time.perf_counter() - t0)

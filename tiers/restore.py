@@ -399,7 +399,8 @@ class Restorer:
         for page in reads:  # a page decoded whole is kept in L2, even past the cut
             if page.slot is not None:
                 if page.data is not None:
-                    self.l2.fill(page.key, page.tokens, page.slot, in_l3=True)
+                    quantized = page.data if self.l2.codec is not None else None  # else decoded in place
+                    self.l2.fill(page.key, page.tokens, page.slot, in_l3=True, raw=quantized)
                 else:
                     self.l2.give_back(page.slot)
         return self._cut(pages, next((i for i, p in enumerate(pages) if p.compressed and p.data is None), len(pages)))
@@ -407,7 +408,7 @@ class Restorer:
     def _decode_pages(self, pages: Sequence[_Page]) -> None:
         """One thread's share of the decodes, in order; stops at its first failure."""
         for page in pages:
-            out = None if page.slot is None else self.l2.arena[page.slot]
+            out = None if page.slot is None else self.l2.raw_slot(page.slot)
             disk, record = self._l3(page)
             raw = disk.check.verified(record, out)
             if raw is None:

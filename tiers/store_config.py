@@ -32,7 +32,8 @@ class StoreConfig:
     l2_bytes: int = 4 << 30
     l3_bytes: int | None = None  # None: the store's own cap (a new store: 32 GiB)
     store_dir: Path | str | None = None  # an LMDB directory, or a redis:// URL (tiers.l3.open.open_l3)
-    codec: str = "raw"
+    codec: str = "raw"  # L3's page codec (tiers.l3.record.CODECS)
+    l2_codec: str = "raw"  # L2's: raw, or a quantizing codec (tiers.quant); either lossy one is in the namespace
     # Tier ("L2" or "L3") -> bytes per second: reads from that tier take at least
     # bytes / rate (the rest is slept), and the link counters show it (tests, demos).
     # "L3" slows the reads of L3 pages (L3->L1, L3->L2); "L2" slows the L2->L1 join of

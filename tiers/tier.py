@@ -22,6 +22,7 @@ from .counters import TierStats
 from .layout import slot_arena
 from .page import PageKey
 from .policy import EvictionPolicy
+from .quant import PageCodec
 
 Entry = TypeVar("Entry", "DevicePage", "HostPage")
 
@@ -166,7 +167,12 @@ class HostPage:
 
 
 class HostTier(Tier[HostPage]):
-    """L2: one preallocated arena of page slots, so spilling never allocates."""
+    """L2: one preallocated arena of page slots, so spilling never allocates.
+
+    With a ``codec`` (``tiers.quant.PageCodec``) a slot holds a page quantized, and a
+    page counts its quantized bytes against the cap (unless ``page_nbytes`` says
+    otherwise), so the same bytes hold more pages: ``write`` and ``fill`` quantize,
+    ``read`` dequantizes (lossy: DESIGN §4a). Without, a slot holds the page's bytes."""
 
     def __init__(
         self,
@@ -174,18 +180,20 @@ class HostTier(Tier[HostPage]):
         slot_nbytes: int,
         page_nbytes: int | None = None,
         policy: EvictionPolicy | None = None,
+        codec: PageCodec | None = None,
     ) -> None:
+        slot_nbytes = codec.stored_nbytes if codec is not None else slot_nbytes
         super().__init__("L2", capacity, page_nbytes or slot_nbytes, policy)
+        self.codec = codec
         self.arena = slot_arena(self.max_pages, slot_nbytes)
         self.free_slots = list(range(self.max_pages - 1, -1, -1))
 
     def write(
         self, key: PageKey, tokens: tuple[int, ...], data: np.ndarray | bytes, cost: float = 1.0, in_l3: bool = False
     ) -> None:
-        """Copy one page's bytes into a free slot."""
+        """Copy one page's bytes into a free slot (quantized with the tier's codec)."""
         slot = self.take_slot()
-        self.arena[slot] = np.frombuffer(data, dtype=np.uint8)
-        self.fill(key, tokens, slot, cost, in_l3)
+        self.fill(key, tokens, slot, cost, in_l3, data)
 
     def has_room(self) -> bool:
         """A slot is free (slots reserved by ``take_slot`` and not yet filled are not)."""
@@ -197,9 +205,26 @@ class HostTier(Tier[HostPage]):
             raise MemoryError("L2 is full")
         return self.free_slots.pop()
 
-    def fill(self, key: PageKey, tokens: tuple[int, ...], slot: int, cost: float = 1.0, in_l3: bool = False) -> None:
-        """Index a reserved slot whose bytes are in place."""
+    def fill(
+        self,
+        key: PageKey,
+        tokens: tuple[int, ...],
+        slot: int,
+        cost: float = 1.0,
+        in_l3: bool = False,
+        raw: np.ndarray | bytes | None = None,
+    ) -> None:
+        """Index a reserved slot: its bytes in place (``raw_slot``), or the page's ``raw``
+        bytes, copied in (quantized with the tier's codec)."""
+        if raw is not None:
+            stored = raw if self.codec is None else self.codec.encode(self.codec.name, raw)
+            self.arena[slot] = np.frombuffer(stored, dtype=np.uint8)
         self.add(key, HostPage(tokens, slot, in_l3), cost)
+
+    def raw_slot(self, slot: int) -> np.ndarray | None:
+        """Where a page's raw bytes can be written in place into a reserved slot; None
+        when the tier quantizes (``fill`` them instead)."""
+        return self.arena[slot] if self.codec is None else None
 
     def give_back(self, slot: int) -> None:
         self.free_slots.append(slot)
@@ -208,8 +233,10 @@ class HostTier(Tier[HostPage]):
         return replace(super().view(), free_slots=len(self.free_slots))
 
     def read(self, key: PageKey) -> np.ndarray:
-        """The page's bytes, a view into the arena (valid until the page leaves L2)."""
-        return self.arena[self.entries[key].slot]
+        """The page's bytes, a view into the arena (valid until the page leaves L2); when
+        the tier quantizes, dequantized into new memory."""
+        stored = self.arena[self.entries[key].slot]
+        return stored if self.codec is None else self.codec.decode(stored)
 
     def pop(self, key: PageKey) -> HostPage:
         entry = super().pop(key)

@@ -1,5 +1,6 @@
 """The argument types of the ``kvtier`` command line: sizes, counts, rates, ports and
-store addresses, each one ``argparse`` type that turns bad text into one clear line."""
+store addresses, each one ``argparse`` type that turns bad text into one clear line;
+and the page codec flags that several commands share."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import math
 import re
 from collections.abc import Sequence
 from pathlib import Path
+
+from kvtier.tiers.l3.record import QUANTIZED
 
 _UNITS = {
     "": 1,
@@ -153,3 +156,23 @@ def redis_url(text: str) -> str:
     if not is_url(text):
         raise argparse.ArgumentTypeError(f"expected a redis://, rediss:// or redis+cluster:// URL, got {text!r}")
     return text
+
+
+def add_codec_flag(parser: argparse.ArgumentParser) -> None:
+    """``--l3-codec`` (also spelled ``--codec``, its older name) and ``--l2-codec``: how
+    each tier stores pages."""
+    parser.add_argument(
+        "--l2-codec",
+        choices=["raw", *QUANTIZED],
+        default="raw",
+        help="L2 page codec: q8, q4 and k8v4 quantize (lossy), so L2 holds 2-4x the pages",
+    )
+    parser.add_argument(
+        "--l3-codec",
+        "--codec",
+        dest="codec",
+        choices=["raw", "zstd", *QUANTIZED],
+        default="raw",
+        help="L3 page codec; q8, q4 and k8v4 (keys 8-bit, values 4-bit) quantize: lossy, "
+        "and their pages are apart from raw ones",
+    )

@@ -30,7 +30,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     pages = bandwidth.QUICK_PAGE_COUNTS if args.quick else bandwidth.PAGE_COUNTS
     with tqdm(total=bandwidth.steps(rounds, args.quick), desc="measuring", unit="step", file=sys.stderr) as bar:
         report = bandwidth.run(
-            loaded.model, geometry, store_dir, bar.update, pages, rounds, args.quick, args.encrypt_l3
+            loaded.model, geometry, store_dir, bar.update, pages, rounds, args.quick, args.encrypt_l3, args.codecs
         )
     report["blas"] = blas_in_use()
     if args.json:

@@ -12,12 +12,14 @@ from pathlib import Path
 from kvtier import __version__
 from kvtier.costmodel.fleet_replay import MAX_IMBALANCE, ROUTES
 from kvtier.tiers.l3.lmdb_space import DEFAULT_CAPACITY
+from kvtier.tiers.l3.record import QUANTIZED
 from kvtier.tiers.policy import ADMISSIONS, DEFAULT_POLICY, POLICIES
 from kvtier.tiers.text import format_bytes
 
 from ..interrupts import ignored_interrupts
 from ..models.paths import default_store_dir, kvtier_home
 from .args import (
+    add_codec_flag,
     l2_sweep,
     name_list,
     non_negative_int,
@@ -125,7 +127,7 @@ def _add_engine_flags(tree: Tree, parser: argparse.ArgumentParser) -> None:
         "its filesystem where that is less); an existing store keeps its own (`kvtier store resize` changes it)",
     )
     parser.add_argument("--page-size", type=positive_int, default=128, metavar="N", help="tokens per KV page")
-    parser.add_argument("--codec", choices=["raw", "zstd"], default="raw", help="L3 payload codec")
+    add_codec_flag(parser)
     add_encryption_flags(parser)
     parser.add_argument("--cache-salt", default="", help="isolate this tenant's pages")
     parser.add_argument(
@@ -206,6 +208,7 @@ def add_calibrate_parser(tree: Tree, sub) -> None:
         action="store_true",
         help="the quick calibration a first run does: fewer, shorter samples, a rougher fit",
     )
+    add_codec_flag(calibrate)
 
 
 def add_bench_parser(tree: Tree, sub) -> None:
@@ -232,6 +235,14 @@ def add_bench_parser(tree: Tree, sub) -> None:
         restore,
         secret_file=False,
         help="also restore AES-256-GCM encrypted L3 pages, and report their cost against the plain ones",
+    )
+    restore.add_argument(
+        "--l3-codec",
+        dest="codecs",
+        action="append",
+        choices=QUANTIZED,
+        default=[],
+        help="also restore L3 pages of this quantizing codec (repeat for more), beside raw and zstd",
     )
     restore.add_argument("--json", action="store_true", help="the report as one JSON object")
     restore.add_argument("--plot", type=Path, metavar="FILE.png", help="draw bandwidth against size (needs matplotlib)")

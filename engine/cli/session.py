@@ -27,13 +27,14 @@ def open_engine(args: argparse.Namespace, loaded, store_dir: Path | None, **conf
     geometry = page_geometry(loaded, args.page_size)
     cipher = record_cipher(args, store_dir)
     if store_dir is not None and not (args.no_auto_calibrate or os.environ.get("KVTIER_NO_AUTO_CALIBRATE")):
-        calibrate_on_first_use(loaded, geometry, store_dir)
+        calibrate_on_first_use(loaded, geometry, store_dir, args.codec, args.l2_codec)
     store = StoreConfig(
         args.l1_bytes,
         args.l2_bytes,
         args.l3_bytes,
         store_dir,
         args.codec,
+        l2_codec=args.l2_codec,
         throttle=dict(args.throttle),
         label=loaded.label,
         cipher=cipher,

@@ -87,9 +87,12 @@ class LoadedModel:
         except ValueError as err:
             raise ModelError(f"kvtier cannot page this model's layers: {err}") from None
 
-    def namespace(self, geometry: PageGeometry, cache_salt: str = "", encryption: str = "") -> Namespace:
+    def namespace(
+        self, geometry: PageGeometry, cache_salt: str = "", encryption: str = "", codecs: str = ""
+    ) -> Namespace:
         """The namespace of this model's pages (DESIGN §3), its layer kinds included;
-        ``encryption``: the L3 cipher's name when its records are encrypted."""
+        ``encryption``: the L3 cipher's name when its records are encrypted; ``codecs``:
+        the lossy codecs of its tiers (``tiers.quant.namespace_codecs``)."""
         return Namespace(
             self.fingerprint,
             geometry.dtype,
@@ -97,11 +100,13 @@ class LoadedModel:
             cache_salt=cache_salt,
             layers=geometry.describe_layers(),
             encryption=encryption,
+            codecs=codecs,
         )
 
-    def profile_key(self, geometry: PageGeometry) -> str:
-        """Where this model's cost profile lives in a store (tenants share it)."""
-        return profile_key(self.namespace(geometry).digest())
+    def profile_key(self, geometry: PageGeometry, codecs: str = "") -> str:
+        """Where this model's cost profile lives in a store (tenants share it): one per
+        lossy codec (``codecs``), whose decode the profile's ``L3->L2`` measured."""
+        return profile_key(self.namespace(geometry, codecs=codecs).digest())
 
 
 def layer_kind(cache: object) -> LayerKind:

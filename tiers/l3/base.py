@@ -38,7 +38,7 @@ from ..counters import TierStats
 from .check import RecordCheck
 from .cipher import RecordCipher
 from .failures import FailureLog
-from .record import CODECS, StoredRecord, encode_record, token_bytes
+from .record import CODECS, Quantize, StoredRecord, encode_record, token_bytes
 from .tables import SideTables
 from .writer import Batch, PendingPut, Writer
 
@@ -262,16 +262,21 @@ class L3Store(ABC):
         *,
         wait: bool = False,
         segments: tuple[int, ...] = (),
+        quantize: Quantize | None = None,
     ) -> bool:
         """Queue a write-once page write; False (and counted) when the queue is full.
 
         ``wait=True`` waits for room instead of dropping (for flushes, off the request path).
         ``segments``: byte lengths of the payload's separately checked segments.
+        ``quantize``: how this store's codec, if it quantizes, encodes the page
+        (``tiers.quant``); without it the page is stored raw (a snapshot's state).
         """
         if self.writer.queued(key):
             return True  # write-once: nothing to copy or write
         # whether L3 holds it already is the writer's question (one per batch), not the caller's
-        pending = PendingPut(bytes(key), bytes(namespace_digest), token_bytes(tokens), bytes(payload), segments)
+        pending = PendingPut(
+            bytes(key), bytes(namespace_digest), token_bytes(tokens), bytes(payload), segments, quantize
+        )
         if self._never_fits(len(payload)) or not self.writer.put(pending, wait=wait):  # never fits: nothing crosses
             self.count(writes_dropped=1)
             return False
@@ -282,7 +287,7 @@ class L3Store(ABC):
         store's codec, encrypted when it has a cipher (on the writer thread)."""
         p = pending
         return encode_record(
-            p.key, p.namespace, p.tokens, p.payload, self._codec, self._level, at, p.segments, self.cipher
+            p.key, p.namespace, p.tokens, p.payload, self._codec, self._level, at, p.segments, self.cipher, p.quantize
         )
 
     def _never_fits(self, raw_nbytes: int) -> bool:

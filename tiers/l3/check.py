@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from ..quant import decode
 from .cipher import RecordCipher
 from .record import CorruptRecord, StoredRecord, checked_record, record_bytes
 from .writer import Writer
@@ -68,11 +69,11 @@ class RecordCheck:
         """The record's raw bytes once its checksum holds; else None, and it is rejected.
 
         A raw payload comes back as the record's view itself (no copy) unless ``out`` is
-        given; a compressed one is decoded into ``out`` (or new memory). Safe on any
+        given; a compressed or quantized one is decoded into ``out`` (or new memory). Safe on any
         thread while the record's snapshot is open; counts the hit and the use.
         """
         try:
-            raw = record_bytes(record, out, self._cipher)
+            raw = record_bytes(record, out, self._cipher, decode)
         except CorruptRecord as exc:
             self.reject(record.key, record.value, str(exc))
             return None

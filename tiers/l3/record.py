@@ -3,14 +3,20 @@
 A record is ``u32 little-endian header length | msgpack header | payload``. The header
 is ``{"v": record format version (``RECORD_VERSION``), "key": the record's own 16-byte
 page key, "ns": namespace digest, "tok": token ids as <u4 bytes, "codec": "raw" | "zstd"
-| "zstd-shuffle", "n": raw length, "xxh": xxh3_64 of the raw bytes}``, and a writer may
+| "zstd-shuffle" | "q8" | "q4" | "k8v4", "n": raw length, "xxh": xxh3_64 of the raw bytes
+(of the stored payload for a quantized codec)}``, and a writer may
 add ``"pad"``: zero bytes that place the payload where its backend keeps it aligned
 (readers ignore keys they do not know); dtype and shape are implied by the namespace and
 the raw length. A page of a model with sliding-window layers adds ``"seg"``: ``[length,
 xxh3_64]`` of each segment of the raw bytes (global rows, window rows:
 ``tiers.page.PageGeometry.segments``), so that a restore reading one segment of a raw
 record checks it without reading the other. The payload is the raw bytes or a zstd frame
-(of the 2-byte planes for zstd-shuffle).
+(of the 2-byte planes for zstd-shuffle), or a quantized page (``QUANTIZED``: lossy, see
+``tiers.quant``). A quantized page does not decode to the bytes that were computed, so
+its checksum is over the bytes stored, checked before it is decoded, and it has no
+``"seg"`` (it is always decoded whole). This module needs no mlx: the caller quantizes
+(``Quantize``) and dequantizes (``Dequantize``); without a quantizer a page is stored
+raw, and without a dequantizer a quantized record is not served.
 
 A record is served only when its header names this format version, the very key it was
 looked up under, this namespace and these token ids, and its payload decodes to the raw
@@ -42,7 +48,7 @@ from __future__ import annotations
 import itertools
 import struct
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import astuple, dataclass
 
 import msgpack
@@ -55,7 +61,10 @@ from .cipher import TAG_BYTES, RecordCipher
 
 FORMAT_VERSION = 1  # the store's layout (meta ``format_version``), not the records'
 RECORD_VERSION = 2  # the header's ``v``: 2 added ``key``
-CODECS = ("raw", "zstd", "zstd-shuffle")
+QUANTIZED = ("q8", "q4", "k8v4")  # lossy: keys and values quantized (tiers.quant)
+CODECS = ("raw", "zstd", "zstd-shuffle", *QUANTIZED)
+Quantize = Callable[[str, bytes], bytes]  # (codec, raw page) -> payload
+Dequantize = Callable[[str, memoryview, int, np.ndarray | None], np.ndarray]  # (codec, payload, raw length, out)
 _LEN = struct.Struct("<I")
 _FIELDS = ("v", "key", "ns", "tok", "codec", "n", "xxh")  # the header's keys, in RecordHeader's order
 _PAD_FIELD = len(msgpack.packb({"pad": b""})) - 1  # bytes the "pad" key adds with no padding
@@ -219,19 +228,22 @@ def encode_record(
     at: int | None = None,
     segments: Sequence[int] = (),
     cipher: RecordCipher | None = None,
+    quantize: Quantize | None = None,
 ) -> bytes:
     """The stored value of the page keyed ``key`` (``tokens`` as <u4 bytes). ``at``: where the backend
     places the value within a 4 KiB page, if it knows; a raw payload then starts at
     ``RAW_PAYLOAD_OFFSET`` modulo 64 (see ``tiers.layout.slot_arena``: copies from it into
     mlx's arrays pair aligned loads with aligned stores). ``segments``: byte lengths
     of the raw bytes' segments, each checksummed apart (module docstring). With a
-    ``cipher`` the token ids and the payload are sealed instead (``sealed_record``)."""
-    codec, body = encode_payload(codec, raw, level)
+    ``cipher`` the token ids and the payload are sealed instead (``sealed_record``).
+    ``quantize``: how a quantized codec encodes this page (none: stored raw)."""
+    codec, body = encode_payload(codec, raw, level, quantize)
     if cipher is not None:
         return sealed_record(key, namespace, tokens, codec, len(raw), body, cipher)
-    view, bounds = memoryview(raw), [0, *itertools.accumulate(segments)]
-    checks = tuple((b - a, xxh3_64_intdigest(view[a:b])) for a, b in zip(bounds, bounds[1:]))
-    header = RecordHeader(RECORD_VERSION, key, namespace, tokens, codec, len(raw), xxh3_64_intdigest(raw), checks)
+    lossy, view, bounds = codec in QUANTIZED, memoryview(raw), [0, *itertools.accumulate(segments)]
+    checks = () if lossy else tuple((b - a, xxh3_64_intdigest(view[a:b])) for a, b in zip(bounds, bounds[1:]))
+    checksum = xxh3_64_intdigest(body if lossy else raw)
+    header = RecordHeader(RECORD_VERSION, key, namespace, tokens, codec, len(raw), checksum, checks)
     packed = header.pack() if at is None or codec != "raw" else header.pack_aligned(at, 64, RAW_PAYLOAD_OFFSET)
     return b"".join((packed, body))
 
@@ -252,14 +264,17 @@ def sealed_record(
 
 
 def record_bytes(
-    record: StoredRecord, out: np.ndarray | None = None, cipher: RecordCipher | None = None
+    record: StoredRecord,
+    out: np.ndarray | None = None,
+    cipher: RecordCipher | None = None,
+    dequantize: Dequantize | None = None,
 ) -> memoryview | np.ndarray | bytes:
     """The raw bytes of a checked record (see ``decode_payload`` for ``out``), decrypted
     first when it is encrypted: a raw one straight into ``out``; CorruptRecord when its
     tag or checksum does not hold."""
     header = record.header
     if not header.nonce:
-        return verify_payload(header, record.payload, out)
+        return verify_payload(header, record.payload, out, dequantize)
     assert cipher is not None, "an encrypted record passed its header check without a key"
     into = out if header.codec == "raw" else None
     plain = cipher.open(header.namespace, record.key, header.nonce, record.payload, record.associated, into)
@@ -267,15 +282,22 @@ def record_bytes(
         raise CorruptRecord("authentication failed")
     if isinstance(plain, np.ndarray):  # decrypted into ``out``: a raw payload, checked by its tag
         return plain
-    return verify_payload(header, memoryview(plain), out)
+    return verify_payload(header, memoryview(plain), out, dequantize)
 
 
 def verify_payload(
-    header: RecordHeader, payload: memoryview, out: np.ndarray | None = None
+    header: RecordHeader, payload: memoryview, out: np.ndarray | None = None, dequantize: Dequantize | None = None
 ) -> memoryview | np.ndarray | bytes:
     """The raw bytes of a payload under a checked header (see ``decode_payload`` for
     ``out``); CorruptRecord unless they have the header's length and checksum (an
-    encrypted record's payload, already authenticated, has no checksum)."""
+    encrypted record's payload, already authenticated, has no checksum). A quantized
+    payload's checksum is over the payload, checked before ``dequantize`` decodes it."""
+    if header.codec in QUANTIZED:
+        if not header.nonce and xxh3_64_intdigest(payload) != header.checksum:
+            raise CorruptRecord("checksum mismatch")
+        if dequantize is None:
+            raise CorruptRecord("quantized record and no dequantizer")
+        return dequantize(header.codec, payload, header.raw_len, out)
     raw = decode_payload(header.codec, payload, header.raw_len, out)
     view = raw.data if isinstance(raw, np.ndarray) else raw  # .data: tiers.join says why
     if len(raw) != header.raw_len or (not header.nonce and xxh3_64_intdigest(view) != header.checksum):
@@ -284,13 +306,19 @@ def verify_payload(
 
 
 def decode_record(
-    key: bytes, value: memoryview, namespace: bytes, tokens: bytes, raw_nbytes: int, out: np.ndarray | None = None
+    key: bytes,
+    value: memoryview,
+    namespace: bytes,
+    tokens: bytes,
+    raw_nbytes: int,
+    out: np.ndarray | None = None,
+    dequantize: Dequantize | None = None,
 ) -> memoryview | np.ndarray | bytes:
     """The raw page of a stored value, checked against the page it should hold (its key,
     namespace, token ids as <u4 bytes, raw length); CorruptRecord otherwise."""
     header, offset = RecordHeader.unpack(value)
     check_header(header, key, namespace, tokens, raw_nbytes)
-    return verify_payload(header, value[offset:], out)
+    return verify_payload(header, value[offset:], out, dequantize)
 
 
 def _shuffle(raw: bytes) -> bytes:
@@ -307,8 +335,11 @@ def _unshuffle(planes: bytes) -> bytes:
 _local = threading.local()  # zstd (de)compressors are not thread-safe: one per thread
 
 
-def encode_payload(codec: str, raw: bytes, level: int) -> tuple[str, bytes]:
-    """The codec actually used and the payload; raw when compression does not pay."""
+def encode_payload(codec: str, raw: bytes, level: int, quantize: Quantize | None = None) -> tuple[str, bytes]:
+    """The codec actually used and the payload; raw when compression does not pay, and
+    for a quantized codec without ``quantize`` (what is not a page: a snapshot)."""
+    if codec in QUANTIZED:
+        return (codec, quantize(codec, raw)) if quantize is not None else ("raw", raw)
     codec = "zstd" if codec == "zstd-shuffle" and len(raw) % 2 else codec
     if codec == "raw":
         return codec, raw

@@ -17,6 +17,8 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from .record import Quantize
+
 _TOUCH_DELAY_S = 0.05  # uses alone wait this long, so many share one commit
 _MAX_TOUCHES = 4096  # uses are hints: past this many pending, the oldest are dropped
 
@@ -28,6 +30,7 @@ class PendingPut:
     tokens: bytes
     payload: bytes
     segments: tuple[int, ...] = ()  # byte lengths of the payload's segments (``record.encode_record``)
+    quantize: Quantize | None = None  # how a quantized codec encodes this page (None: not a page, stored raw)
 
 
 @dataclass
