@@ -67,8 +67,8 @@ from .page import Namespace, PageGeometry, PageKey, Source, page_tokens
 from .partials import PartialPages
 from .placement import Pins, Placement
 from .policy import L3Admission, make_policy
-from .residency import Residency
 from .quant import PageCodec, namespace_codecs, page_quantizer
+from .residency import Residency
 from .restore import PartialMatch, PendingRestore, RestoredPrefix, Restorer
 from .snapshots import Snapshots
 from .stats import L3Place, StoreStats
