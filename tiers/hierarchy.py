@@ -34,10 +34,7 @@ the map on its reader thread, so that the loop never faults on the disk). A raw 
 page takes the same path from the bytes its snapshot read (in a few batched round
 trips, counted in ``L3->L1``'s seconds). A compressed
 L3 page is decoded into an L2 slot and kept there (``L3->L2``, then ``L2->L1``):
-decoding costs more than a copy. A page leaving
-L1 is copied to L2 only if L2 lacks it; a page leaving L2 is queued for L3 only if
-L3 is not known to hold it. When L2 has no room (every page pinned) an L1 page goes straight to L3
-(``L1->L3``).
+decoding costs more than a copy. How pages move down: ``tiers.placement``.
 
 A restore plans the longest stored prefix (pins its pages, finds its L3 records in
 one snapshot, reserves L2 slots for compressed ones and decodes them), then joins all
@@ -332,18 +329,7 @@ class TieredStore:
         (a hold that does not fit is cut short, never forced in). The count pinned: the
         first n of ``keys``."""
         with self._lock:
-            pinned = len(self.pins.held())
-            n = 0
-            for key in keys:
-                if key not in self.l1 and key not in self.l2:
-                    break
-                if key not in self.pins:
-                    if pinned >= limit:
-                        break
-                    pinned += 1
-                self.pins.pin(key)
-                n += 1
-            return n
+            return self.pins.pin_leading(keys, limit, lambda key: key in self.l1 or key in self.l2)
 
     def release(self, keys: Sequence[PageKey]) -> None:
         """Unpin pages taken by ``restore`` (or ``pin``)."""

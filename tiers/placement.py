@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import mlx.core as mx
 import numpy as np
@@ -55,6 +55,19 @@ class Pins:
 
     def __contains__(self, key: object) -> bool:
         return key in self._count
+
+    def pin_leading(self, keys: Iterable[PageKey], limit: int, resident: Callable[[PageKey], bool]) -> int:
+        """Pin the leading run of ``keys`` that are ``resident``; no new page is pinned once
+        ``limit`` pages are pinned in all (a hold that does not fit is cut short, never
+        forced in). The count pinned: the first n of ``keys``."""
+        pinned, n = len(self._count), 0
+        for key in keys:
+            if not resident(key) or (key not in self._count and pinned >= limit):
+                break
+            pinned += key not in self._count
+            self.pin(key)
+            n += 1
+        return n
 
     def held(self) -> Mapping[PageKey, int]:
         """A copy: pinned page -> pins held."""

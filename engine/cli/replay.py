@@ -6,12 +6,81 @@ import argparse
 import json
 import sys
 from dataclasses import replace
+from pathlib import Path
 
 from kvtier.costmodel.bounds import BELADY
-from kvtier.tiers.policy import DEFAULT_POLICY, POLICIES
+from kvtier.costmodel.fleet_replay import MAX_IMBALANCE, ROUTES
+from kvtier.tiers.policy import ADMISSIONS, DEFAULT_POLICY, POLICIES
 
 from ..models.paths import default_store_dir
+from .args import l2_sweep, name_list, non_negative_int, parse_size, positive_int, positive_number, store_arg
 from .common import UsageError, load_model, no_data
+from .tree import Tree
+
+
+def add_replay_parser(tree: Tree, sub) -> None:
+    replay = tree.command(sub, "replay", "replay a Mooncake trace against the store: size the tiers, choose the policy")
+    replay.add_argument("trace", type=Path, metavar="TRACE.jsonl")
+    replay.add_argument("--page-size", type=positive_int, default=512, help="divides 512")
+    geometry = replay.add_mutually_exclusive_group()
+    geometry.add_argument(
+        "--kv-bytes-per-token",
+        type=positive_int,
+        metavar="N",
+        help="full-size KV bytes of one token (default: the model's)",
+    )
+    geometry.add_argument("--model", help="take the KV size (and the calibrated profile) from this model")
+    replay.add_argument(
+        "--state-bytes",
+        type=parse_size,
+        metavar="S",
+        help="with --kv-bytes-per-token: a hybrid model's state snapshot size (default 0: no state layers; "
+        "a --model's is its own)",
+    )
+    replay.add_argument("--store", type=store_arg, default=None, help="where the model's calibrated profile is")
+    replay.add_argument("--profile", type=Path, metavar="FILE.json", help="a saved cost profile to use")
+    replay.add_argument("--l1-bytes", type=parse_size, default=parse_size("1GiB"))
+    replay.add_argument("--l2-bytes", type=parse_size, default=parse_size("4GiB"))
+    replay.add_argument("--l3-bytes", type=parse_size, default=parse_size("32GiB"))
+    replay.add_argument(
+        "--policy",
+        type=name_list([*POLICIES, "belady"]),
+        help=f"comma-separated, each replayed: {','.join(POLICIES)} (default: all), or belady (the "
+        f"offline bound for the same total capacity); with --engines one (default {DEFAULT_POLICY})",
+    )
+    replay.add_argument(
+        "--l3-admit",
+        type=name_list(ADMISSIONS),
+        default=["always"],
+        help=f"comma-separated L3 admission filters: {','.join(ADMISSIONS)}",
+    )
+    replay.add_argument("--sweep", type=l2_sweep, metavar="l2-bytes=S,S,...", help="replay at each L2 size")
+    replay.add_argument(
+        "--speed",
+        type=positive_number,
+        default=1.0,
+        help="arrival timestamps divided by this (0.02 stretches them 50 times)",
+    )
+    replay.add_argument("--json", action="store_true", help="one JSON object")
+    replay.add_argument(
+        "--plot",
+        type=Path,
+        metavar="FILE.png",
+        help="reused ratio and TTFT against L2 size per policy (needs matplotlib)",
+    )
+    replay.add_argument("--engines", type=positive_int, metavar="N", help="a fleet: N engines sharing one L3")
+    replay.add_argument(
+        "--route",
+        type=name_list(ROUTES),
+        help=f"with --engines: comma-separated, each replayed: {','.join(ROUTES)} (default: all)",
+    )
+    replay.add_argument(
+        "--max-imbalance",
+        type=non_negative_int,
+        metavar="N",
+        help=f"with --engines, cache-aware: pass over an engine with N more requests than the least "
+        f"loaded one (default {MAX_IMBALANCE})",
+    )
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
