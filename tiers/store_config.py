@@ -33,7 +33,6 @@ class StoreConfig:
     l3_bytes: int | None = None  # None: the store's own cap (a new store: 32 GiB)
     store_dir: Path | str | None = None  # an LMDB directory, or a redis:// URL (tiers.l3.open.open_l3)
     codec: str = "raw"  # L3's page codec (tiers.l3.record.CODECS)
-    l2_codec: str = "raw"  # L2's: raw, or a quantizing codec (tiers.quant); either lossy one is in the namespace
     # Tier ("L2" or "L3") -> bytes per second: reads from that tier take at least
     # bytes / rate (the rest is slept), and the link counters show it (tests, demos).
     # "L3" slows the reads of L3 pages (L3->L1, L3->L2); "L2" slows the L2->L1 join of
@@ -55,6 +54,9 @@ class StoreConfig:
     # LMDB must not be opened twice in a process); used instead of ``store_dir``, and
     # closed by whoever opened it, never by a store using it
     shared_l3: L3Store | None = None
+    # L2's codec: raw, or a quantizing one (tiers.quant); a lossy codec of either tier is
+    # in the namespace. Last, so that the fields before keep their positions.
+    l2_codec: str = "raw"
 
 
 def open_l3_of(config: StoreConfig) -> L3Store:
