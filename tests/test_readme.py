@@ -439,14 +439,22 @@ def _trace() -> Path:
     pytest.skip("the Mooncake trace is not beside the checkout (../shared/traces/)")
 
 
+def _trace_head(shell, short: int) -> list[dict]:
+    """Every request of the conversation trace; its first ``short`` are written, under the
+    trace's name, where the shell runs (the README's commands then replay only those)."""
+    trace = _trace()
+    requests = [json.loads(line) for line in trace.read_text().splitlines()]
+    (shell.cwd / trace.name).write_text("".join(json.dumps(r) + "\n" for r in requests[:short]))
+    return requests
+
+
 @slow
 def test_replay_sizing(shell):
     """The README's replay, as written, on the trace's first 200 requests (the whole
     trace takes minutes per replay): the same table, rows and plot. The README's own
     figures of the whole trace are checked against the trace where that is cheap."""
-    trace, short = _trace(), 200
-    requests = [json.loads(line) for line in trace.read_text().splitlines()]
-    (shell.cwd / trace.name).write_text("".join(json.dumps(r) + "\n" for r in requests[:short]))
+    short = 200
+    requests = _trace_head(shell, short)
     printed = normalized(shell.run(block(".venv/bin/kvtier replay mooncake_conversation_trace.jsonl").text).stdout)
     readme = normalized(block("12031 requests, 144793823 prompt tokens").text)
 
@@ -477,9 +485,8 @@ def test_replay_fleet(shell):
     """The README's fleet replay, as written, on the trace's first 40 requests (the 6,000
     take minutes): the same header and one row per route, in order; the README's own
     first line counts the first 6,000 requests of the trace."""
-    trace, short = _trace(), 40
-    requests = [json.loads(line) for line in trace.read_text().splitlines()]
-    (shell.cwd / trace.name).write_text("".join(json.dumps(r) + "\n" for r in requests[:short]))
+    short = 40
+    requests = _trace_head(shell, short)
     printed = normalized(shell.run(block("head -n 6000 mooncake_conversation_trace.jsonl").text).stdout)
     readme = normalized(block("6000 requests, 76643649 prompt tokens on 4 engines").text)
 
