@@ -438,4 +438,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         with ignored_interrupts():  # a second Ctrl-C cannot cut the last line short
             print(f"kvtier: interrupted; {pages_kept(args)}", file=sys.stderr)
+            # A Ctrl-C that surfaced out of code exec'd from a string (the methods of a
+            # dataclass or namedtuple being built) leaves CPython's "unhandled interrupt"
+            # flag set although it was handled here, and `python -m` then ends by SIGINT,
+            # not 130; running any string successfully clears that flag.
+            exec("")
         return 130

@@ -75,11 +75,14 @@ class Child:
 
     def signal_and_wait(self, sig: int = signal.SIGINT, timeout: float = 120) -> int:
         self.proc.send_signal(sig)
+        return self.wait(timeout, f"signal {sig}")
+
+    def wait(self, timeout: float = 120, after: str = "its start") -> int:
         try:
             code = self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
             self.proc.kill()
-            raise AssertionError(f"still running {timeout} s after signal {sig}:\n{self.text('err')}") from None
+            raise AssertionError(f"still running {timeout} s after {after}:\n{self.text('err')}") from None
         for reader in self.readers:
             reader.join(10)
         return code
@@ -141,6 +144,13 @@ def test_ctrl_c_while_calibrating_a_new_store(tmp_path):
     child.wait_for("err", "a quick calibration first")
     assert_interrupted(child, child.signal_and_wait(), tmp_path)
     assert not list(tmp_path.glob("calibration-*")), "the calibration's scratch store must be removed"
+
+
+def test_ctrl_c_out_of_an_exec_string_still_exits_130(tmp_path):
+    """The calibration's first use builds dataclasses and namedtuples, whose methods come
+    from ``exec`` of a string: a Ctrl-C landing there must not end ``python -m`` by SIGINT."""
+    child = Child(["stats", "--store", str(tmp_path)], module="tests.engine.interrupt_in_exec")
+    assert_interrupted(child, child.wait(), tmp_path)  # the interrupt comes from inside
 
 
 def test_ctrl_c_before_the_first_token(tmp_path):
