@@ -141,6 +141,7 @@ class TieredStore:
             self.admission,
             self.ledger,
             self.throttle,
+            config.join_limits,
         )
         self._lock = threading.RLock()
         hybrid = self.snapshots is not None

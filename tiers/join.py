@@ -25,19 +25,36 @@ from xxhash import xxh3_64
 from .layout import SLOT_OFFSET
 from .page import PageGeometry
 
-# Threads for a restore's bulk copies: numpy copies and LMDB reads release the GIL, and
-# one thread alone does not saturate memory bandwidth, so a few threads copy faster
-# (bench/restore_bandwidth.py measures by how much). Each takes at least _MIN_SHARE
-# bytes, so a small restore stays on one thread (handing work over costs more than it saves).
-_WORKERS = max(1, min(4, os.cpu_count() or 1))
-_MIN_SHARE = 4 << 20
-_MAX_BUFFER = 64 << 20  # bytes of one restored array (a group of layers)
-# A hashed page is hashed and copied this many bytes (whole layers) at a time, so the
-# copy reads what the hash just brought into the core's own cache instead of memory.
-_HASH_CHUNK = 512 << 10
-_SLACK = 4096  # bytes a joined array's buffer has beyond its payload, to place it (see _JoinedPages)
+SLACK = 4096  # bytes a joined array's buffer has beyond its payload, to place it (see JoinedPages)
 # numpy declares ndarray's buffer protocol (``__buffer__``) for Python 3.12 on only, so
 # the hashers and memoryviews here take an array's ``.data``: the same bytes, no copy.
+
+
+@dataclass(frozen=True)
+class JoinLimits:
+    """How a restore's bulk copies are cut up (``StoreConfig.join_limits``); the defaults
+    serve every store, and a test shrinks them to run the threaded and grouped paths on
+    tiny pages.
+
+    Threads: numpy copies and LMDB reads release the GIL, and one thread alone does not
+    saturate memory bandwidth, so a few threads (``workers``, the caller's included) copy
+    faster (bench/restore_bandwidth.py measures by how much). Each takes at least
+    ``min_share`` bytes, so a small restore stays on one thread (handing work over costs
+    more than it saves). ``max_buffer``: bytes of one restored array (a group of layers).
+    ``hash_chunk``: a hashed page is hashed and copied this many bytes (whole layers) at a
+    time, so the copy reads what the hash just brought into the core's own cache instead
+    of memory.
+    """
+
+    workers: int = max(1, min(4, os.cpu_count() or 1))
+    min_share: int = 4 << 20
+    max_buffer: int = 64 << 20
+    hash_chunk: int = 512 << 10
+
+    def __post_init__(self) -> None:
+        if min(self.workers, self.min_share, self.max_buffer, self.hash_chunk) < 1:
+            raise ValueError(f"join limits must all be at least 1: {self}")
+
 
 _T = TypeVar("_T")
 
@@ -71,7 +88,9 @@ class Joined:
     digests: list[int | tuple[int | None, int | None] | None]
 
 
-def join_pages(hosts: list[np.ndarray], geometry: PageGeometry, digest: Sequence[bool] = ()) -> Joined:
+def join_pages(
+    hosts: list[np.ndarray], geometry: PageGeometry, digest: Sequence[bool] = (), limits: JoinLimits = JoinLimits()
+) -> Joined:
     """Per-layer K/V device arrays of consecutive pages, written in one pass.
 
     One page is its own join (``_page_here``): copied layer by layer on this thread,
@@ -79,11 +98,11 @@ def join_pages(hosts: list[np.ndarray], geometry: PageGeometry, digest: Sequence
     (its loads, its evaluation of views) or a hashing thread costs a one-page restore
     about as much as its copy when the machine is busy.
 
-    Two pages or more: ``mx.load`` reads the joined prefix from a file-like ``_JoinedPages``,
+    Two pages or more: ``mx.load`` reads the joined prefix from a file-like ``JoinedPages``,
     whose ``readinto`` is handed mlx's freshly allocated buffer and gathers the pages
     straight into it: no host staging, no zero-fill, so nothing beyond the
-    request's own KV (and ``_SLACK`` bytes an array, to place it). One load per group of
-    layers of at most ``_MAX_BUFFER`` bytes (a few for a long prefix): mlx's buffer cache then keeps and reuses
+    request's own KV (and ``SLACK`` bytes an array, to place it). One load per group of
+    layers of at most ``limits.max_buffer`` bytes (a few for a long prefix): mlx's buffer cache then keeps and reuses
     them like the model's own buffers, and a cache trim drops one group, not
     the whole prefix. The layers are views of the groups' arrays.
 
@@ -99,11 +118,11 @@ def join_pages(hosts: list[np.ndarray], geometry: PageGeometry, digest: Sequence
     if len(hosts) == 1:
         return Joined(_page_here(hosts[0], g, hashers[0]), [None if h is None else h.intdigest() for h in hashers])
     _joined = True
-    per_group = max(1, min(g.num_layers, _MAX_BUFFER // layer_bytes))
+    per_group = max(1, min(g.num_layers, limits.max_buffer // layer_bytes))
     layers: list[tuple[mx.array, mx.array]] = []
     for first in range(0, g.num_layers, per_group):
         group = range(first, min(first + per_group, g.num_layers))
-        kv = _join_group(hosts, g, group, hashers)
+        kv = _join_group(hosts, g, group, hashers, limits)
         kv = kv.view(mx.bfloat16) if g.dtype == "bfloat16" else kv
         halves = mx.split(kv.reshape(2 * len(group), *kv.shape[2:]), 2 * len(group))  # views, lazy
         layers.extend(zip(halves[0::2], halves[1::2]))  # (1, heads, tokens, dim) each
@@ -130,28 +149,25 @@ def _device(rows: np.ndarray, geometry: PageGeometry) -> mx.array:
 
 
 def _join_group(
-    hosts: list[np.ndarray], geometry: PageGeometry, layers: range, hashers: list[xxh3_64 | None]
+    hosts: list[np.ndarray], geometry: PageGeometry, layers: range, hashers: list[xxh3_64 | None], limits: JoinLimits
 ) -> mx.array:
     """The pages joined along tokens for ``layers``, as one new mlx array, read now
     (while the pages are pinned), each hasher fed its page's bytes of these layers."""
-    joined = _JoinedPages(hosts, geometry, layers, hashers)
+    joined = JoinedPages(hosts, geometry, layers, hashers, limits)
     # mlx reads any object with readinto, seek and tell (its hint says a binary file); a
     # .npy file is one array (its hint gives every kind load returns)
     flat = cast(mx.array, mx.load(cast(BinaryIO, joined), format="npy"))
     mx.eval(flat)
     first = joined.start // joined.dtype.itemsize
     kv = flat[first : first + joined.payload // joined.dtype.itemsize].reshape(joined.shape)  # a view
-    if not joined.hashed:  # mlx read in pieces: hash these layers now, in order
-        for host, hasher in zip(joined.hosts, hashers):
-            if hasher is not None:
-                hasher.update(host.data)
+    joined.hash_rest()
     return kv
 
 
-class _JoinedPages:
+class JoinedPages:
     """A read-only file: a flat ``.npy`` holding, ``start`` bytes in, consecutive pages
     joined along tokens for a range of layers (``shape``: ``(layers, 2, kv_heads,
-    pages * page_size, head_dim)``), then slack up to ``_SLACK`` bytes.
+    pages * page_size, head_dim)``), then slack up to ``SLACK`` bytes.
 
     Where the join starts: a read of the whole payload (what ``mx.load`` does) puts it
     at ``SLOT_OFFSET`` past a 4 KiB boundary of memory, where L2 slots start: a copy
@@ -177,7 +193,12 @@ class _JoinedPages:
     closed = False
 
     def __init__(
-        self, hosts: list[np.ndarray], geometry: PageGeometry, layers: range, hashers: Sequence[xxh3_64 | None] = ()
+        self,
+        hosts: list[np.ndarray],
+        geometry: PageGeometry,
+        layers: range,
+        hashers: Sequence[xxh3_64 | None] = (),
+        limits: JoinLimits = JoinLimits(),
     ) -> None:
         g = geometry
         self.hosts = [host[layers.start : layers.stop] for host in hosts]
@@ -186,16 +207,27 @@ class _JoinedPages:
         self.shape = (len(layers), 2, g.num_kv_heads, g.page_size * len(hosts), g.head_dim)
         self.dtype = g.storage_dtype
         self.run = g.page_size * g.head_dim * self.dtype.itemsize
-        self.chunk = max(1, _HASH_CHUNK * g.num_layers // g.nbytes)  # layers of a page hashed, then copied
+        self.limits = limits
+        self.chunk = max(1, limits.hash_chunk * g.num_layers // g.nbytes)  # layers of a page hashed, then copied
         self.payload = len(hosts) * g.nbytes * len(layers) // g.num_layers  # bytes of the join
         self.start = 0  # where the join starts in the file's payload
-        self.size = self.payload + _SLACK  # bytes of the file's payload
+        self.size = self.payload + SLACK  # bytes of the file's payload
         header = io.BytesIO()
         np.lib.format.write_array_header_1_0(
             header, {"descr": self.dtype.str, "fortran_order": False, "shape": (self.size // self.dtype.itemsize,)}
         )
         self.header = header.getvalue()
         self.pos = 0
+
+    def hash_rest(self) -> None:
+        """Feed each hasher its page's layers unless a whole-payload read already did
+        (mlx read the file in pieces): after a full read, every hasher has its page's
+        bytes of these layers, in order, whatever the read pattern."""
+        if not self.hashed:
+            for host, hasher in zip(self.hosts, self.hashers):
+                if hasher is not None:
+                    hasher.update(host.data)
+            self.hashed = True
 
     def seek(self, offset: int, whence: int = 0) -> int:
         base = {0: 0, 1: self.pos, 2: len(self.header) + self.size}[whence]
@@ -222,7 +254,7 @@ class _JoinedPages:
     def _gather(self, out: memoryview, offset: int) -> None:
         """The file's payload bytes ``offset .. offset + len(out)`` into ``out``."""
         if offset == 0 and len(out) == self.size:  # all of it: straight into the array
-            self.start = (SLOT_OFFSET - np.frombuffer(out, np.uint8).ctypes.data) % _SLACK
+            self.start = (SLOT_OFFSET - np.frombuffer(out, np.uint8).ctypes.data) % SLACK
             joined = np.frombuffer(out[self.start : self.start + self.payload], self.dtype).reshape(self.shape)
             size = self.shape[3] // len(self.hosts)
 
@@ -236,7 +268,7 @@ class _JoinedPages:
                         hasher.update(host[a : a + self.chunk].data)
                         joined[a : a + self.chunk, :, :, tokens] = host[a : a + self.chunk]
 
-            in_parallel(fill, shares(range(len(self.hosts)), self.payload))
+            in_parallel(fill, shares(range(len(self.hosts)), self.payload, self.limits))
             self.hashed = True
             return
         runs = [host.view(np.uint8).reshape(-1, self.run) for host in self.hosts]
@@ -253,7 +285,7 @@ class _JoinedPages:
             done += n
 
 
-_pool: ThreadPoolExecutor | None = None
+_pools: dict[int, ThreadPoolExecutor] = {}  # threads -> the shared pool of that many
 _setup = threading.Lock()
 
 
@@ -264,23 +296,26 @@ def _chunks(items: Sequence[_T], n: int) -> list[Sequence[_T]]:
     return [items[a:b] for a, b in zip(bounds, bounds[1:])]
 
 
-def shares(items: Sequence[_T], nbytes: int) -> list[Sequence[_T]]:
-    """``items`` cut into one run per worker, each worth at least ``_MIN_SHARE`` of ``nbytes``."""
-    return _chunks(items, min(_WORKERS, max(1, nbytes // _MIN_SHARE)))
+def shares(items: Sequence[_T], nbytes: int, limits: JoinLimits) -> list[Sequence[_T]]:
+    """``items`` cut into at most ``limits.workers`` runs, each worth at least
+    ``limits.min_share`` of ``nbytes``."""
+    return _chunks(items, min(limits.workers, max(1, nbytes // limits.min_share)))
 
 
-def _executor() -> ThreadPoolExecutor:
-    global _pool
-    if _pool is None:
-        with _setup:
-            _pool = _pool or ThreadPoolExecutor(max(1, _WORKERS - 1), thread_name_prefix="kvtier-copy")
-    return _pool
+def _executor(threads: int) -> ThreadPoolExecutor:
+    """The process's pool of ``threads`` copy threads, made once: every store with the
+    same limits shares it."""
+    with _setup:
+        if threads not in _pools:
+            _pools[threads] = ThreadPoolExecutor(threads, thread_name_prefix="kvtier-copy")
+        return _pools[threads]
 
 
 def in_parallel(work: Callable[[_T], None], parts: Sequence[_T]) -> None:
-    """``work(part)`` for every part: the first on this thread, the others on the shared
-    pool; returns when all are done (raising the first error)."""
-    futures = [_executor().submit(work, part) for part in parts[1:]]
+    """``work(part)`` for every part: the first on this thread, the others on a shared
+    pool of one thread each; returns when all are done (raising the first error)."""
+    pool = _executor(len(parts) - 1) if len(parts) > 1 else None
+    futures = [pool.submit(work, part) for part in parts[1:]] if pool is not None else []
     try:
         if parts:
             work(parts[0])

@@ -26,7 +26,7 @@ import mlx.core as mx
 import numpy as np
 from xxhash import xxh3_64_intdigest
 
-from .join import Joined, in_parallel, join_pages, shares
+from .join import Joined, JoinLimits, in_parallel, join_pages, shares
 from .l3.base import L3Store, Snapshot
 from .l3.record import CorruptRecord, StoredRecord
 from .l3_reads import AheadRead
@@ -137,8 +137,10 @@ class Restorer:
         admission: L3Admission,
         ledger: LinkLedger,
         throttle: Throttle,
+        limits: JoinLimits,
     ) -> None:
         self.geometry = geometry
+        self.limits = limits  # how its copies are cut up
         self.ns_digest = ns_digest
         self.l1, self.l2, self.disk = l1, l2, disk
         self.placement = placement
@@ -238,7 +240,7 @@ class Restorer:
         while n:
             seen = g.window_pages(n)
             hash_now = [pages[i].raw_l3 and i not in read for i in seen]
-            window = join_pages([pages[i].host[split:] for i in seen], rows, hash_now)
+            window = join_pages([pages[i].host[split:] for i in seen], rows, hash_now, self.limits)
             failed = [i for i, d in zip(seen, window.digests) if d is not None and not self._window_ok(pages[i], d)]
             if not failed:
                 kept = n * g.page_size
@@ -291,7 +293,7 @@ class Restorer:
                 page.data = self._shaped(kv_to_host(page.kv))
         hash_now = [p.raw_l3 and d is None for p, d in zip(pending.pages, pending.digests)]
         if self.geometry.window is None:
-            return join_pages([p.host for p in pending.pages], self.geometry, hash_now)
+            return join_pages([p.host for p in pending.pages], self.geometry, hash_now, self.limits)
         return self._join_segments([p.host for p in pending.pages], hash_now)
 
     def _join_segments(self, hosts: list[np.ndarray], hash_now: list[bool]) -> Joined:
@@ -305,7 +307,7 @@ class Restorer:
             n = rows.stop - rows.start
             part = replace(g, num_layers=n, kinds=())
             parts.append(
-                join_pages([hosts[i][rows] for i in which], part, [hash_now[i] for i in which])
+                join_pages([hosts[i][rows] for i in which], part, [hash_now[i] for i in which], self.limits)
                 if n
                 else Joined([], [None] * len(which))
             )
@@ -395,7 +397,7 @@ class Restorer:
         reads = [p for p in pages if p.compressed]
         if not reads:
             return pages
-        in_parallel(self._decode_pages, shares(reads, len(reads) * self.geometry.nbytes))
+        in_parallel(self._decode_pages, shares(reads, len(reads) * self.geometry.nbytes, self.limits))
         for page in reads:  # a page decoded whole is kept in L2, even past the cut
             if page.slot is not None:
                 if page.data is not None:
@@ -424,7 +426,7 @@ class Restorer:
             for i in share:
                 digests[i] = xxh3_64_intdigest(pages[i].host.data)  # .data: tiers.join says why
 
-        in_parallel(hash_share, shares(raw, len(raw) * self.geometry.nbytes))
+        in_parallel(hash_share, shares(raw, len(raw) * self.geometry.nbytes, self.limits))
         return digests
 
     def _first_bad(self, pages: list[_Page], digests: list) -> int:

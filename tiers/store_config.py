@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .join import JoinLimits
 from .l3.base import L3Store
 from .l3.cipher import RecordCipher
 from .l3.open import open_l3
@@ -55,8 +56,11 @@ class StoreConfig:
     # closed by whoever opened it, never by a store using it
     shared_l3: L3Store | None = None
     # L2's codec: raw, or a quantizing one (tiers.quant); a lossy codec of either tier is
-    # in the namespace. Last, so that the fields before keep their positions.
+    # in the namespace. After the older fields, so that they keep their positions.
     l2_codec: str = "raw"
+    # How a restore's copies are cut up over threads and arrays (``tiers.join.JoinLimits``).
+    # Last, like l2_codec: positional configs keep their meaning.
+    join_limits: JoinLimits = field(default_factory=JoinLimits)
 
 
 def open_l3_of(config: StoreConfig) -> L3Store:

@@ -13,12 +13,12 @@ import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
-from xxhash import xxh3_64_intdigest
+from xxhash import xxh3_64, xxh3_64_intdigest
 
-import kvtier.tiers.join as join
 import kvtier.tiers.layout as layout
 import kvtier.tiers.restore as restore_module
 from kvtier.tiers.hierarchy import StoreConfig, TieredStore
+from kvtier.tiers.join import SLACK, JoinedPages, JoinLimits, join_pages
 from kvtier.tiers.page import Namespace, PageGeometry, Source, page_keys
 from kvtier.tiers.tier import kv_to_host
 
@@ -45,8 +45,11 @@ def page_tokens(i: int) -> list[int]:
     return TOKENS[4 * i : 4 * i + 4]
 
 
-def make_store(l1_pages: int, l2_pages: int, store_dir=None, namespace=NS, codec="raw") -> TieredStore:
+def make_store(
+    l1_pages: int, l2_pages: int, store_dir=None, namespace=NS, codec="raw", limits: JoinLimits | None = None
+) -> TieredStore:
     config = StoreConfig(l1_pages * PAGE, l2_pages * PAGE, 256 * PAGE, store_dir, codec)
+    config.join_limits = limits or config.join_limits
     return TieredStore(GEOMETRY, namespace, config)
 
 
@@ -93,22 +96,18 @@ def test_round_trip_is_byte_identical(tmp_path, tier, codec):
     store.close()
 
 
-@pytest.fixture
-def many_threads(monkeypatch):
-    """Restores split their reads and joins over threads, and their KV into one array
-    per layer, even for tiny pages."""
-    monkeypatch.setattr(join, "_WORKERS", 3)
-    monkeypatch.setattr(join, "_MIN_SHARE", 1)
-    monkeypatch.setattr(join, "_MAX_BUFFER", 1)
+# Restores split their reads and joins over threads, and their KV into one array per
+# layer, even for tiny pages.
+MANY_THREADS = JoinLimits(workers=3, min_share=1, max_buffer=1)
 
 
 @pytest.mark.parametrize("tier", ["L2", "L3"])
-def test_threaded_restore_is_byte_identical(tmp_path, tier, many_threads):
-    store = make_store(0, 8, tmp_path)
+def test_threaded_restore_is_byte_identical(tmp_path, tier):
+    store = make_store(0, 8, tmp_path, limits=MANY_THREADS)
     publish(store, *range(7))
     if tier == "L3":
         store.close()
-        store = make_store(0, 8, tmp_path)
+        store = make_store(0, 8, tmp_path, limits=MANY_THREADS)
     restored = store.restore(KEYS[:7], TOKENS)
     assert restored.sources == [Source(tier)] * 7
     assert same_bytes(joined(restored), mx.concatenate(KV[:7], axis=3))
@@ -133,13 +132,13 @@ def test_joined_pages_serve_any_read_pattern(layers):
     hosts = [kv_to_host(KV[i]).view(GEOMETRY.storage_dtype).reshape(GEOMETRY.shape) for i in range(3)]
     expected = np.concatenate(hosts, axis=3)[layers.start : layers.stop]
     for step in (1, 7, 100, 1 << 20):
-        f = join._JoinedPages(hosts, GEOMETRY, layers)
+        f = JoinedPages(hosts, GEOMETRY, layers)
         data, chunk = bytearray(), bytearray(step)
         while n := f.readinto(chunk):
             data += chunk[:n]
         flat = np.load(io.BytesIO(bytes(data))).view(np.uint8)
         assert f.start == 0 or step == 1 << 20
-        assert len(flat) == expected.nbytes + join._SLACK
+        assert len(flat) == expected.nbytes + SLACK
         joined = flat[f.start : f.start + expected.nbytes].view(expected.dtype).reshape(expected.shape)
         assert np.array_equal(joined, expected)
 
@@ -206,33 +205,38 @@ def test_l2_slots_and_joins_start_half_a_page_from_fresh_mlx_buffers_modulo_4k()
         assert (slots[0] - np.asarray(array).ctypes.data) % 16 == 0
 
 
-@pytest.mark.parametrize(
-    "pages, groups, pieces, chunked",
-    [(1, 1, False, False), (3, 1, False, False), (3, 2, False, False), (3, 2, True, False), (3, 1, False, True)],
-)
-def test_join_hashes_the_flagged_pages_as_it_copies(monkeypatch, pages, groups, pieces, chunked):
+@pytest.mark.parametrize("pages, groups, chunked", [(1, 1, False), (3, 1, False), (3, 2, False), (3, 1, True)])
+def test_join_hashes_the_flagged_pages_as_it_copies(pages, groups, chunked):
     """Digests of the flagged pages equal their xxh3 whichever way the join runs: one
-    page, one group of layers, several groups, mlx reading the file in pieces, or each
-    page hashed and copied a layer at a time."""
+    page, one group of layers, several groups, or each page hashed and copied a layer
+    at a time."""
     hosts = [kv_to_host(KV[i]).view(GEOMETRY.storage_dtype).reshape(GEOMETRY.shape) for i in range(pages)]
-    monkeypatch.setattr(join, "_MAX_BUFFER", pages * PAGE // groups)
-    if chunked:
-        monkeypatch.setattr(join, "_HASH_CHUNK", PAGE // GEOMETRY.num_layers)
-    if pieces:  # serve the payload in two reads: the run-by-run path, which hashes nothing
-        whole = join._JoinedPages._gather
-        monkeypatch.setattr(
-            join._JoinedPages,
-            "_gather",
-            lambda self, out, offset: (
-                whole(self, out[: len(out) // 2], offset),
-                whole(self, out[len(out) // 2 :], offset + len(out) // 2),
-            ),
-        )
+    chunk = PAGE // GEOMETRY.num_layers if chunked else JoinLimits.hash_chunk
+    limits = JoinLimits(max_buffer=pages * PAGE // groups, hash_chunk=chunk)
     flags = [i % 2 == 0 for i in range(pages)]
-    result = join.join_pages(hosts, GEOMETRY, flags)
+    result = join_pages(hosts, GEOMETRY, flags, limits)
     assert result.digests == [xxh3_64_intdigest(h) if f else None for h, f in zip(hosts, flags)]
     assert len(result.layers) == GEOMETRY.num_layers
     assert np.array_equal(kv_to_host(joined(result)), kv_to_host(mx.concatenate(KV[:pages], axis=3)))
+
+
+@pytest.mark.parametrize("step", [7, 1 << 20])
+def test_joined_pages_hash_every_flagged_page_whatever_the_reads(step):
+    """The file mlx reads hashes each flagged page once by ``hash_rest``, whether its
+    payload came in one read (hashed as it was copied) or in pieces (hashed after)."""
+    hosts = [kv_to_host(KV[i]).view(GEOMETRY.storage_dtype).reshape(GEOMETRY.shape) for i in range(3)]
+    hashers = [xxh3_64(), None, xxh3_64()]
+    f = JoinedPages(hosts, GEOMETRY, range(GEOMETRY.num_layers), hashers)
+    chunk = bytearray(step)
+    while f.readinto(chunk):
+        pass
+    assert f.hashed == (step == 1 << 20)
+    f.hash_rest()
+    assert [None if h is None else h.intdigest() for h in hashers] == [
+        xxh3_64_intdigest(hosts[0]),
+        None,
+        xxh3_64_intdigest(hosts[2]),
+    ]
 
 
 def restore(store: TieredStore, keys, ahead: bool):
@@ -243,8 +247,8 @@ def restore(store: TieredStore, keys, ahead: bool):
 
 @pytest.mark.parametrize("ahead", [False, True])
 @pytest.mark.parametrize("codec", ["raw", "zstd"])
-def test_a_bad_l3_page_ends_the_prefix_and_frees_what_it_held(tmp_path, many_threads, codec, ahead):
-    store = make_store(0, 0, tmp_path, codec=codec)
+def test_a_bad_l3_page_ends_the_prefix_and_frees_what_it_held(tmp_path, codec, ahead):
+    store = make_store(0, 0, tmp_path, codec=codec, limits=MANY_THREADS)
     publish(store, *range(6), data=SMALL)
     store.close()
     env = lmdb.open(str(tmp_path), max_dbs=8, map_size=1 << 30)
@@ -254,7 +258,7 @@ def test_a_bad_l3_page_ends_the_prefix_and_frees_what_it_held(tmp_path, many_thr
         value[-1] ^= 0xFF  # payload damaged: fails its checksum (or does not decode)
         txn.put(KEYS[2], bytes(value), db=pages)
     env.close()
-    store = make_store(0, 8, tmp_path, codec=codec)
+    store = make_store(0, 8, tmp_path, codec=codec, limits=MANY_THREADS)
     restored = restore(store, KEYS[:6], ahead)
     assert restored.sources == [Source.L3] * 2
     assert same_bytes(joined(restored), mx.concatenate(SMALL[:2], axis=3))
@@ -262,8 +266,8 @@ def test_a_bad_l3_page_ends_the_prefix_and_frees_what_it_held(tmp_path, many_thr
     assert KEYS[2] not in store.l2
     if codec == "raw":  # read from the map: nothing kept in L2, a hit counted per page checked good
         assert not store.l2.entries and store.disk.counters.hit_pages == 2
-    else:
-        assert KEYS[0] in store.l2 and KEYS[1] in store.l2
+    else:  # three threads decoded two pages each: the third's pages, past the cut, are kept
+        assert set(store.l2) == {KEYS[0], KEYS[1], KEYS[4], KEYS[5]}
     for key in store.l2:  # pages past the cut that a thread decoded whole are kept, intact
         assert np.array_equal(store.l2.read(key), kv_to_host(SMALL[KEYS.index(key)]))
     assert [k for k in KEYS[:6] if store.pinned(k)] == KEYS[:2]
