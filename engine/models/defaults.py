@@ -59,12 +59,12 @@ _REAL_MODEL_DTYPE = "float32"
 TINY_MODEL = "kvtier-tiny"
 TOOLS_MODEL = "kvtier-tiny-tools"
 # Bump when anything below changes, so stale files are never reused.
-_VERSION = "v1"
+TINY_VERSION = "v1"
 _SEED = 20240607
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 EOS_TOKEN_ID = 256  # <|endoftext|>; bytes are ids 0..255
 _NEVER_GENERATED = [i for i in range(256 + len(SPECIAL_TOKENS)) if not (32 <= i < 127 or i == 10)]
-_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+MODEL_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 # float32, not bfloat16: mlx on CPU has no BLAS path for bf16/fp16.  A 1,024-token
 # prefill took ~18 s in bf16 and ~27 s in fp16 against ~5 s in float32 (2 cores,
@@ -132,17 +132,17 @@ def ensure_real_model(progress: Callable[[int, int], None] | None = None) -> Pat
 def default_model_dir() -> Path:
     """``<kvtier home>/models/kvtier-default-<version>`` (the generated model); the home
     is $KVTIER_HOME, else $XDG_CACHE_HOME/kvtier, else ~/.cache/kvtier."""
-    return kvtier_home() / "models" / f"kvtier-default-{_VERSION}"
+    return kvtier_home() / "models" / f"kvtier-default-{TINY_VERSION}"
 
 
 def ensure_tools_model() -> Path:
     """``kvtier-tiny-tools``: the generated model with the tool-calling chat template, in
     ``<kvtier home>/models/kvtier-tiny-tools-<version>`` (written on first use)."""
-    return ensure_default_model(kvtier_home() / "models" / f"{TOOLS_MODEL}-{_VERSION}", TOOLS_CHAT_TEMPLATE)
+    return ensure_default_model(kvtier_home() / "models" / f"{TOOLS_MODEL}-{TINY_VERSION}", TOOLS_CHAT_TEMPLATE)
 
 
 def is_complete(directory: Path) -> bool:
-    return all((directory / name).is_file() for name in _FILES)
+    return all((directory / name).is_file() for name in MODEL_FILES)
 
 
 def _init_weight(name: str, shape: tuple[int, ...]) -> np.ndarray:
@@ -173,7 +173,8 @@ def _init_weight(name: str, shape: tuple[int, ...]) -> np.ndarray:
     return w * np.float32(gain / np.sqrt(shape[-1]))
 
 
-def _write_weights(directory: Path) -> None:
+def write_weights(directory: Path) -> None:
+    """The generated model's weights (deterministic: ``_SEED``) as ``directory/model.safetensors``."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
     from mlx_lm.models.qwen2 import Model, ModelArgs
@@ -224,9 +225,16 @@ def _write_json(path: Path, obj: dict) -> None:
     path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
-def ensure_default_model(directory: Path | None = None, chat_template: str = CHAT_TEMPLATE) -> Path:
+def ensure_default_model(
+    directory: Path | None = None,
+    chat_template: str = CHAT_TEMPLATE,
+    weights: Callable[[Path], None] = write_weights,
+) -> Path:
     """Write the default model, with ``chat_template``, into ``directory`` (default:
     :func:`default_model_dir`) unless it is already there, and return the directory.
+    ``weights`` writes ``model.safetensors`` into the directory being built (default:
+    :func:`write_weights`); a caller passes its own to change that one step (the
+    tests: a writer that another process overtakes).
 
     The files are built in a temporary sibling directory and renamed into place, so
     concurrent callers never see a half-written model; if another process wins the
@@ -242,7 +250,7 @@ def ensure_default_model(directory: Path | None = None, chat_template: str = CHA
         tmp.mkdir()
         _write_json(tmp / "config.json", CONFIG)
         _write_tokenizer(tmp, chat_template)
-        _write_weights(tmp)
+        weights(tmp)
         try:
             if directory.is_dir() and not any(directory.iterdir()):
                 directory.rmdir()  # an empty placeholder directory may be replaced

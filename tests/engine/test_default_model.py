@@ -36,7 +36,7 @@ def greedy(model, prompt: list[int], n: int = 32) -> list[int]:
 
 def test_layout_and_config(model_dir: Path) -> None:
     names = {p.name for p in model_dir.iterdir()}
-    assert set(dm._FILES) <= names
+    assert set(dm.MODEL_FILES) <= names
     config = json.loads((model_dir / "config.json").read_text())
     assert config["model_type"] == "qwen2"
     assert config["tie_word_embeddings"] is True
@@ -59,7 +59,7 @@ def test_kv_geometry(loaded) -> None:
 
 def test_deterministic(model_dir: Path, tmp_path: Path) -> None:
     again = dm.ensure_default_model(tmp_path / "again")
-    for name in dm._FILES:
+    for name in dm.MODEL_FILES:
         assert (again / name).read_bytes() == (model_dir / name).read_bytes(), name
 
 
@@ -98,12 +98,12 @@ def test_early_block_changes_final_logits(loaded) -> None:
 
 
 def test_existing_model_is_kept(model_dir: Path) -> None:
-    before = {n: (model_dir / n).stat().st_mtime_ns for n in dm._FILES}
+    before = {n: (model_dir / n).stat().st_mtime_ns for n in dm.MODEL_FILES}
     assert dm.ensure_default_model(model_dir) == model_dir
-    assert {n: (model_dir / n).stat().st_mtime_ns for n in dm._FILES} == before
+    assert {n: (model_dir / n).stat().st_mtime_ns for n in dm.MODEL_FILES} == before
 
 
-def test_lost_race_keeps_the_winners_copy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_lost_race_keeps_the_winners_copy(tmp_path: Path) -> None:
     target = tmp_path / "m"
 
     def write_then_lose(directory: Path) -> None:
@@ -111,26 +111,27 @@ def test_lost_race_keeps_the_winners_copy(tmp_path: Path, monkeypatch: pytest.Mo
         shutil.copytree(directory, target)  # another process renames its copy in first
         (target / "theirs").write_text("")
 
-    monkeypatch.setattr(dm, "_write_weights", write_then_lose)
-    assert dm.ensure_default_model(target) == target
+    assert dm.ensure_default_model(target, weights=write_then_lose) == target
     assert (target / "theirs").exists()
     assert os.listdir(tmp_path) == ["m"]  # our temporary directory is gone
 
 
-def test_incomplete_directory_is_not_clobbered(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(dm, "_write_weights", lambda d: (d / "model.safetensors").write_bytes(b""))
+def test_incomplete_directory_is_not_clobbered(tmp_path: Path) -> None:
+    def no_weights(directory: Path) -> None:
+        (directory / "model.safetensors").write_bytes(b"")
+
     (tmp_path / "empty").mkdir()
-    assert dm.is_complete(dm.ensure_default_model(tmp_path / "empty"))  # empty: replaced
+    assert dm.is_complete(dm.ensure_default_model(tmp_path / "empty", weights=no_weights))  # empty: replaced
     (tmp_path / "user").mkdir()
     (tmp_path / "user" / "notes.txt").write_text("mine")
     with pytest.raises(RuntimeError, match="not hold a complete"):
-        dm.ensure_default_model(tmp_path / "user")
+        dm.ensure_default_model(tmp_path / "user", weights=no_weights)
     assert (tmp_path / "user" / "notes.txt").read_text() == "mine"
 
 
 def test_default_model_dir(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("KVTIER_HOME", str(tmp_path / "home"))
-    assert dm.default_model_dir() == tmp_path / "home" / "models" / f"kvtier-default-{dm._VERSION}"
+    assert dm.default_model_dir() == tmp_path / "home" / "models" / f"kvtier-default-{dm.TINY_VERSION}"
     monkeypatch.delenv("KVTIER_HOME")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     assert dm.default_model_dir().parent == tmp_path / "xdg" / "kvtier" / "models"
