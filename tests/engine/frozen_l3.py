@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.engine.cli.main import main
-from kvtier.tiers.l3.lmdb_store import DiskTier
 from kvtier.tiers.l3.lmdb_tables import LmdbTables
+from kvtier.tiers.l3.lmdb_txn import PageTables
 
 FROZEN = Path(os.environ["KVTIER_TEST_FREEZE"])
 
@@ -30,7 +30,7 @@ def frozen(write: Callable[..., Any]) -> Callable[..., Any]:
     return waits
 
 
-DiskTier._commit = frozen(DiskTier._commit)  # the backend's one write path (tiers.l3.writer)
+PageTables.write = frozen(PageTables.write)  # the one transaction of a writer's batch (tiers.l3.writer)
 LmdbTables.put_meta = frozen(LmdbTables.put_meta)
 LmdbTables.add_persistent_counters = frozen(LmdbTables.add_persistent_counters)
 
