@@ -185,13 +185,13 @@ def restore_samples(
     try:
         for tier in ("L2", "L3"):
             if tier == "L3":
-                store.flush()
-                store.drop_l2()
+                store.keeping.flush()
+                store.keeping.drop_l2()
                 timed_restore(store, keys, tokens)  # warm the OS page cache and LMDB's map
             for k in counts:
                 for attempt in range(repeats + 1):  # the first is an untimed warm-up
                     if tier == "L3":
-                        store.drop_l2()
+                        store.keeping.drop_l2()
                     sources, wall, moved = timed_restore(store, keys[:k], tokens)
                     if attempt == 0:
                         continue
@@ -423,12 +423,12 @@ class Bench:
                 copy_prefix(e1, e3, prompt)
             self.case(e3, "L2", {"L2": throttles["L2"]}, lambda: None)
             e3.close()
-        e1.store.flush()
-        self.case(e1, "L3", {}, lambda: e1.store.drop_l2())
+        e1.store.keeping.flush()
+        self.case(e1, "L3", {}, lambda: e1.store.keeping.drop_l2())
         e1.close()
         if "L3" in throttles:
             e2 = self.engine(main, {"L3": throttles["L3"]})
-            self.case(e2, "L3", {"L3": throttles["L3"]}, lambda: e2.store.drop_l2())
+            self.case(e2, "L3", {"L3": throttles["L3"]}, lambda: e2.store.keeping.drop_l2())
             e2.close()
 
 

@@ -63,6 +63,6 @@ def test_spill_l1_to_l2(benchmark, tmp_path):
 def test_locate_16_pages(benchmark, tmp_path):
     s = store(tmp_path, 4, 4)
     fill(s)
-    s.flush()
+    s.keeping.flush()
     assert len(benchmark(s.locate, KEYS, TOKENS)) == PAGES
     s.close()

@@ -126,15 +126,15 @@ class Restores:
         self.store, self.keys, self.tokens, self.source = store, keys, tokens, source
         self.last: RestoredPrefix | None = None
         if source is Source.L3:
-            store.flush()
-            store.drop_l2()
+            store.keeping.flush()
+            store.keeping.drop_l2()
 
     def call(self, n: int) -> Call:
         return Call(lambda: self.restore(n), self.drop_l2, self.release)
 
     def drop_l2(self) -> None:
         if self.source is Source.L3:
-            self.store.drop_l2()
+            self.store.keeping.drop_l2()
 
     def release(self) -> None:
         if self.last is not None:
@@ -192,7 +192,7 @@ def measure(
             np.random.default_rng(0).standard_normal(geometry.nbytes // 4, dtype=np.float32).tobytes()
         )
         decompressor = zstandard.ZstdDecompressor()
-        calls["lmdb_zero_copy_read"] = Call(lambda: raw_l3.store.read_through_l3(raw_l3.keys))
+        calls["lmdb_zero_copy_read"] = Call(lambda: raw_l3.store.accounts.read_through_l3(raw_l3.keys))
         calls["zstd_decompress"] = Call(lambda: [decompressor.decompress(frame) for _ in range(pages)])
         calls["load_prompt_cache"] = Call(lambda: mx.eval([c.state[:2] for c in load_prompt_cache(peer_path)]))
         tick()

@@ -183,7 +183,7 @@ def link_samples(
     decoded = "zstd" if codec == "raw" else codec
     for kind, links in (("raw", (Link.L2_L1, Link.L3_L1)), (decoded, (Link.L3_L2,))):
         with scratch_store(geometry, store_dir, max(counts), kind, None, l2_codec) as (store, keys, tokens):
-            store.flush()
+            store.keeping.flush()
             for link in links:
                 for k in counts:
                     samples.append(_timed(store, keys[:k], tokens, link, repeats or REPEATS))
@@ -201,7 +201,7 @@ def snapshot_samples(
         return []
     samples = []
     with scratch_store(geometry, store_dir, 1) as (store, keys, tokens):
-        store.flush()
+        store.keeping.flush()
         for link in SNAPSHOT_LINKS:
             samples.append(_timed(store, keys, tokens, link, repeats or REPEATS, snapshots=True))
             tick()
@@ -225,7 +225,7 @@ def _timed(
     seconds = []
     for _ in range(repeats + 1):  # the first warms mlx's buffers (and the page cache)
         if link.startswith("L3"):
-            store.drop_l2()
+            store.keeping.drop_l2()
         before = counted()
         store.release(store.restore(keys, tokens).keys)
         after = counted()

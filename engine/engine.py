@@ -133,7 +133,7 @@ class Engine:
     def _load_profile(self) -> Profile:
         """The calibrated cost model of this machine and model, else conservative defaults."""
         key = self.loaded.profile_key(self.geometry, self.namespace.codecs)
-        saved = Profile.stored(self.store.get_meta(key), key) if self.store is not None else None
+        saved = Profile.stored(self.store.accounts.get_meta(key), key) if self.store is not None else None
         if saved is not None:
             return saved
         log.info("no calibrated cost model for this machine and model: using defaults (run `kvtier calibrate`)")
@@ -189,7 +189,9 @@ class Engine:
         self._serving = threading.Thread(target=self._serve, name="kvtier-engine", daemon=True)
         self._serving.start()
         if self.store is not None:  # a serving process may be killed: its counters reach the store as it runs
-            self.store.checkpoint_every(self.config.counters_every_s, lambda: {"engine": self.totals.to_dict()})
+            self.store.accounts.checkpoint_every(
+                self.config.counters_every_s, lambda: {"engine": self.totals.to_dict()}
+            )
 
     def stop(self, cancel: bool = False) -> None:
         """Stop taking requests and end those already queued or running: finished (or,
@@ -228,7 +230,7 @@ class Engine:
             assert self.l3_wait is not None  # built with the store
             self.l3_wait.poll()
             for request in self.scheduler.refresh_candidates():
-                self.store.touch(request.keys)
+                self.store.keeping.touch(request.keys)
         while admitted := self.scheduler.admit(len(self._running)):  # again while some were held
             for request in admitted:
                 self._guarded(request, self._admit)
@@ -419,7 +421,7 @@ class Engine:
         if self.store is not None and timeout_s is None:
             self._close_store()
         elif self.store is not None:
-            unflushed = self.store.unflushed()
+            unflushed = self.store.accounts.unflushed()
             closing = threading.Thread(target=self._close_store, name="kvtier-close", daemon=True)
             closing.start()
             closing.join(timeout_s)
@@ -433,9 +435,11 @@ class Engine:
     def _close_store(self) -> None:
         assert self.store is not None, "closing the store of an engine without one"
         stats = self.stats()  # keep what online refinement learned, and the last window
-        self.store.put_meta(self.loaded.profile_key(self.geometry, self.namespace.codecs), self.profile.to_dict())
+        self.store.accounts.put_meta(
+            self.loaded.profile_key(self.geometry, self.namespace.codecs), self.profile.to_dict()
+        )
         assert stats.costmodel is not None  # an engine's stats always have its cost model
-        self.store.put_meta("last_run", LastRun(self.loaded.name, stats.windowed, stats.costmodel).to_json())
+        self.store.accounts.put_meta("last_run", LastRun(self.loaded.name, stats.windowed, stats.costmodel).to_json())
         self.store.close(extra_counters={"engine": self.totals.to_dict()})
 
     def __enter__(self) -> Engine:

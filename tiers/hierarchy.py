@@ -49,16 +49,15 @@ import logging
 import threading
 from collections.abc import Callable, Sequence
 from functools import partial
-from types import MappingProxyType
 
 import mlx.core as mx
 
-from .checkpoints import CounterCheckpoints, repeat
-from .counters import add_into
+from .accounts import StoreAccounts
 from .join import keep_buffers_for_restores
-from .l3.base import L3Store, ReadThrough
+from .keeping import Keeping
+from .l3.base import L3Store
 from .l3_join import describe, join_later, open_disk
-from .l3_reads import AheadRead, Readers, degraded
+from .l3_reads import AheadRead, Readers
 from .links import LinkLedger, Throttle
 from .page import Namespace, PageGeometry, PageKey, Source, page_tokens
 from .partials import PartialPages
@@ -78,7 +77,11 @@ log = logging.getLogger(__name__)
 
 
 class TieredStore:
-    """L1 (device), L2 (host arena) and L3 (LMDB) behind one lookup/restore/publish API."""
+    """L1 (device), L2 (host arena) and L3 (LMDB or Redis) behind one lookup, restore and
+    publish API: the request path, and the store's lifecycle (open, late L3 join, close).
+    Its other jobs are parts of their own, sharing its lock: ``keeping``
+    (``tiers.keeping``: holds, recency, flush, dropping L2) and ``accounts``
+    (``tiers.accounts``: its view, checkpoints, what a flush still owes, side values)."""
 
     def __init__(
         self,
@@ -149,10 +152,23 @@ class TieredStore:
         self.residency = Residency(self._lock, self.l1, self.l2, geometry.page_size)  # who holds which page, as changes
         self._closed = False
         self._closing = threading.Event()  # ends the counter checkpoints and a late join
-        self._checkpoints: CounterCheckpoints | None = None
         self.readers = Readers(self.throttle)
-        self._checkpointing = threading.Lock()  # taken before the store's lock, never after
         self._retrying = False  # L3 did not answer at open: a late join is being tried
+        self.keeping = Keeping(self._lock, (self.l1, self.l2), self.pins, self.placement, self.snapshots)
+        placements = [self.placement, *([self.snapshots.placement] if self.snapshots is not None else [])]
+        self.accounts = StoreAccounts(
+            self._lock,
+            (self.l1, self.l2),
+            self.pins,
+            placements,
+            self.snapshots,
+            self.readers,
+            self.stats,
+            lambda: self.disk,
+            lambda: self._closed,
+            lambda: self._retrying,
+            self._closing,
+        )
         if config.shared_l3 is not None:  # one open L3 shared by stores of this process
             self._join(config.shared_l3)
         if config.store_dir is None or config.shared_l3 is not None:
@@ -175,7 +191,7 @@ class TieredStore:
             if self.snapshots is not None:
                 self.snapshots.disk = self.snapshots.placement.disk = disk
             self.placement.disk = self.restorer.disk = disk
-            self._checkpoints = CounterCheckpoints(disk.tables)
+            self.accounts.attach(disk)
             self.disk = disk
             return True
 
@@ -205,14 +221,6 @@ class TieredStore:
             if entry is not None:
                 return source if entry.tokens == own else None
         return Source.L3 if key in in_l3 else None
-
-    def touch(self, keys: Sequence[PageKey]) -> None:
-        """Mark ``keys``' L1 pages recently used (a waiting request will want them);
-        pins nothing and loads nothing."""
-        with self._lock:
-            for key in keys:
-                if key in self.l1:
-                    self.l1.get(key)
 
     # -- restore -------------------------------------------------------------
 
@@ -273,10 +281,6 @@ class TieredStore:
         nbytes = self.geometry.snapshot_nbytes
         return self.readers.start(disk, keys, self.geometry.nbytes, deadline, done, below, nbytes)
 
-    def degraded(self) -> list[str]:
-        """The tiers that answer slowly or not at all now (``tiers.l3_reads.degraded``)."""
-        return degraded(self.readers, self.disk, self._retrying and not self._closing.is_set())
-
     def finish(
         self, pending: PendingRestore, then: PartialMatch | None = None, read: AheadRead | None = None
     ) -> RestoredPrefix:
@@ -324,62 +328,18 @@ class TieredStore:
             assert self.snapshots is not None, "a snapshot of a model without state layers"
             return self.snapshots.publish(page, tokens, state)
 
-    def pin(self, keys: Sequence[PageKey], limit: int) -> int:
-        """Pin the leading run of ``keys`` that L1 or L2 holds, so that neither evicts them
-        until ``release``; no new page is pinned once ``limit`` pages are pinned in all
-        (a hold that does not fit is cut short, never forced in). The count pinned: the
-        first n of ``keys``."""
-        with self._lock:
-            return self.pins.pin_leading(keys, limit, lambda key: key in self.l1 or key in self.l2)
-
     def release(self, keys: Sequence[PageKey]) -> None:
-        """Unpin pages taken by ``restore`` (or ``pin``)."""
+        """Unpin pages taken by ``restore`` (or ``keeping.pin``)."""
         with self._lock:
             self.pins.release(keys)
-
-    def pinned(self, key: PageKey) -> bool:
-        return key in self.pins
-
-    def view(self) -> StoreView:
-        with self._lock:
-            return StoreView(
-                self.l1.view(),
-                self.l2.view(),
-                MappingProxyType(self.pins.held()),
-                self.disk is not None and not self._closed,
-                self.snapshots.views() if self.snapshots is not None else None,
-            )
-
-    # -- publish and spill ---------------------------------------------------
-
-    def get_meta(self, name: str) -> object | None:
-        """A value the store keeps beside its pages (a cost profile, the last run); None
-        without L3."""
-        return self.disk.tables.get_meta(name) if self.disk is not None else None
-
-    def put_meta(self, name: str, value: object) -> None:
-        """Keep ``value`` in L3 under ``name``; nothing without L3 (no run outlives it)."""
-        if self.disk is not None:
-            self.disk.tables.put_meta(name, value)
-
-    def read_through_l3(self, keys: Sequence[PageKey]) -> ReadThrough:
-        """Read and hash L3's records of ``keys``, keeping nothing: the floor under a
-        restore that benchmarks compare against (nothing read without L3)."""
-        return self.disk.read_through(keys) if self.disk is not None else ReadThrough()
-
-    def drop_l2(self) -> None:
-        """Forget L2's copies, of pages and snapshots (calibration: the next restore reads
-        L3); freed slots stay warm."""
-        with self._lock:
-            for tier in (self.l2, *(() if self.snapshots is None else (self.snapshots.l2,))):
-                for key in list(tier):
-                    tier.pop(key)
 
     def has(self, key: PageKey) -> bool:
         """Whether some tier holds ``key`` (unverified; asks L3: for replays and tools, never
         on a request's path)."""
         with self._lock:
             return key in self.l1 or key in self.l2 or (self.disk is not None and self.disk.contains(key))
+
+    # -- publish -------------------------------------------------------------
 
     def publish(
         self, key: PageKey, tokens: Sequence[int], kv: mx.array, cost: float = 1.0, parent: bytes | None = None
@@ -417,50 +377,11 @@ class TieredStore:
         if self.disk is not None:
             self.disk.flush()
 
-    def flush(self) -> None:
-        """Write every page that lives only in L1 or L2 down to L3 and wait for it."""
-        with self._lock:
-            if self.snapshots is not None:
-                self.snapshots.flush()
-            self.placement.flush()
-
     def __enter__(self) -> TieredStore:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
-
-    def checkpoint_counters(self, extra_counters: dict | None = None) -> None:
-        """Add what this process counted since its last checkpoint (and ``extra_counters``,
-        cumulative for the process, e.g. the engine's) to the store's counters. The
-        counters are read under the store's lock, written to L3 outside it (a slow L3
-        never holds up the step loop); one checkpoint at a time."""
-        with self._checkpointing:
-            with self._lock:
-                if self._checkpoints is None or self._closed:
-                    return
-                now = self._cumulative()
-            add_into(now, extra_counters or {})
-            self._checkpoints.write(now)
-
-    def checkpoint_every(self, seconds: float, extra_counters: Callable[[], dict]) -> None:
-        """``checkpoint_counters(extra_counters())`` every ``seconds`` until the store
-        closes (``tiers.checkpoints``: a killed process loses at most that window)."""
-        if self._checkpoints is not None:
-            repeat(seconds, self._closing, lambda: self.checkpoint_counters(extra_counters()))
-
-    def unflushed(self) -> Callable[[], int]:
-        """From now on: how many pages a flush has yet to get into L3 (those it will hand
-        to the writer, and those queued or being committed), read without the store's
-        lock (a close that holds it may be stuck on a frozen L3: ``Engine.close``)."""
-        with self._lock:
-            disk = self.disk
-            if disk is None or self._closed:
-                return lambda: 0
-            placements = [self.placement, *([self.snapshots.placement] if self.snapshots is not None else [])]
-            owed = sum(placement.unflushed() for placement in placements)
-            queued, _ = disk.writer.progress()
-        return lambda: max(0, owed + queued - disk.writer.progress()[1])
 
     def close(self, extra_counters: dict | None = None) -> None:
         """Flush to L3, add this process's counters to the store's, close L3 (once)."""
@@ -469,16 +390,13 @@ class TieredStore:
         with self._lock:
             if self.disk is None or self._closed:
                 return
-            self.flush()
-        self.checkpoint_counters(extra_counters)  # takes the lock itself (see there)
+            self.keeping.flush()
+        self.accounts.checkpoint_counters(extra_counters)  # takes the lock itself (see there)
         with self._lock:
             if not self._closed:
                 if self.config.shared_l3 is None:  # a shared L3: its opener closes it
                     self.disk.close()
                 self._closed = True
-
-    def _cumulative(self) -> dict:
-        return self.stats().cumulative()
 
     def stats(self) -> StoreStats:
         """Counters of this process: per tier (gauges included) and per link."""

@@ -4,7 +4,7 @@ namespace, change L3's cap, pin or unpin a recent request's prompt in the fast t
 and read a recent request's prompt as text, token by token.
 
 Every bad input is a 4xx with an OpenAI-style error object. A pin is a store pin
-(``TieredStore.pin``) of the request's leading full pages that L1 or L2 holds, kept
+(``TieredStore.keeping.pin``) of the request's leading full pages that L1 or L2 holds, kept
 until it is unpinned or the server stops; operator pins share the limit of the
 server's other holds (``holds``), so pins can never fill the fast tiers.
 """
@@ -46,7 +46,7 @@ class Pins:
         with self._lock:
             if record.rid in self._pins:
                 return len(self._pins[record.rid])
-            n = self.store.pin(list(record.keys), self.limit)
+            n = self.store.keeping.pin(list(record.keys), self.limit)
             if n:
                 self._pins[record.rid] = list(record.keys[:n])
             return n

@@ -94,7 +94,7 @@ class KVTierServer:
         self._closing = threading.Event()  # ends the holds' sweeper
         self.conversations = Conversations(engine.config.page_size)
         store = engine.store
-        self.holds = Holds(store, store.view().l1.max_pages // 2 if store is not None else 0)
+        self.holds = Holds(store, store.accounts.view().l1.max_pages // 2 if store is not None else 0)
         self.metrics = ServerMetrics(engine.stats, self._gauges)
         self.recent = RecentRequests()  # the dashboard's last requests
         pins = Pins(store, self.holds.limit)
@@ -279,7 +279,7 @@ class KVTierServer:
         """200 while the engine serves; "degraded", naming the tiers, while one of the
         store's answers slowly or not at all (requests recompute what it holds)."""
         store = self.engine.store
-        degraded = store.degraded() if store is not None else []
+        degraded = store.accounts.degraded() if store is not None else []
         body = {"status": "degraded" if degraded else "ok", "model": self.config.model_name}
         return JSONResponse({**body, "degraded": degraded} if degraded else body)
 

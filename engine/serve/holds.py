@@ -3,7 +3,7 @@
 whose answer ended in a tool call until the tool's result is likely back
 (``--tool-warm``), so that other traffic does not evict what the next turn restores.
 
-A hold is a store pin (``TieredStore.pin``): its pages stay in L1 or L2, wherever they
+A hold is a store pin (``TieredStore.keeping.pin``): its pages stay in L1 or L2, wherever they
 are, and pins never exceed ``limit`` pages in all (half of L1 by default), so held
 pages can never fill the fast tiers: a hold that does not fit is cut short and the
 usage says how much was held. Holding the same pages again renews the deadline, as a
@@ -51,14 +51,16 @@ class Holds:
             return 0
         ident = (kind, keys[-1])
         with self._lock:
-            held = self.store.pin(keys, self.limit)  # before the old hold goes: its pages never unpinned between
+            held = self.store.keeping.pin(
+                keys, self.limit
+            )  # before the old hold goes: its pages never unpinned between
             while kind == TOOL_WAIT and held < len(keys):  # the newest tool wait wins over older ones
                 older = next((i for i in self._holds if i[0] == TOOL_WAIT and i != ident), None)
                 if older is None:
                     break
                 self.store.release(self._holds.pop(older).keys)
                 self.store.release(keys[:held])
-                held = self.store.pin(keys, self.limit)
+                held = self.store.keeping.pin(keys, self.limit)
             old = self._holds.pop(ident, None)
             if old is not None:
                 self.store.release(old.keys)

@@ -134,7 +134,7 @@ def soak(
     report.totals = engine.stats().totals
     if engine.store is not None:
         store = engine.store
-        report.pins = len(store.view().pins)
+        report.pins = len(store.accounts.view().pins)
         tiers = {"L1": store.l1.counters, "L2": store.l2.counters}
         tiers.update({"L3": store.disk.counters} if store.disk is not None else {})
         report.over_cap = [name for name, t in tiers.items() if t.bytes_used > t.capacity]

@@ -91,7 +91,7 @@ def test_pins_hold_under_pressure_and_outputs_stay_exact(loaded):
         assert request.output == mlx_lm_greedy(loaded, prompt, GREEDY.max_tokens)
     for tier in (engine.store.l1, engine.store.l2):
         assert tier.counters.bytes_used <= tier.counters.capacity
-    assert not engine.store.view().pins, "every pin is released when its request ends"
+    assert not engine.store.accounts.view().pins, "every pin is released when its request ends"
 
 
 def test_refresh_touches_waiting_pages_in_reverse_queue_order_without_pinning(loaded):
@@ -105,7 +105,7 @@ def test_refresh_touches_waiting_pages_in_reverse_queue_order_without_pinning(lo
     lru_order = list(engine.store.l1.entries)
     tail = lru_order[-6:]
     assert tail == waiting[2].keys + waiting[1].keys + waiting[0].keys, "the head of the queue is touched last"
-    assert not any(engine.store.pinned(k) for r in waiting for k in r.keys)
+    assert not any(engine.store.keeping.pinned(k) for r in waiting for k in r.keys)
     assert engine.store.stats().links == links, "refresh loads nothing"
     engine.run()
     assert blocker.done

@@ -124,9 +124,9 @@ def test_pin_and_unpin_a_requests_prompt(served):
     pinned = served.post(f"{ADMIN_PREFIX}/pin", json={"rid": record["rid"]}).json()
     assert pinned["pages"] > 0
     assert _feed(served)["pins"] == [{"rid": record["rid"], "pages": pinned["pages"]}]
-    assert len(served.server.engine.store.view().pins) >= pinned["pages"]
+    assert len(served.server.engine.store.accounts.view().pins) >= pinned["pages"]
     assert served.post(f"{ADMIN_PREFIX}/unpin", json={"rid": record["rid"]}).json()["pages"] == pinned["pages"]
-    assert _feed(served)["pins"] == [] and len(served.server.engine.store.view().pins) == 0
+    assert _feed(served)["pins"] == [] and len(served.server.engine.store.accounts.view().pins) == 0
     _error(served.post(f"{ADMIN_PREFIX}/unpin", json={"rid": record["rid"]}), 404, "rid")
     _error(served.post(f"{ADMIN_PREFIX}/pin", json={"rid": 99999}), 404, "rid")
 
@@ -154,7 +154,7 @@ def test_a_bad_action_is_one_400(served, path, body, param):
 
 def test_resize_then_clear_the_namespace(served):
     store = served.server.engine.store
-    store.flush()  # every page in L3 now
+    store.keeping.flush()  # every page in L3 now
     namespaces = _feed(served)["namespaces"]
     assert len(namespaces) == 1 and namespaces[0]["current"] and namespaces[0]["pages"] > 0
     l3 = store.stats().tiers["L3"]

@@ -23,15 +23,15 @@ def test_a_hold_is_capped_renewed_and_released_when_its_time_is_up():
     now = [0.0]
     holds = Holds(engine.store, limit=3, clock=lambda: now[0])
     assert holds.hold("cache_control", keys, 300.0) == 3  # cut short at the cap, never forced
-    assert set(engine.store.view().pins) == set(keys[:3])
+    assert set(engine.store.accounts.view().pins) == set(keys[:3])
     now[0] = 200.0
     assert holds.hold("cache_control", keys, 300.0) == 3  # renewed: due at 500 now
     now[0] = 400.0
     holds.sweep()
-    assert holds.pages() == 3 and set(engine.store.view().pins) == set(keys[:3])
+    assert holds.pages() == 3 and set(engine.store.accounts.view().pins) == set(keys[:3])
     now[0] = 500.0
     holds.sweep()
-    assert holds.pages() == 0 and not engine.store.view().pins
+    assert holds.pages() == 0 and not engine.store.accounts.view().pins
     engine.close()
 
 
@@ -49,7 +49,7 @@ def test_expired_holds_are_released_with_no_traffic():
         deadline = time.monotonic() + 5
         while holds.pages() and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert holds.pages() == 0 and not engine.store.view().pins
+        assert holds.pages() == 0 and not engine.store.accounts.view().pins
     finally:
         stop.set()
         engine.close()
@@ -61,7 +61,7 @@ def test_a_tool_wait_that_does_not_fit_releases_older_tool_waits_never_cache_con
     first, second, third = engine.generate(prompts, SamplingParams(max_tokens=1))
     assert min(len(r.keys) for r in (first, second, third)) >= 3
     holds = Holds(engine.store, limit=3, clock=lambda: 0.0)
-    pins = lambda: set(engine.store.view().pins)  # noqa: E731
+    pins = lambda: set(engine.store.accounts.view().pins)  # noqa: E731
     assert holds.hold("cache_control", first.keys[:1], 300.0) == 1
     assert holds.hold("tool_wait", second.keys[:2], 120.0) == 2
     assert holds.hold("tool_wait", third.keys[:2], 120.0) == 2  # the older tool wait gave way

@@ -39,7 +39,7 @@ def test_a_follower_restores_at_the_end_of_the_prefix_shared_in_flight(lfm2, lea
     engine.step()
     assert follower.rid in engine.view().prefix.waiting, "held for the leader's pages"
     engine.run()
-    kept = engine.store.view().snapshots[0].pages
+    kept = engine.store.accounts.view().snapshots[0].pages
     engine.close()
     assert leader.output == mlx_lm_greedy(lfm2, leader_prompt, GREEDY.max_tokens)
     assert follower.output == mlx_lm_greedy(lfm2, follower_prompt, GREEDY.max_tokens)

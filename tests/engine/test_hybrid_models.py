@@ -69,7 +69,7 @@ def test_hybrid_restored_from_l1_and_lmdb_equals_mlx_lm(hybrid, tmp_path, step):
     engine = make_engine(hybrid, tmp_path, step=step)
     assert engine.geometry.snapshot_nbytes and "state" in engine.namespace.layers
     cold, warm = run_one(engine, prompt), run_one(engine, prompt)
-    kept = engine.store.view().snapshots[0].pages
+    kept = engine.store.accounts.view().snapshots[0].pages
     engine.close()
     assert cold.output == expected and cold.sources() == sources(recomputed=150)
     # the snapshot after page 9 (the prompt's last full page); the partial page's state is
@@ -120,7 +120,7 @@ def test_missing_snapshots_recompute(lfm2):
     store = StoreConfig(l1_bytes=1 << 26, l2_bytes=1 << 26, snapshot_l1_bytes=1, snapshot_l2_bytes=1)
     engine = restoring_wins(Engine(lfm2, EngineConfig(page_size=PAGE, store=store, snapshot_spacing=SPACING)))
     cold, warm = run_one(engine, prompt), run_one(engine, prompt)
-    pages = engine.store.view().l1.pages
+    pages = engine.store.accounts.view().l1.pages
     engine.close()
     assert cold.output == expected and warm.output == expected
     assert pages >= 6 and warm.sources() == sources(recomputed=100)  # the pages were there
@@ -147,7 +147,7 @@ def test_next_chat_turn_restores_the_previous_prompt_and_answer(lfm2):
     (turn,) = engine.generate([first], SamplingParams(max_tokens=40))
     second = first + turn.output + text_prompt(lfm2, 20, seed=8)
     (next_turn,) = engine.generate([second], GREEDY)
-    kept = engine.store.view().snapshots[0].pages
+    kept = engine.store.accounts.view().snapshots[0].pages
     engine.close()
     assert turn.output == mlx_lm_greedy(lfm2, first, 40)
     assert next_turn.output == mlx_lm_greedy(lfm2, second, GREEDY.max_tokens)

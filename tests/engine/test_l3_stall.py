@@ -54,7 +54,7 @@ def test_a_stalled_l3_read_is_abandoned_and_everything_else_answers(loaded, tmp_
             assert http.get("/health").json() == {"status": "degraded", "model": "m", "degraded": ["L3"]}
             assert http.get("/v1/kvtier/stats").json()["reads_abandoned"] == 2  # both prompts' reads
             assert "kvtier_l3_reads_abandoned_total 2.0" in http.get("/metrics").text
-            assert not engine.store.view().pins  # the abandoned restores hold nothing
+            assert not engine.store.accounts.view().pins  # the abandoned restores hold nothing
             unfreeze.set()
             deadline = time.monotonic() + 10
             while http.get("/health").json()["status"] != "ok" and time.monotonic() < deadline:
@@ -114,7 +114,9 @@ def test_a_hybrids_snapshot_reads_are_off_the_step_loop_too(lfm2, tmp_path, monk
     engine.profile.compute.observe = lambda *args, **kwargs: None  # not learned online
     engine.generate([prompt], params)
     engine.store.settle()
-    assert engine.store.view().l1.pages == 10 and engine.store.view().snapshots[0].pages == 0  # 9 + the partial
+    assert (
+        engine.store.accounts.view().l1.pages == 10 and engine.store.accounts.view().snapshots[0].pages == 0
+    )  # 9 + the partial
     unfreeze = threading.Event()
     freeze(engine.store.disk, unfreeze, monkeypatch)
     server = KVTierServer(engine, ServerConfig("m"))
@@ -129,7 +131,7 @@ def test_a_hybrids_snapshot_reads_are_off_the_step_loop_too(lfm2, tmp_path, monk
             assert http.get("/health").json() == {"status": "degraded", "model": "m", "degraded": ["L3"]}
             assert http.get("/v1/kvtier/stats").json()["reads_abandoned"] == 2
             assert "kvtier_l3_reads_abandoned_total 2.0" in http.get("/metrics").text
-            assert not engine.store.view().pins
+            assert not engine.store.accounts.view().pins
             unfreeze.set()
             deadline = time.monotonic() + 10
             while http.get("/health").json()["status"] != "ok" and time.monotonic() < deadline:

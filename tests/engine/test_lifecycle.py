@@ -51,7 +51,7 @@ def drained(request, timeout: float = 120) -> list[int]:
 
 def assert_clean(engine: Engine) -> None:
     """Nothing of any request is left: no pins, no queue, no flight, nothing running."""
-    assert not engine.store.view().pins
+    assert not engine.store.accounts.view().pins
     view = engine.view()
     assert not view.running and not view.pending
     flights = view.flights
@@ -90,11 +90,11 @@ def test_engine_and_store_are_context_managers(loaded, tmp_path):
     with make_engine(loaded, tmp_path / "engine") as engine:
         engine.start()
         request = engine.submit(prompt, GREEDY)
-    assert request.finish_reason == "length" and not engine.store.view().l3_open
+    assert request.finish_reason == "length" and not engine.store.accounts.view().l3_open
     geometry = loaded.geometry(PAGE)
     with TieredStore(geometry, engine.namespace, StoreConfig(store_dir=tmp_path / "engine")) as store:
         assert store.locate(request.keys, prompt) == [Source.L3] * 3  # flushed on exit
-    assert not store.view().l3_open
+    assert not store.accounts.view().l3_open
 
 
 def test_leaving_the_engine_on_an_exception_cancels_its_requests(loaded):
@@ -132,12 +132,12 @@ def test_cancel_a_running_request_ends_it_at_the_next_step(loaded):
     request, other = engine.submit(prompt, LONG), engine.submit(text_prompt(loaded, 70, seed=4), GREEDY)
     while len(request.output) < 3:
         engine.step()
-    assert engine.store.view().pins
+    assert engine.store.accounts.view().pins
     request.cancel()
     engine.step()
     assert request.finish_reason == "cancelled" and request.uid not in engine.view().running
     assert len(request.output) < LONG.max_tokens
-    assert not engine.store.view().pins
+    assert not engine.store.accounts.view().pins
     engine.run()
     assert other.output == mlx_lm_greedy(loaded, other.prompt, GREEDY.max_tokens)
     assert drained(request) == request.output
@@ -229,7 +229,7 @@ def test_a_fault_after_the_restore_releases_its_pins(loaded):
     engine.generator.insert = lambda *a, **k: (_ for _ in ()).throw(MemoryError("injected"))
     (request,) = engine.generate([prompt], GREEDY)
     assert request.finish_reason == "error" and request.sources()["L1"] == len(prompt) - 1  # with the partial page
-    assert not engine.store.view().pins
+    assert not engine.store.accounts.view().pins
     engine.generator.insert = insert
     (again,) = engine.generate([prompt], GREEDY)
     assert again.output == mlx_lm_greedy(loaded, prompt, GREEDY.max_tokens)

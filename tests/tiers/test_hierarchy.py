@@ -270,7 +270,7 @@ def test_a_bad_l3_page_ends_the_prefix_and_frees_what_it_held(tmp_path, codec, a
         assert set(store.l2) == {KEYS[0], KEYS[1], KEYS[4], KEYS[5]}
     for key in store.l2:  # pages past the cut that a thread decoded whole are kept, intact
         assert np.array_equal(store.l2.read(key), kv_to_host(SMALL[KEYS.index(key)]))
-    assert [k for k in KEYS[:6] if store.pinned(k)] == KEYS[:2]
+    assert [k for k in KEYS[:6] if store.keeping.pinned(k)] == KEYS[:2]
     assert len(store.l2.entries) + len(store.l2.free_slots) == store.l2.max_pages
     store.release(restored.keys)
     store.close()
@@ -347,7 +347,7 @@ def test_begin_leaves_l1_pages_to_the_joining_thread(tmp_path):
     device arrays. An L1 page's bytes are read by ``finish``, on the model's thread."""
     store = make_store(4, 4, tmp_path)
     publish(store, 0, 1)  # in L1
-    store.flush()
+    store.keeping.flush()
     reads = []
     real = restore_module.kv_to_host
     restore_module.kv_to_host = lambda kv: reads.append(threading.current_thread()) or real(kv)
@@ -376,7 +376,7 @@ def test_a_failing_restore_leaves_nothing_pinned(tmp_path, monkeypatch, stage):
     monkeypatch.setattr(store.restorer, "decode_compressed" if stage == "begin" else "join", broken)
     with pytest.raises(OSError):
         store.restore(KEYS[:3], TOKENS)
-    assert store.view().pins == {}
+    assert store.accounts.view().pins == {}
     store.close()
 
 
@@ -403,7 +403,7 @@ def test_all_pinned_tier_refuses_instead_of_overflowing():
 def test_spilling_a_page_already_in_l3_writes_nothing(tmp_path):
     store = make_store(0, 1, tmp_path)
     publish(store, 0)
-    store.flush()
+    store.keeping.flush()
     written = store.links["L2->L3"].bytes + store.links["L1->L3"].bytes
     assert written == PAGE
     publish(store, 1)  # evicts page 0 from L2; L3 has it already
@@ -488,7 +488,7 @@ class TierMachine(RuleBasedStateMachine):
         keys = self.pinned.pop(data.draw(st.integers(0, len(self.pinned) - 1)))
         self.store.release(keys)
         for key in keys:
-            if not self.store.pinned(key):
+            if not self.store.keeping.pinned(key):
                 self.resident.pop(key, None)
 
     @invariant()
@@ -510,7 +510,7 @@ TestTierMachine.settings = settings(max_examples=40, stateful_step_count=30, dea
 def test_locate_sees_every_tier(tmp_path):
     store = make_store(1, 1, tmp_path)
     publish(store, 0, 1, 2)  # 2 in L1, 1 in L2, 0 spilled to L3
-    store.flush()
+    store.keeping.flush()
     assert store.locate(KEYS[:4], TOKENS) == [Source.L3, Source.L2, Source.L1]
     assert [store.has(k) for k in KEYS[:4]] == [True, True, True, False]
     assert KEYS[0] not in store.l1 and KEYS[0] not in store.l2
@@ -544,7 +544,7 @@ def test_partial_pages_stay_in_l1_evicted_they_are_dropped_never_flushed(tmp_pat
     store = make_store(2, 4, tmp_path)
     store.publish(KEYS[0], page_tokens(0), KV[0], parent=NS.digest())
     store.partials.publish(KEYS[0], page_tokens(1)[:2], KV[1][:, :, :, :2])
-    store.flush()
+    store.keeping.flush()
     assert store.stats().tiers["L3"].inserts == 1, "only the full page goes down"
     publish(store, 2, 3)  # L1 holds 2 pages: both earlier ones leave it
     assert store.l1.counters.pages == 2 and store.l2.counters.pages == 1, "the partial page was dropped"
@@ -560,9 +560,9 @@ def test_the_l1_follower_index_forgets_parents_whose_pages_left():
     for i in range(6):  # each page evicts the one before last: L1 holds 2 pages
         store.publish(KEYS[i], page_tokens(i), KV[i], parent=KEYS[i - 1] if i else NS.digest())
         store.partials.publish(KEYS[i], page_tokens(i + 1)[:2], KV[i + 1][:, :, :, :2])
-        view = store.view().l1
+        view = store.accounts.view().l1
         assert view.follower_pages == view.pages == 2
         assert view.follower_parents <= view.pages
     for key in list(store.l1):
         store.l1.pop(key)
-    assert store.view().l1 == replace(view, pages=0, bytes_used=0, follower_parents=0, follower_pages=0)
+    assert store.accounts.view().l1 == replace(view, pages=0, bytes_used=0, follower_parents=0, follower_pages=0)

@@ -50,7 +50,7 @@ def publish(s: TieredStore, pages: int) -> list:
     keys = page_keys(s.namespace, TOKENS)[:pages]
     for i, key in enumerate(keys):
         s.publish(key, TOKENS[4 * i : 4 * i + 4], page(i))
-    s.flush()
+    s.keeping.flush()
     return keys
 
 
@@ -140,7 +140,7 @@ def test_a_corrupted_quantized_record_is_rejected_and_its_pages_recomputed(tmp_p
     assert restored.sources == [Source.L3] * 2  # the prefix ends before the bad page: the rest is recomputed
     assert reader.disk.counters.checksum_failures == 1
     reader.release(restored.keys)
-    reader.flush()
+    reader.keeping.flush()
     assert not reader.disk.contains(keys[2])  # deleted
     reader.close()
 

@@ -130,7 +130,7 @@ else:
             restored = tiered.restore([p[0] for p in pages[: j + 1]], tokens)
             tiered.release(restored.keys)
         if rng.random() < 0.02:
-            tiered.flush()
+            tiered.keeping.flush()
     tiered.close()
 print("done", flush=True)
 """

@@ -38,7 +38,7 @@ def test_a_restore_costs_the_same_round_trips_whatever_its_pages(redis_server, n
     assert restored.num_pages == n
     assert proxy.round_trips - before == 2  # one pipelined EXISTS, one MGET
     store.release(restored.keys)
-    store.flush()  # the restored pages (in L1 now) are known to be in L3: none is written again
+    store.keeping.flush()  # the restored pages (in L1 now) are known to be in L3: none is written again
     assert store.links["L1->L3"].pages == 0 and store.links["L2->L3"].pages == 0
     store.close()
     proxy.close()
@@ -74,13 +74,13 @@ def test_a_server_down_at_start_joins_when_it_answers(redis_server, caplog):
     redis_server.stop()
     with caplog.at_level(logging.WARNING):
         store = store_at(redis_server.url, 0, 0)
-    assert store.disk is None and not store.view().l3_open and store.degraded() == ["L3"]
+    assert store.disk is None and not store.accounts.view().l3_open and store.accounts.degraded() == ["L3"]
     assert any("retried in the background" in r.getMessage() for r in caplog.records)
     redis_server.start()
     deadline = time.monotonic() + 10
-    while not store.view().l3_open and time.monotonic() < deadline:
+    while not store.accounts.view().l3_open and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert store.view().l3_open and store.degraded() == []
+    assert store.accounts.view().l3_open and store.accounts.degraded() == []
     publish(store, range(2))
     store.settle()
     assert redis_server.client().exists(b"kvtier:p:" + KEYS[0], b"kvtier:p:" + KEYS[1]) == 2

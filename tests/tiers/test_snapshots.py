@@ -37,7 +37,7 @@ def test_pages_without_a_snapshot_are_not_restored():
     assert store.locate(keys, TOKENS) == ["L1"] * 5  # the pages are there
     assert store.restore(keys, TOKENS).num_pages == 0  # but no state after any of them
     assert store.finish(store.begin(keys, TOKENS)).num_pages == 0  # however the restore is driven
-    assert not store.view().pins
+    assert not store.accounts.view().pins
 
 
 def test_a_restore_ends_after_its_last_snapshot_with_that_state():
@@ -47,7 +47,7 @@ def test_a_restore_ends_after_its_last_snapshot_with_that_state():
     restored = store.restore(keys, TOKENS)
     assert restored.num_pages == 2 and restored.layers[0][0].shape[2] == 8  # the KV of 2 pages' tokens
     assert np.array_equal(np.asarray(restored.state), np.asarray(state(2)))
-    assert sorted(store.view().pins) == sorted(keys[:2])  # the pages after it were let go
+    assert sorted(store.accounts.view().pins) == sorted(keys[:2])  # the pages after it were let go
     store.release(restored.keys)
 
 
