@@ -24,8 +24,8 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from ..serve import api
+from ..serve.anthropic_routes import ANTHROPIC_PATHS
 from ..serve.api import APIError
-from ..serve.app import ANTHROPIC_PATHS
 from ..serve.prompt import anthropic_prompt, chat_prompt
 from . import health, stream
 from .backend import Backend

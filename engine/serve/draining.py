@@ -23,7 +23,7 @@ class DrainingServer(uvicorn.Server):
     """uvicorn serving ``server.app``, whose graceful shutdown ends the requests itself.
 
     On the first SIGTERM / SIGINT uvicorn stops accepting and waits for the requests in
-    flight; ``drain_timeout`` seconds later those left are cancelled (:meth:`KVTierServer.cancel_live`),
+    flight; ``drain_timeout`` seconds later those left are cancelled (:meth:`Serving.cancel_live`),
     so every response ends as the API says (an error event, a 503) instead of being cut
     by uvicorn, whose own timeout comes ``_DRAIN_GRACE_S`` later as a backstop. A
     second Ctrl-C is uvicorn's forced exit. A connection closes ``keep_alive`` seconds
@@ -50,7 +50,7 @@ class DrainingServer(uvicorn.Server):
                 timeout_keep_alive=keep_alive,
             )
         )
-        self._cancel_later = threading.Timer(drain_timeout, server.cancel_live)
+        self._cancel_later = threading.Timer(drain_timeout, server.serving.cancel_live)
         self._cancel_later.daemon = True
         self._events = server.events
 
