@@ -26,7 +26,7 @@ ANTHROPIC_PATHS = ("/v1/messages", "/v1/messages/count_tokens")  # their errors 
 class AnthropicRoutes:
     """Anthropic's API family on one server's ``Serving``."""
 
-    def __init__(self, serving: Serving, tenancy: Tenancy, text_limit: TextLimit) -> None:
+    def __init__(self, serving: Serving, tenancy: Tenancy, text_limit: TextLimit | None) -> None:
         self.serving = serving
         self.tenancy = tenancy
         self.text_limit = text_limit  # refuses huge prompts untokenized

@@ -24,7 +24,7 @@ from .tenancy import Tenancy
 class OpenAIRoutes:
     """OpenAI's API family on one server's ``Serving``."""
 
-    def __init__(self, serving: Serving, tenancy: Tenancy, text_limit: TextLimit, created: int) -> None:
+    def __init__(self, serving: Serving, tenancy: Tenancy, text_limit: TextLimit | None, created: int) -> None:
         self.serving = serving
         self.tenancy = tenancy
         self.tokenizer = serving.tokenizer
