@@ -54,16 +54,17 @@ class Ticket:
     flown: list[bytes] = field(default_factory=list)
     _answering: bool = False
     _ended: bool = False
+    _handle: int = field(init=False, default=-1)
 
     def __post_init__(self) -> None:
-        self.backend.outstanding += 1
-        self.backend.sent_tokens += self.tokens
+        self._handle = self.backend.send(self.tokens)
 
     def answering(self) -> None:
-        """The backend's answer started: its prompt is no longer pending there."""
+        """The backend's answer started: its own load reports count the prompt from here
+        (``Backend.answered``: after a few more of them)."""
         if not self._answering:
             self._answering = True
-            self.backend.sent_tokens -= self.tokens
+            self.backend.answered(self._handle)
 
     def end(self) -> None:
         """The attempt is over: served if the backend's answer started (then its pages stay
@@ -73,7 +74,7 @@ class Ticket:
         served = self._answering
         self.answering()
         self._ended = True
-        self.backend.outstanding -= 1
+        self.backend.done(self._handle)
         self.backend.index.land(self.flown, served)
 
 

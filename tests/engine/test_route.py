@@ -146,6 +146,28 @@ def test_published_pages_stop_being_in_flight_and_an_ended_request_lands_its_pag
     assert a.index.sizes()["in_flight"] == len(KEYS) - 2 and a.outstanding == 0
 
 
+def load_event(b: Backend, seq: int, pending: int = 0) -> None:
+    b.apply("load", {"seq": seq, "epoch": "e1", "running": 0, "waiting": 0, "pending_tokens": pending})
+
+
+def test_a_streamed_answer_s_prompt_stays_pending_until_the_backend_reports_it():
+    # kvtier serve starts a streamed answer (its first chunk) before the prefill: the prompt
+    # is still to compute there, and the next report may have left before the request came
+    a, b = backend("a"), backend("b")
+    placer = Placer([a, b], Policy.CACHE_AWARE, 4)
+    ticket = place(placer)
+    ticket.answering()
+    assert ticket.tokens == len(PROMPT) and ticket.backend.pending_tokens == len(PROMPT)
+    load_event(ticket.backend, 1)  # it may predate the request
+    assert ticket.backend.pending_tokens == len(PROMPT)
+    other = list(range(500, 533))  # another prompt: nothing of it in flight there
+    assert place(placer, other).backend is not ticket.backend  # its queue is priced: the other is sooner
+    load_event(ticket.backend, 2, pending=7)  # the backend's own count has it now
+    assert ticket.backend.pending_tokens == 7
+    ticket.end()
+    assert ticket.backend.outstanding == 0
+
+
 # -- the proxy ---------------------------------------------------------------------
 
 
