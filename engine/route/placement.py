@@ -10,7 +10,11 @@
   take from that flight (it waits for that work, it does not wait behind it twice).
 - ``round-robin``: the next backend that answers, in ``--backend`` order.
 - ``least-load``: the backend with the fewest requests running and waiting (then the
-  fewest pending prompt tokens, then the first given).
+  fewest pending prompt tokens).
+
+Ties (in least-load, and between backends cache-aware predicts alike, such as idle ones
+for a prompt none holds) go to the first of the backends in an order that turns by one
+each request, so an idle fleet is not all sent to the first ``--backend``.
 
 Requests whose prompt the router cannot render (a body the backend will refuse) and
 the requests that have no prompt go by least load. Keys are the implicit tenant's chain
@@ -86,6 +90,7 @@ class Placer:
     ) -> None:
         self.backends, self.policy, self.max_imbalance, self.l3 = list(backends), policy, max_imbalance, l3
         self._turn = itertools.count()
+        self._ties = itertools.count()
         self.routed: Counter[str] = Counter()
         self.reasons: Counter[str] = Counter()
 
@@ -96,6 +101,8 @@ class Placer:
         up = [b for b in self.backends if b.healthy and b.name not in exclude]
         if not up:
             return None
+        turn = next(self._ties) % len(up)
+        up = up[turn:] + up[:turn]  # the first of equals turns
         if self.policy is Policy.ROUND_ROBIN:
             ticket = Ticket(self._round_robin(up), "round-robin")
         elif self.policy is Policy.LEAST_LOAD or tokens is None or not any(b.keyed for b in up):
@@ -114,7 +121,7 @@ class Placer:
                 return backend
 
     def _least_loaded(self, up: list[Backend]) -> Backend:
-        return min(up, key=lambda b: (b.load, b.pending_tokens, self.backends.index(b)))
+        return min(up, key=lambda b: (b.load, b.pending_tokens))
 
     async def _cache_aware(self, up: list[Backend], tokens: list[int]) -> Ticket:
         chains: dict[Namespace, list[bytes]] = {}

@@ -110,9 +110,21 @@ def test_cache_aware_goes_where_the_prefix_is_and_round_robin_and_least_load_do_
     for t in turns:
         t.end()
     least = Placer([c, b, a], Policy.LEAST_LOAD, 4)
-    assert place(least).backend is b  # c has one running; b and a none: the first given
+    assert place(least).backend is b  # c has one running; b and a none: the first given this turn
     assert place(least).backend is a  # b now has the router's own request outstanding
     assert place(Placer([a, b], Policy.CACHE_AWARE, 4), exclude={a.name, b.name}) is None
+
+
+@pytest.mark.parametrize("policy", [Policy.LEAST_LOAD, Policy.CACHE_AWARE])
+def test_an_idle_fleet_s_ties_go_to_each_backend_in_turn(policy):
+    backends = [backend(name) for name in "abc"]
+    placer = Placer(backends, policy, 4)
+    chosen = []
+    for i in range(6):
+        ticket = place(placer, [i * 1000 + t for t in PROMPT])  # a prompt no backend holds
+        ticket.end()  # done before the next: every backend idle again
+        chosen.append(ticket.backend)
+    assert chosen == backends + backends
 
 
 def test_a_burst_of_one_new_prefix_goes_to_one_backend_within_the_load_bound():
