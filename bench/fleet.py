@@ -8,8 +8,10 @@ prompts (``--system-words`` words each), ``--turns`` turns each (a user message,
 answer appended before the next), ``--concurrency`` conversations at a time, each turn
 streamed (``--max-tokens``). Per policy: TTFT p50 and p95 (the first chunk with text),
 prompt tokens computed (``recomputed`` in the usage) and their share, and each
-backend's requests. The backends run without the first-use calibration (the profile
-defaults, the same for every policy) so runs differ only by placement.
+backend's requests; ``--json`` adds where the prompt tokens came from (the usage's
+``sources`` summed) and the router's placements by reason. The backends run without
+the first-use calibration (the profile defaults, the same for every policy) so runs
+differ only by placement.
 
     python bench/fleet.py [--model M] [--policies cache-aware,round-robin,least-load,single]
                           [--conversations 24] [--turns 3] [--system-words 450] [--concurrency 6]
@@ -105,11 +107,15 @@ def run_policy(policy: str, args, redis_url: str) -> dict:
         for done in pool.map(converse, range(args.conversations)):
             replies += done
     wall = time.perf_counter() - t0
+    reasons = httpx.get(router.url + "/v1/kvtier/route").json()["reasons"] if router else {}
     for server in [*([router] if router else []), *backends]:
         server.stop()
     ttfts = [r.ttft_s for r in replies]
     prompt = sum(r.usage.get("prompt_tokens", 0) for r in replies)
-    computed = sum(r.usage["prompt_tokens_details"]["sources"]["recomputed"] for r in replies)
+    sources = Counter()
+    for r in replies:
+        sources.update(r.usage["prompt_tokens_details"]["sources"])
+    computed = sources["recomputed"]
     return {
         "policy": policy,
         "requests": len(replies),
@@ -119,7 +125,9 @@ def run_policy(policy: str, args, redis_url: str) -> dict:
         "prompt_tokens": prompt,
         "computed_tokens": computed,
         "cached_fraction": round(1 - computed / prompt, 3) if prompt else 0.0,
+        "sources": dict(sources),
         "per_backend": dict(sorted(Counter(r.backend or backends[0].url for r in replies).items())),
+        "reasons": reasons,
     }
 
 
