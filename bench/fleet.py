@@ -14,6 +14,13 @@ and the router's placements by reason. The backends run without
 the first-use calibration (the profile defaults, the same for every policy) so runs
 differ only by placement.
 
+The shared L3 gets a page only when a backend spills it (write-back, DESIGN §2): while
+every backend's L1 has room, ``sources`` shows nothing from L3, and a turn sent away
+from its conversation's backend recomputes the history that backend holds. On one
+machine the backends also share its cores, so a prefill is slower while the others
+compute: the backends' admission wait is the queue the router prices, the rest of
+their TTFT is restore, prefill and that sharing.
+
     python bench/fleet.py [--model M] [--policies cache-aware,round-robin,least-load,single]
                           [--conversations 24] [--turns 3] [--system-words 450] [--concurrency 6]
                           [--max-tokens 12] [--page-size 32] [--json]
