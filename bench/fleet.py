@@ -8,8 +8,18 @@ prompts (``--system-words`` words each), ``--turns`` turns each (a user message,
 answer appended before the next), ``--concurrency`` conversations at a time, each turn
 streamed (``--max-tokens``). Per policy: TTFT p50 and p95 (the first chunk with text),
 prompt tokens computed (``recomputed`` in the usage) and their share, and each
-backend's requests. The backends run without the first-use calibration (the profile
-defaults, the same for every policy) so runs differ only by placement.
+backend's requests; ``--json`` adds where the prompt tokens came from (the usage's
+``sources`` summed), the backends' mean TTFT and admission wait (their ``/metrics``)
+and the router's placements by reason. The backends run without
+the first-use calibration (the profile defaults, the same for every policy) so runs
+differ only by placement.
+
+The shared L3 gets a page only when a backend spills it (write-back, DESIGN §2): while
+every backend's L1 has room, ``sources`` shows nothing from L3, and a turn sent away
+from its conversation's backend recomputes the history that backend holds. On one
+machine the backends also share its cores, so a prefill is slower while the others
+compute: the backends' admission wait is the queue the router prices, the rest of
+their TTFT is restore, prefill and that sharing.
 
     python bench/fleet.py [--model M] [--policies cache-aware,round-robin,least-load,single]
                           [--conversations 24] [--turns 3] [--system-words 450] [--concurrency 6]
@@ -60,6 +70,17 @@ def conversation(index: int, systems: list[str], turns: int) -> list[list[dict]]
     ]
 
 
+def latency_sums(url: str) -> Counter:
+    """A backend's Prometheus sums and counts of its TTFT (submission to first token) and
+    queue (submission to admission into the batch)."""
+    sums: Counter = Counter()
+    for line in httpx.get(url + "/metrics").text.splitlines():
+        name, _, value = line.partition(" ")
+        if name.startswith(("kvtier_ttft_seconds_", "kvtier_queue_seconds_")) and name.endswith(("_sum", "_count")):
+            sums[name] += float(value)
+    return sums
+
+
 def kvtier(*args: str) -> list[str]:
     return [sys.executable, "-m", "kvtier.engine.cli", *args]
 
@@ -105,11 +126,16 @@ def run_policy(policy: str, args, redis_url: str) -> dict:
         for done in pool.map(converse, range(args.conversations)):
             replies += done
     wall = time.perf_counter() - t0
+    reasons = httpx.get(router.url + "/v1/kvtier/route").json()["reasons"] if router else {}
+    sums = sum((latency_sums(b.url) for b in backends), Counter())
     for server in [*([router] if router else []), *backends]:
         server.stop()
     ttfts = [r.ttft_s for r in replies]
     prompt = sum(r.usage.get("prompt_tokens", 0) for r in replies)
-    computed = sum(r.usage["prompt_tokens_details"]["sources"]["recomputed"] for r in replies)
+    sources = Counter()
+    for r in replies:
+        sources.update(r.usage["prompt_tokens_details"]["sources"])
+    computed = sources["recomputed"]
     return {
         "policy": policy,
         "requests": len(replies),
@@ -119,7 +145,14 @@ def run_policy(policy: str, args, redis_url: str) -> dict:
         "prompt_tokens": prompt,
         "computed_tokens": computed,
         "cached_fraction": round(1 - computed / prompt, 3) if prompt else 0.0,
+        "sources": dict(sources),
+        # the backends' own view, averaged over requests: submission to first token, of it
+        # the wait for admission into the batch (the rest: restore and prefill, and decoding
+        # beside the batch's other requests)
+        "backend_ttft_mean_s": round(sums["kvtier_ttft_seconds_sum"] / max(sums["kvtier_ttft_seconds_count"], 1), 3),
+        "backend_queue_mean_s": round(sums["kvtier_queue_seconds_sum"] / max(sums["kvtier_queue_seconds_count"], 1), 3),
         "per_backend": dict(sorted(Counter(r.backend or backends[0].url for r in replies).items())),
+        "reasons": reasons,
     }
 
 

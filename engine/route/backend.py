@@ -11,6 +11,7 @@ rebuilds it (:class:`Resync`).
 
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import dataclass
 
@@ -20,6 +21,12 @@ from kvtier.tiers.page import Namespace, Source
 from .index import TIERS, PageIndex
 
 log = logging.getLogger(__name__)
+
+# Load reports that must come after a request's answer started before the backend's own
+# count is trusted to hold its prompt: a streamed answer starts (its first chunk) as soon
+# as the backend takes the request, before its prefill, and the first report to arrive
+# after that may have left the backend before the request came in (another connection).
+REPORTS_TO_COVER = 2
 
 
 class Resync(Exception):
@@ -41,11 +48,20 @@ class Load:
         return cls(int(data["running"]), int(data["waiting"]), int(data["pending_tokens"]))
 
 
+@dataclass
+class Sent:
+    """One request the router sent to a backend: the prompt tokens it expects computed
+    there, and how many load reports had come when its answer started (None: not yet)."""
+
+    tokens: int
+    answered_at: int | None = None
+
+
 class Backend:
     """A backend's state. ``healthy``: its last health checks answered. ``synced``: its
     stream's hello came and every event since followed it. The router's own count of
-    requests there (``outstanding``) and of their prompt tokens not answered yet
-    (``sent_tokens``) bound its load from below between two load events."""
+    requests there (``outstanding``) and of their prompt tokens not known to be
+    prefilled (``sent_tokens``) bound its load from below between two load events."""
 
     def __init__(self, url: str, fingerprint: str | None = None) -> None:
         self.url = url.rstrip("/")
@@ -62,9 +78,40 @@ class Backend:
         self.profile = Profile.defaults()
         self.reported = Load()
         self.index = PageIndex()
-        self.outstanding = 0
-        self.sent_tokens = 0
+        self._sent: dict[int, Sent] = {}
+        self._handles = itertools.count()
+        self.load_reports = 0  # load events and hellos received (each carries a load)
         self.resyncs = 0  # hellos after the first
+
+    def send(self, tokens: int) -> int:
+        """A request the router sends here, expected to compute ``tokens`` prompt tokens;
+        its handle for :meth:`answered` and :meth:`done`."""
+        handle = next(self._handles)
+        self._sent[handle] = Sent(tokens)
+        return handle
+
+    def answered(self, handle: int) -> None:
+        """The request's answer started: its prompt stays in ``sent_tokens`` until
+        ``REPORTS_TO_COVER`` load reports more have come (the backend's count has it)."""
+        sent = self._sent.get(handle)
+        if sent is not None and sent.answered_at is None:
+            sent.answered_at = self.load_reports
+
+    def done(self, handle: int) -> None:
+        """The request is over here (answered or failed)."""
+        self._sent.pop(handle, None)
+
+    @property
+    def outstanding(self) -> int:
+        """The router's requests here that have not ended."""
+        return len(self._sent)
+
+    @property
+    def sent_tokens(self) -> int:
+        """The prompt tokens of the router's requests here that the backend's reports may
+        not count yet: not answered, or answered fewer than ``REPORTS_TO_COVER`` reports ago."""
+        covered = self.load_reports - REPORTS_TO_COVER
+        return sum(s.tokens for s in self._sent.values() if s.answered_at is None or s.answered_at > covered)
 
     @property
     def load(self) -> int:
@@ -98,6 +145,7 @@ class Backend:
                 self.index.apply(tier, map(bytes.fromhex, data["stored"]), map(bytes.fromhex, data["evicted"]))
             elif event == "load":
                 self.reported = Load.of(data)
+                self.load_reports += 1
             elif event == "profile":
                 self.profile = Profile.from_dict(data["profile"])
         except (KeyError, TypeError, ValueError) as err:
@@ -124,6 +172,7 @@ class Backend:
         self.epoch, self.seq, self.synced = str(data.get("epoch")), 0, True
         self.namespace, self.page_size, self.page_bytes = namespace, page_size, page_bytes
         self.profile, self.reported = profile, load
+        self.load_reports += 1
         self.index.reset(pages)
 
     def lost(self) -> None:

@@ -10,7 +10,11 @@
   take from that flight (it waits for that work, it does not wait behind it twice).
 - ``round-robin``: the next backend that answers, in ``--backend`` order.
 - ``least-load``: the backend with the fewest requests running and waiting (then the
-  fewest pending prompt tokens, then the first given).
+  fewest pending prompt tokens).
+
+Ties (in least-load, and between backends cache-aware predicts alike, such as idle ones
+for a prompt none holds) go to the first of the backends in an order that turns by one
+each request, so an idle fleet is not all sent to the first ``--backend``.
 
 Requests whose prompt the router cannot render (a body the backend will refuse) and
 the requests that have no prompt go by least load. Keys are the implicit tenant's chain
@@ -54,16 +58,17 @@ class Ticket:
     flown: list[bytes] = field(default_factory=list)
     _answering: bool = False
     _ended: bool = False
+    _handle: int = field(init=False, default=-1)
 
     def __post_init__(self) -> None:
-        self.backend.outstanding += 1
-        self.backend.sent_tokens += self.tokens
+        self._handle = self.backend.send(self.tokens)
 
     def answering(self) -> None:
-        """The backend's answer started: its prompt is no longer pending there."""
+        """The backend's answer started: its own load reports count the prompt from here
+        (``Backend.answered``: after a few more of them)."""
         if not self._answering:
             self._answering = True
-            self.backend.sent_tokens -= self.tokens
+            self.backend.answered(self._handle)
 
     def end(self) -> None:
         """The attempt is over: served if the backend's answer started (then its pages stay
@@ -73,7 +78,7 @@ class Ticket:
         served = self._answering
         self.answering()
         self._ended = True
-        self.backend.outstanding -= 1
+        self.backend.done(self._handle)
         self.backend.index.land(self.flown, served)
 
 
@@ -85,6 +90,7 @@ class Placer:
     ) -> None:
         self.backends, self.policy, self.max_imbalance, self.l3 = list(backends), policy, max_imbalance, l3
         self._turn = itertools.count()
+        self._ties = itertools.count()
         self.routed: Counter[str] = Counter()
         self.reasons: Counter[str] = Counter()
 
@@ -95,6 +101,8 @@ class Placer:
         up = [b for b in self.backends if b.healthy and b.name not in exclude]
         if not up:
             return None
+        turn = next(self._ties) % len(up)
+        up = up[turn:] + up[:turn]  # the first of equals turns
         if self.policy is Policy.ROUND_ROBIN:
             ticket = Ticket(self._round_robin(up), "round-robin")
         elif self.policy is Policy.LEAST_LOAD or tokens is None or not any(b.keyed for b in up):
@@ -113,7 +121,7 @@ class Placer:
                 return backend
 
     def _least_loaded(self, up: list[Backend]) -> Backend:
-        return min(up, key=lambda b: (b.load, b.pending_tokens, self.backends.index(b)))
+        return min(up, key=lambda b: (b.load, b.pending_tokens))
 
     async def _cache_aware(self, up: list[Backend], tokens: list[int]) -> Ticket:
         chains: dict[Namespace, list[bytes]] = {}

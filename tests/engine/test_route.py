@@ -110,9 +110,21 @@ def test_cache_aware_goes_where_the_prefix_is_and_round_robin_and_least_load_do_
     for t in turns:
         t.end()
     least = Placer([c, b, a], Policy.LEAST_LOAD, 4)
-    assert place(least).backend is b  # c has one running; b and a none: the first given
+    assert place(least).backend is b  # c has one running; b and a none: the first given this turn
     assert place(least).backend is a  # b now has the router's own request outstanding
     assert place(Placer([a, b], Policy.CACHE_AWARE, 4), exclude={a.name, b.name}) is None
+
+
+@pytest.mark.parametrize("policy", [Policy.LEAST_LOAD, Policy.CACHE_AWARE])
+def test_an_idle_fleet_s_ties_go_to_each_backend_in_turn(policy):
+    backends = [backend(name) for name in "abc"]
+    placer = Placer(backends, policy, 4)
+    chosen = []
+    for i in range(6):
+        ticket = place(placer, [i * 1000 + t for t in PROMPT])  # a prompt no backend holds
+        ticket.end()  # done before the next: every backend idle again
+        chosen.append(ticket.backend)
+    assert chosen == backends + backends
 
 
 def test_a_burst_of_one_new_prefix_goes_to_one_backend_within_the_load_bound():
@@ -144,6 +156,28 @@ def test_published_pages_stop_being_in_flight_and_an_ended_request_lands_its_pag
     served.answering()
     served.end()  # served: its pages stay in flight until published (or the grace period)
     assert a.index.sizes()["in_flight"] == len(KEYS) - 2 and a.outstanding == 0
+
+
+def load_event(b: Backend, seq: int, pending: int = 0) -> None:
+    b.apply("load", {"seq": seq, "epoch": "e1", "running": 0, "waiting": 0, "pending_tokens": pending})
+
+
+def test_a_streamed_answer_s_prompt_stays_pending_until_the_backend_reports_it():
+    # kvtier serve starts a streamed answer (its first chunk) before the prefill: the prompt
+    # is still to compute there, and the next report may have left before the request came
+    a, b = backend("a"), backend("b")
+    placer = Placer([a, b], Policy.CACHE_AWARE, 4)
+    ticket = place(placer)
+    ticket.answering()
+    assert ticket.tokens == len(PROMPT) and ticket.backend.pending_tokens == len(PROMPT)
+    load_event(ticket.backend, 1)  # it may predate the request
+    assert ticket.backend.pending_tokens == len(PROMPT)
+    other = list(range(500, 533))  # another prompt: nothing of it in flight there
+    assert place(placer, other).backend is not ticket.backend  # its queue is priced: the other is sooner
+    load_event(ticket.backend, 2, pending=7)  # the backend's own count has it now
+    assert ticket.backend.pending_tokens == 7
+    ticket.end()
+    assert ticket.backend.outstanding == 0
 
 
 # -- the proxy ---------------------------------------------------------------------
