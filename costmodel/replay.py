@@ -117,6 +117,7 @@ class ReplayResult:
     # prefix) or stranded (held, but after a page no tier held: never usable by it).
     held_pages: int = 0
     stranded_pages: int = 0
+    unreachable_at_eviction: float = 0.0  # TieredStore.lineage.unreachable_share()
 
     def report(self, distinct_pages: int) -> dict:
         c, restored = self.config, self.prompt_tokens - self.sources[Source.RECOMPUTED.value]
@@ -146,6 +147,7 @@ class ReplayResult:
             "peak_bytes": dict(self.peak_bytes),
             "makespan_s": self.makespan_s,
             "unreachable_ratio": self.stranded_pages / max(self.held_pages, 1),
+            "unreachable_at_eviction": self.unreachable_at_eviction,
         }
 
 
@@ -242,7 +244,7 @@ class Replay:
         result.reused.append(len(restored) * size)
         result.prompt_tokens += request.input_length
         for i in range(plan.restore_pages, len(keys)):  # as the engine publishes: no cost hint
-            store.publish(keys[i], tokens[i * size : (i + 1) * size], self.kv)
+            store.publish(keys[i], tokens[i * size : (i + 1) * size], self.kv, parent=keys[i - 1] if i else None)
         for j in self.snapshot_points(request) if self.snapshot_points else ():
             if j > len(restored):
                 store.publish_snapshot(keys[j - 1], tokens[(j - 1) * size : j * size], self.state)
@@ -283,6 +285,7 @@ class Replay:
         result.evictions = {name: tier.evictions for name, tier in stats.tiers.items()}
         result.l3_pages_written = (stats.tiers["L3"].inserts if "L3" in stats.tiers else 0) - written  # L3 counts both
         result.l3_writes_refused = store.admission.rejected
+        result.unreachable_at_eviction = store.lineage.unreachable_share()
 
 
 def fast_tmp() -> str | None:

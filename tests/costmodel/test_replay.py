@@ -80,6 +80,8 @@ def test_a_page_held_behind_a_missing_one_counts_as_unreachable(tmp_path):
     assert result.reused == [0, 0, 0]
     assert (result.held_pages, result.stranded_pages) == (1, 1)
     assert result.report(distinct_pages=3)["unreachable_ratio"] == 1.0
+    # evictions: page 1 (page 2 held without it: 1 of 1), then 2 and 7 at r2 (0 of 1 each)
+    assert result.report(distinct_pages=3)["unreachable_at_eviction"] == pytest.approx(1 / 3)
 
 
 def test_each_policy_is_reported_against_the_bound_and_belady_at_its_caps(tmp_path):

@@ -1,0 +1,131 @@
+"""Which page comes before which among the pages L1 and L2 hold: what the count of
+unreachable pages needs.
+
+A page key names a whole prefix (``tiers.page``), so a page is usable only while every
+page before it is found too. Keys do not say which key came before them, so the store
+tells ``Lineage`` as it sees chains (``learn``: a restore's keys, a published page's
+parent), and ``Lineage`` follows L1's and L2's changes (a ``Residency`` watcher: every
+whole page indexed or dropped).
+
+Unreachable (``unreachable_share``): at each page leaving L1 or L2, the share of the
+pages they hold whose previous page neither holds (they need an L3 read to be used, or
+cannot be used at all), averaged over those moments.
+
+Invariants: ``children[tier][p]`` counts the pages ``tier`` holds whose known previous
+page is ``p``; ``held_children[p]`` the same over both tiers, each page once;
+``orphans`` the held pages whose previous page is a page (not a chain's root) that
+neither tier holds. A page's previous page never changes (keys are content), so it is
+learned once (a page published without one, taken for a chain's first page, is
+corrected by the first chain that shows it); the pages it is remembered for are those
+held and at most ``memory`` more, the least recently dropped forgotten first.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, OrderedDict
+from collections.abc import Sequence
+
+from .page import PageKey
+from .residency import Change, Residency
+
+TIERS = ("L1", "L2")
+
+
+class Lineage:
+    """The previous page of each page L1 and L2 hold, and what depends on it."""
+
+    def __init__(self, memory: int = 1 << 16) -> None:
+        self.memory = memory
+        self.parent: dict[PageKey, PageKey | None] = {}  # None: the chain's first page
+        self.where: dict[PageKey, set[str]] = {}  # held page -> the tiers holding it
+        self.children: dict[str, Counter[PageKey]] = {tier: Counter() for tier in TIERS}
+        self.held_children: Counter[PageKey] = Counter()
+        self.orphans = 0
+        self._dropped: OrderedDict[PageKey, None] = OrderedDict()  # unheld pages still remembered
+        self._samples = 0
+        self._share_sum = 0.0
+
+    def learn(self, keys: Sequence[PageKey]) -> None:
+        """``keys`` are a chain from its first page: each follows the one before it."""
+        for i, key in enumerate(keys):
+            self.learn_one(key, keys[i - 1] if i else None)
+
+    def learn_one(self, key: PageKey, parent: bytes | None) -> None:
+        """Page ``key`` follows ``parent``: a page's key, or a chain's root (a parent
+        never learned as a page is taken for a root, until a chain shows otherwise)."""
+        before = PageKey(parent) if parent is not None and parent in self.parent else None
+        if key in self.parent and (self.parent[key] is not None or before is None):
+            return
+        self.parent[key] = before
+        self._forget_some()
+        if before is None:
+            return
+        for tier in self.where.get(key, ()):  # held before its parent was known
+            self.children[tier][before] += 1
+        if key in self.where:
+            self._link(key, before, +1)
+
+    def changed(self, change: Change) -> None:
+        """A ``Residency`` watcher: ``change.key`` entered or left ``change.tier``."""
+        key, tier = change.key, change.tier
+        if not change.stored and key not in self.where:
+            return
+        parent = self.parent.get(key)
+        tiers = self.where.setdefault(key, set())
+        if change.stored:
+            if parent is not None:
+                self.children[tier][parent] += 1
+            first = not tiers
+            tiers.add(tier)
+            self._dropped.pop(key, None)
+            if first:
+                self._held(key, parent, +1)
+            return
+        tiers.discard(tier)
+        if parent is not None:
+            self._count_down(self.children[tier], parent)
+        if not tiers:
+            del self.where[key]
+            self._held(key, parent, -1)
+            self._dropped[key] = None
+            self._forget_some()
+        self._samples += 1
+        self._share_sum += self.orphans / max(len(self.where), 1)
+
+    def unreachable_share(self) -> float:
+        """The mean, over every page that left L1 or L2, of the share of their pages whose
+        previous page neither held at that moment (0.0 before any)."""
+        return self._share_sum / max(self._samples, 1)
+
+    def _held(self, key: PageKey, parent: PageKey | None, sign: int) -> None:
+        """``key`` became held (+1) or unheld (-1) by both tiers together."""
+        self.orphans -= sign * self.held_children[key]  # its held children gain (lose) their parent
+        if parent is not None:
+            self._link(key, parent, sign)
+
+    def _link(self, key: PageKey, parent: PageKey, sign: int) -> None:
+        """Count (+1) or uncount (-1) held ``key`` as a child of ``parent``."""
+        if sign > 0:
+            self.held_children[parent] += 1
+        else:
+            self._count_down(self.held_children, parent)
+        if parent not in self.where:
+            self.orphans += sign
+
+    def _forget_some(self) -> None:
+        while len(self._dropped) > self.memory:
+            key, _ = self._dropped.popitem(last=False)
+            self.parent.pop(key, None)
+
+    @staticmethod
+    def _count_down(counter: Counter[PageKey], key: PageKey) -> None:
+        counter[key] -= 1
+        if counter[key] <= 0:
+            del counter[key]
+
+
+def follow(residency: Residency) -> Lineage:
+    """A ``Lineage`` that follows ``residency``'s changes."""
+    lineage = Lineage()
+    residency.watch(lineage.changed)
+    return lineage
