@@ -308,3 +308,19 @@ def test_cli_replay_of_a_hybrid_geometry(tmp_path):
     assert refused.returncode == 2 and refused.stderr.strip() == (
         "kvtier: error: --state-bytes goes with --kv-bytes-per-token (a --model's state size is its own)"
     )
+
+
+SCAN = [(1100, 5, [1, 2, 3]), (1100, 5, [1, 2, 4]), (12 * 512 + 1, 5, list(range(100, 113))), (1100, 5, [1, 2, 5])]
+
+
+def test_a_scan_of_one_hit_pages_does_not_evict_a_reused_prefix_under_s3fifo(tmp_path):
+    """L1 holds four pages, nothing below. r1 reuses r0's pages 1, 2; r2 publishes twelve
+    pages never seen again. Under lru they push 1, 2 out; under s3fifo they pass through
+    the small queue while 1, 2, used, move to the main one: r3 reuses them."""
+    trace = tr.read_trace(trace_file(tmp_path, SCAN))
+    reused = {}
+    for policy in ("lru", "s3fifo"):
+        result = run(trace, l1_bytes=4 * PAGE_BYTES, l2_bytes=0, l3_bytes=0, policy=policy)
+        assert result.peak_bytes["L1"] <= 4 * PAGE_BYTES
+        reused[policy] = result.reused
+    assert reused == {"lru": [0, 1024, 0, 0], "s3fifo": [0, 1024, 0, 1024]}
