@@ -59,7 +59,7 @@ from .join import keep_buffers_for_restores
 from .l3.base import L3Store, ReadThrough
 from .l3_join import describe, join_later, open_disk
 from .l3_reads import AheadRead, Readers, degraded
-from .lineage import follow
+from .lineage import leaf_first
 from .links import LinkLedger, Throttle
 from .page import Namespace, PageGeometry, PageKey, Source, page_tokens
 from .partials import PartialPages
@@ -147,7 +147,7 @@ class TieredStore:
         hybrid = self.snapshots is not None
         self.partials = PartialPages(self.l1, self.placement, geometry.page_size, hybrid, self._lock)
         self.residency = Residency(self._lock, self.l1, self.l2, geometry.page_size)  # who holds which page, as changes
-        self.lineage = follow(self.residency)  # which page follows which
+        self.lineage = leaf_first(self.residency, self.l1, self.l2)  # which page follows which: evict leaves first
         self._closed = False
         self._closing = threading.Event()  # ends the counter checkpoints and a late join
         self._checkpoints: CounterCheckpoints | None = None
@@ -393,10 +393,10 @@ class TieredStore:
         next request reads it from L1, not from below again.
         ``cost``: the seconds its recompute takes, for the ``cost`` eviction policy;
         ``parent``: the key of the page before it (``partials.match`` finds it by that;
-        ``tiers.lineage`` follows the chain by it)."""
+        leaf-first eviction keeps a page while one after it stays: ``tiers.lineage``)."""
         with self._lock:
             self.admission.seen(key)
-            self.lineage.learn_one(key, parent)
+            self.lineage.arrives(key, parent)
             if not self.wants(key):
                 return False
             page = DevicePage(tuple(tokens), kv, parent)

@@ -1,11 +1,19 @@
-"""Which page comes before which among the pages L1 and L2 hold: what the count of
-unreachable pages needs.
+"""Which page comes before which among the pages L1 and L2 hold: what leaf-first eviction
+and the count of unreachable pages need.
 
 A page key names a whole prefix (``tiers.page``), so a page is usable only while every
 page before it is found too. Keys do not say which key came before them, so the store
 tells ``Lineage`` as it sees chains (``learn``: a restore's keys, a published page's
 parent), and ``Lineage`` follows L1's and L2's changes (a ``Residency`` watcher: every
 whole page indexed or dropped).
+
+Leaf-first (``needed``): a tier never evicts a page while a page after it stays in the
+same or a faster tier, unless L1 holds it too (the L2 copy is then not what makes the
+child usable), so every page kept is usable from the tiers it is in; a page's children
+leave first. The page arriving (the one being published, or the one that just left L1
+for L2: ``arriving``) counts as staying, so it never pushes out its own parent. The tier
+asks the policy again, having told it the page was needed (``Tier.victim``); when every
+unpinned page is needed it takes none and the arriving page goes further down.
 
 Unreachable (``unreachable_share``): at each page leaving L1 or L2, the share of the
 pages they hold whose previous page neither holds (they need an L3 read to be used, or
@@ -24,9 +32,12 @@ from __future__ import annotations
 
 from collections import Counter, OrderedDict
 from collections.abc import Sequence
+from functools import partial
+from typing import Any
 
 from .page import PageKey
 from .residency import Change, Residency
+from .tier import Tier
 
 TIERS = ("L1", "L2")
 
@@ -42,15 +53,21 @@ class Lineage:
         self.held_children: Counter[PageKey] = Counter()
         self.orphans = 0
         self._dropped: OrderedDict[PageKey, None] = OrderedDict()  # unheld pages still remembered
+        self.arriving: PageKey | None = None  # set until it enters a tier, or the next one comes
         self._samples = 0
         self._share_sum = 0.0
 
     def learn(self, keys: Sequence[PageKey]) -> None:
         """``keys`` are a chain from its first page: each follows the one before it."""
         for i, key in enumerate(keys):
-            self.learn_one(key, keys[i - 1] if i else None)
+            self._learn(key, keys[i - 1] if i else None)
 
-    def learn_one(self, key: PageKey, parent: bytes | None) -> None:
+    def arrives(self, key: PageKey, parent: bytes | None) -> None:
+        """Page ``key``, which follows ``parent``, is being published: it is ``arriving``."""
+        self._learn(key, parent)
+        self.arriving = key
+
+    def _learn(self, key: PageKey, parent: bytes | None) -> None:
         """Page ``key`` follows ``parent``: a page's key, or a chain's root (a parent
         never learned as a page is taken for a root, until a chain shows otherwise)."""
         before = PageKey(parent) if parent is not None and parent in self.parent else None
@@ -73,6 +90,8 @@ class Lineage:
         parent = self.parent.get(key)
         tiers = self.where.setdefault(key, set())
         if change.stored:
+            if key == self.arriving:
+                self.arriving = None
             if parent is not None:
                 self.children[tier][parent] += 1
             first = not tiers
@@ -82,6 +101,8 @@ class Lineage:
                 self._held(key, parent, +1)
             return
         tiers.discard(tier)
+        if tier == "L1":  # on its way to L2 (``tiers.placement``), unless it is dropped
+            self.arriving = key
         if parent is not None:
             self._count_down(self.children[tier], parent)
         if not tiers:
@@ -91,6 +112,16 @@ class Lineage:
             self._forget_some()
         self._samples += 1
         self._share_sum += self.orphans / max(len(self.where), 1)
+
+    def needed(self, tier: str, key: PageKey) -> bool:
+        """Whether evicting ``key`` from ``tier`` would leave a page after it (held in that
+        tier or a faster one, or arriving) without it (L1 holding it too, L2's copy is not
+        needed)."""
+        arriving_child = self.arriving is not None and self.parent.get(self.arriving) == key
+        if tier == "L1":
+            return arriving_child or self.children["L1"][key] > 0
+        below = self.children["L1"][key] + self.children["L2"][key] > 0 or arriving_child
+        return below and "L1" not in self.where.get(key, ())
 
     def unreachable_share(self) -> float:
         """The mean, over every page that left L1 or L2, of the share of their pages whose
@@ -124,8 +155,9 @@ class Lineage:
             del counter[key]
 
 
-def follow(residency: Residency) -> Lineage:
-    """A ``Lineage`` that follows ``residency``'s changes."""
+def leaf_first(residency: Residency, l1: Tier[Any], l2: Tier[Any]) -> Lineage:
+    """A ``Lineage`` that follows ``residency`` and makes ``l1`` and ``l2`` evict leaf-first."""
     lineage = Lineage()
     residency.watch(lineage.changed)
+    l1.needed, l2.needed = partial(lineage.needed, "L1"), partial(lineage.needed, "L2")
     return lineage

@@ -59,6 +59,11 @@ class EvictionPolicy:
     def used(self, key: PageKey) -> None:
         self.order.move_to_end(key)
 
+    def kept(self, key: PageKey) -> None:
+        """``key``, named as the victim, stays (a page after it needs it: leaf-first,
+        ``Tier.victim``): order it as a page just used, without counting a use."""
+        self.order.move_to_end(key)
+
     def cost_of(self, key: PageKey) -> float:
         """The cost the page was added with (it goes with the page to the next tier)."""
         return 1.0
@@ -95,6 +100,10 @@ class CostPolicy(EvictionPolicy):
 
     def used(self, key: PageKey) -> None:
         self.uses[key] += 1
+        self.kept(key)
+
+    def kept(self, key: PageKey) -> None:
+        """Its priority from the clock now (a kept page ages like a used one)."""
         self.priority[key] = self.clock + self.uses[key] * self.cost[key]
         heapq.heappush(self.heap, (self.priority[key], next(self._seq), key))
         if len(self.heap) > 4 * len(self.priority) + 64:
@@ -156,6 +165,10 @@ class S3FifoPolicy(EvictionPolicy):
     def used(self, key: PageKey) -> None:
         queue = self.small if key in self.small else self.main
         queue[key] = min(queue[key] + 1, self.MAX_USES)
+
+    def kept(self, key: PageKey) -> None:
+        """To its queue's tail, its uses unchanged (a kept page is still on probation)."""
+        (self.small if key in self.small else self.main).move_to_end(key)
 
     def removed(self, key: PageKey) -> None:
         if key in self.small:

@@ -24,8 +24,8 @@ def test_unreachable_share_counts_held_pages_whose_previous_page_neither_tier_ho
 
 def test_a_chain_learned_late_links_pages_already_held():
     lineage = Lineage()
-    lineage.learn_one(KEYS[0], None)
-    lineage.learn_one(KEYS[1], None)  # published without its parent: taken for a first page
+    lineage.arrives(KEYS[0], None)
+    lineage.arrives(KEYS[1], None)  # published without its parent: taken for a first page
     for key in KEYS[:2]:
         lineage.changed(Change("L1", key, True))
     lineage.learn(KEYS[:3])  # a restore's chain shows page 1 follows page 0
