@@ -17,7 +17,8 @@ unpinned page is needed it takes none and the arriving page goes further down.
 
 Unreachable (``unreachable_share``): at each page leaving L1 or L2, the share of the
 pages they hold whose previous page neither holds (they need an L3 read to be used, or
-cannot be used at all), averaged over those moments.
+cannot be used at all), averaged over those moments; a page moving from L1 to L2 counts
+as held on its way.
 
 Invariants: ``children[tier][p]`` counts the pages ``tier`` holds whose known previous
 page is ``p``; ``held_children[p]`` the same over both tiers, each page once;
@@ -110,8 +111,7 @@ class Lineage:
             self._held(key, parent, -1)
             self._dropped[key] = None
             self._forget_some()
-        self._samples += 1
-        self._share_sum += self.orphans / max(len(self.where), 1)
+        self._sample()
 
     def needed(self, tier: str, key: PageKey) -> bool:
         """Whether evicting ``key`` from ``tier`` would leave a page after it (held in that
@@ -127,6 +127,17 @@ class Lineage:
         """The mean, over every page that left L1 or L2, of the share of their pages whose
         previous page neither held at that moment (0.0 before any)."""
         return self._share_sum / max(self._samples, 1)
+
+    def _sample(self) -> None:
+        """One eviction's share of unreachable pages; a page on its way from one tier to
+        the next (``arriving``) counts as held, so its children are not counted for it."""
+        orphans, held, moving = self.orphans, len(self.where), self.arriving
+        if moving is not None and moving not in self.where and moving in self.parent:
+            parent = self.parent[moving]
+            orphans += (parent is not None and parent not in self.where) - self.held_children[moving]
+            held += 1
+        self._samples += 1
+        self._share_sum += orphans / max(held, 1)
 
     def _held(self, key: PageKey, parent: PageKey | None, sign: int) -> None:
         """``key`` became held (+1) or unheld (-1) by both tiers together."""

@@ -337,12 +337,15 @@ SHARED_PREFIX = [(7 * 512 + 1, 5, [1, 2, 3, 4, 100 + 3 * r, 101 + 3 * r, 102 + 3
 
 
 @pytest.mark.parametrize("policy", ["lru", "cost", "s3fifo"])
-def test_leaf_first_keeps_a_long_shared_prefix_under_many_tails(tmp_path, policy):
-    """L1 holds six pages, nothing below: a request's prefix and tail do not fit. Each tail
-    page leaves before the prefix pages it needs (a new tail page never pushes out the
-    page before it), so every request after the first reuses the whole prefix."""
+@pytest.mark.parametrize("l1_pages, l2_pages", [(6, 0), (1, 6)])
+def test_leaf_first_keeps_a_long_shared_prefix_under_many_tails(tmp_path, policy, l1_pages, l2_pages):
+    """Six pages in L1, or one in L1 and six in L2, nothing below: a request's prefix and
+    tail do not fit. Each tail page leaves before the prefix pages it needs (a new tail
+    page never pushes out the page before it), so every request after the first reuses
+    the whole prefix."""
     trace = tr.read_trace(trace_file(tmp_path, SHARED_PREFIX))
-    result = run(trace, l1_bytes=6 * PAGE_BYTES, l2_bytes=0, l3_bytes=0, policy=policy)
+    caps = {"l1_bytes": l1_pages * PAGE_BYTES, "l2_bytes": l2_pages * PAGE_BYTES}
+    result = run(trace, l3_bytes=0, policy=policy, **caps)
     assert result.reused == [0] + [4 * 512] * 9
     assert result.report(distinct_pages=34)["unreachable_at_eviction"] == 0.0
-    assert result.peak_bytes["L1"] <= 6 * PAGE_BYTES
+    assert result.peak_bytes["L1"] <= caps["l1_bytes"] and result.peak_bytes["L2"] <= caps["l2_bytes"]
