@@ -113,6 +113,7 @@ class ReplayResult:
     l3_pages_written: int = 0
     l3_writes_refused: int = 0  # by the admission filter
     makespan_s: float = 0.0
+    trace_s: float = 0.0  # from the first arrival to the last, in the trace's own time (before ``speed``)
     # Pages of a request that some tier held when it arrived: reachable (the found
     # prefix) or stranded (held, but after a page no tier held: never usable by it).
     held_pages: int = 0
@@ -142,6 +143,7 @@ class ReplayResult:
             "snapshot_link_bytes": dict(self.snapshot_links),
             "l3_bytes_written": written,
             "l3_write_amplification": written / max(distinct_pages * c.page_bytes, 1),
+            "l3_bytes_per_day": written * 86400 / self.trace_s if self.trace_s else 0.0,
             "l3_writes_refused": self.l3_writes_refused,
             "evictions": dict(self.evictions),
             "peak_bytes": dict(self.peak_bytes),
@@ -170,6 +172,8 @@ class Replay:
             store = TieredStore(self.geometry, self.namespace, self.store_config(Path(tmp)))
             try:
                 result = ReplayResult(self.config)
+                if self.trace:
+                    result.trace_s = self.trace[-1].arrival_s - self.trace[0].arrival_s
                 free_at = 0.0
                 prompts = SyntheticPrompts(self.namespace)
                 for request in self.trace:

@@ -113,6 +113,7 @@ def test_spill_to_l3_is_written_once(tmp_path):
     assert result.reused == [0, 1024, 1024]
     assert report["sources"] == {"L1": 1024, "L2": 0, "L3": 1024, "recomputed": 3300 - 2048}
     assert report["l3_bytes_written"] == PAGE_BYTES
+    assert report["l3_bytes_per_day"] == pytest.approx(PAGE_BYTES * 86400 / 2)  # arrivals 0 s .. 2 s
     assert report["link_bytes"]["L1->L3"] == PAGE_BYTES
     assert report["link_bytes"]["L3->L1"] == 2 * PAGE_BYTES
     assert report["l3_write_amplification"] == 0.5
