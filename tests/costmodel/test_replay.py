@@ -5,6 +5,7 @@ hand, the bound on the shared Mooncake trace against an independent count, and
 
 import json
 import subprocess
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -114,6 +115,11 @@ def test_spill_to_l3_is_written_once(tmp_path):
     assert report["sources"] == {"L1": 1024, "L2": 0, "L3": 1024, "recomputed": 3300 - 2048}
     assert report["l3_bytes_written"] == PAGE_BYTES
     assert report["l3_bytes_per_day"] == pytest.approx(PAGE_BYTES * 86400 / 2)  # arrivals 0 s .. 2 s
+    later = [replace(r, arrival_s=r.arrival_s + 3600) for r in trace]  # the same two seconds, an hour on
+    assert (
+        run(later, l1_bytes=PAGE_BYTES, l2_bytes=0, l3_bytes=8 * PAGE_BYTES).report(2)["l3_bytes_per_day"]
+        == (report["l3_bytes_per_day"])
+    )
     assert report["link_bytes"]["L1->L3"] == PAGE_BYTES
     assert report["link_bytes"]["L3->L1"] == 2 * PAGE_BYTES
     assert report["l3_write_amplification"] == 0.5
