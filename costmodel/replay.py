@@ -113,10 +113,12 @@ class ReplayResult:
     l3_pages_written: int = 0
     l3_writes_refused: int = 0  # by the admission filter
     makespan_s: float = 0.0
+    trace_s: float = 0.0  # from the first arrival to the last, in the trace's own time (before ``speed``)
     # Pages of a request that some tier held when it arrived: reachable (the found
     # prefix) or stranded (held, but after a page no tier held: never usable by it).
     held_pages: int = 0
     stranded_pages: int = 0
+    unreachable_at_eviction: float = 0.0  # TieredStore.lineage.unreachable_share()
 
     def report(self, distinct_pages: int) -> dict:
         c, restored = self.config, self.prompt_tokens - self.sources[Source.RECOMPUTED.value]
@@ -141,11 +143,13 @@ class ReplayResult:
             "snapshot_link_bytes": dict(self.snapshot_links),
             "l3_bytes_written": written,
             "l3_write_amplification": written / max(distinct_pages * c.page_bytes, 1),
+            "l3_bytes_per_day": written * 86400 / self.trace_s if self.trace_s else 0.0,
             "l3_writes_refused": self.l3_writes_refused,
             "evictions": dict(self.evictions),
             "peak_bytes": dict(self.peak_bytes),
             "makespan_s": self.makespan_s,
             "unreachable_ratio": self.stranded_pages / max(self.held_pages, 1),
+            "unreachable_at_eviction": self.unreachable_at_eviction,
         }
 
 
@@ -168,6 +172,8 @@ class Replay:
             store = TieredStore(self.geometry, self.namespace, self.store_config(Path(tmp)))
             try:
                 result = ReplayResult(self.config)
+                if self.trace:
+                    result.trace_s = self.trace[-1].arrival_s - self.trace[0].arrival_s
                 free_at = 0.0
                 prompts = SyntheticPrompts(self.namespace)
                 for request in self.trace:
@@ -242,7 +248,7 @@ class Replay:
         result.reused.append(len(restored) * size)
         result.prompt_tokens += request.input_length
         for i in range(plan.restore_pages, len(keys)):  # as the engine publishes: no cost hint
-            store.publish(keys[i], tokens[i * size : (i + 1) * size], self.kv)
+            store.publish(keys[i], tokens[i * size : (i + 1) * size], self.kv, parent=keys[i - 1] if i else None)
         for j in self.snapshot_points(request) if self.snapshot_points else ():
             if j > len(restored):
                 store.publish_snapshot(keys[j - 1], tokens[(j - 1) * size : j * size], self.state)
@@ -283,6 +289,7 @@ class Replay:
         result.evictions = {name: tier.evictions for name, tier in stats.tiers.items()}
         result.l3_pages_written = (stats.tiers["L3"].inserts if "L3" in stats.tiers else 0) - written  # L3 counts both
         result.l3_writes_refused = store.admission.rejected
+        result.unreachable_at_eviction = store.lineage.unreachable_share()
 
 
 def fast_tmp() -> str | None:

@@ -58,6 +58,7 @@ from .keeping import Keeping
 from .l3.base import L3Store
 from .l3_join import describe, join_later, open_disk
 from .l3_reads import AheadRead, Readers
+from .lineage import leaf_first
 from .links import LinkLedger, Throttle
 from .page import Namespace, PageGeometry, PageKey, Source, page_tokens
 from .partials import PartialPages
@@ -150,6 +151,7 @@ class TieredStore:
         hybrid = self.snapshots is not None
         self.partials = PartialPages(self.l1, self.placement, geometry.page_size, hybrid, self._lock)
         self.residency = Residency(self._lock, self.l1, self.l2, geometry.page_size)  # who holds which page, as changes
+        self.lineage = leaf_first(self.residency, self.l1, self.l2)  # which page follows which: evict leaves first
         self._closed = False
         self._closing = threading.Event()  # ends the counter checkpoints and a late join
         self.readers = Readers(self.throttle)
@@ -256,6 +258,7 @@ class TieredStore:
         the model runs. With ``read`` (``read_ahead``, done), L3 pages come from what it
         read, and L3 is asked nothing (its snapshot ends with ``readers.end``)."""
         with self._lock:
+            self.lineage.learn(keys)
             return self.restorer.begin(keys, tokens, first, ahead, parents, read)
 
     # -- reads ahead (off the step loop: tiers.l3_reads) -----------------------------
@@ -350,9 +353,11 @@ class TieredStore:
         the first ones while later ones load) is kept in L1 like a restored page: the
         next request reads it from L1, not from below again.
         ``cost``: the seconds its recompute takes, for the ``cost`` eviction policy;
-        ``parent``: the key of the page before it (``partials.match`` finds it by that)."""
+        ``parent``: the key of the page before it (``partials.match`` finds it by that;
+        leaf-first eviction keeps a page while one after it stays: ``tiers.lineage``)."""
         with self._lock:
             self.admission.seen(key)
+            self.lineage.arrives(key, parent)
             if not self.wants(key):
                 return False
             page = DevicePage(tuple(tokens), kv, parent)

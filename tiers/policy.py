@@ -14,6 +14,14 @@ the caps and the pins (a victim is always an unpinned page the tier holds).
   publisher may pass a page's cost (``TieredStore.publish``); without one every
   page costs the same and the policy orders by uses and age. L3 keeps the same
   order in its LMDB tables (``tiers.l3.lmdb_store``), with every page costing the same.
+- ``s3fifo``: S3-FIFO (Yang et al., SOSP'23), scan-resistant. A new page enters a small
+  probationary FIFO (a tenth of the tier); one not used again while there leaves first
+  and is remembered in a ghost list of keys (as many as the tier holds), so a run of
+  one-hit pages (a scan) only ever cycles through the small queue and never pushes out
+  the main FIFO's reused pages. A page used while in the small queue, or added again
+  while its key is a ghost, goes to the main FIFO, where a used page is given another
+  round (its use count, at most 3, falls by one) instead of leaving. L3 keeps ``lru``'s
+  order (``l3_order``): its records see only what L2 lets go.
 
 ``L3Admission`` decides which pages are worth writing to L3 at all: ``always``, or
 ``second-use``, which writes a page only once it has been seen a second time
@@ -29,7 +37,8 @@ from collections.abc import Callable
 
 from .page import PageKey
 
-POLICIES = ("lru", "cost")
+POLICIES = ("lru", "cost", "s3fifo")
+L3_ORDERS = ("lru", "cost")  # the orders L3's tables keep
 DEFAULT_POLICY = "cost"
 ADMISSIONS = ("always", "second-use")
 
@@ -48,6 +57,11 @@ class EvictionPolicy:
         self.order[key] = None
 
     def used(self, key: PageKey) -> None:
+        self.order.move_to_end(key)
+
+    def kept(self, key: PageKey) -> None:
+        """``key``, named as the victim, stays (a page after it needs it: leaf-first,
+        ``Tier.victim``): order it as a page just used, without counting a use."""
         self.order.move_to_end(key)
 
     def cost_of(self, key: PageKey) -> float:
@@ -86,6 +100,10 @@ class CostPolicy(EvictionPolicy):
 
     def used(self, key: PageKey) -> None:
         self.uses[key] += 1
+        self.kept(key)
+
+    def kept(self, key: PageKey) -> None:
+        """Its priority from the clock now (a kept page ages like a used one)."""
         self.priority[key] = self.clock + self.uses[key] * self.cost[key]
         heapq.heappush(self.heap, (self.priority[key], next(self._seq), key))
         if len(self.heap) > 4 * len(self.priority) + 64:
@@ -120,11 +138,89 @@ class CostPolicy(EvictionPolicy):
         heapq.heapify(self.heap)
 
 
+class S3FifoPolicy(EvictionPolicy):
+    """S3-FIFO over one tier (see the module docstring).
+
+    Invariants: every page is in exactly one of ``small`` and ``main`` (key -> use
+    count, 0..3); ``ghost`` holds only keys of neither, at most as many as both held
+    when its newest left;
+    the small queue's target is a tenth of the pages held, at least one.
+    """
+
+    name = "s3fifo"
+    MAX_USES = 3
+
+    def __init__(self) -> None:
+        self.small: OrderedDict[PageKey, int] = OrderedDict()
+        self.main: OrderedDict[PageKey, int] = OrderedDict()
+        self.ghost: OrderedDict[PageKey, None] = OrderedDict()
+
+    def added(self, key: PageKey, cost: float = 1.0) -> None:
+        if key in self.ghost:
+            del self.ghost[key]
+            self.main[key] = 0
+        else:
+            self.small[key] = 0
+
+    def used(self, key: PageKey) -> None:
+        queue = self.small if key in self.small else self.main
+        queue[key] = min(queue[key] + 1, self.MAX_USES)
+
+    def kept(self, key: PageKey) -> None:
+        """To its queue's tail, its uses unchanged (a kept page is still on probation)."""
+        (self.small if key in self.small else self.main).move_to_end(key)
+
+    def removed(self, key: PageKey) -> None:
+        if key in self.small:
+            del self.small[key]
+            self.ghost[key] = None
+            while len(self.ghost) > len(self.small) + len(self.main) + 1:  # as many as held with it
+                self.ghost.popitem(last=False)
+        else:
+            del self.main[key]
+
+    def victim(self, pinned: Pinned) -> PageKey | None:
+        """The head of the small queue while it holds more than its share (a used one
+        moves to the main queue instead), else of the main queue (a used one goes round
+        again, one use fewer); pinned pages go round unchanged. None when every page of
+        both queues was found pinned."""
+        pinned_small = pinned_main = 0
+        for _ in range((self.MAX_USES + 2) * (len(self.small) + len(self.main)) + 1):
+            small_open, main_open = pinned_small < len(self.small), pinned_main < len(self.main)
+            over_share = len(self.small) * 10 >= len(self.small) + len(self.main)
+            if small_open and (over_share or not main_open):
+                key, uses = next(iter(self.small.items()))
+                if pinned(key):
+                    pinned_small += 1
+                    self.small.move_to_end(key)
+                elif uses:
+                    del self.small[key]
+                    self.main[key] = 0
+                else:
+                    return key
+            elif main_open:
+                key, uses = next(iter(self.main.items()))
+                if pinned(key):
+                    pinned_main += 1
+                elif not uses:
+                    return key
+                self.main.move_to_end(key)
+                self.main[key] = uses if pinned(key) else uses - 1
+            else:
+                return None
+        return None
+
+
 def make_policy(name: str) -> EvictionPolicy:
-    policies = {"lru": EvictionPolicy, "cost": CostPolicy}
+    policies = {"lru": EvictionPolicy, "cost": CostPolicy, "s3fifo": S3FifoPolicy}
     if name not in policies:
         raise ValueError(f"unknown eviction policy {name!r}; expected one of {', '.join(POLICIES)}")
     return policies[name]()
+
+
+def l3_order(policy: str) -> str:
+    """The order L3's tables keep for a tier policy (``L3_ORDERS``): its own, else ``lru``."""
+    return policy if policy in L3_ORDERS else "lru"
 
 
 class L3Admission:

@@ -12,7 +12,7 @@ from .l3.base import L3Store
 from .l3.cipher import RecordCipher
 from .l3.open import open_l3
 from .page import PageKey
-from .policy import DEFAULT_POLICY
+from .policy import DEFAULT_POLICY, l3_order
 from .tier import TierView
 
 
@@ -73,6 +73,6 @@ def open_l3_of(config: StoreConfig) -> L3Store:
         codec=config.codec,
         queue_pages=config.l3_queue_pages,
         record_bytes=config.page_bytes,
-        policy=config.policy,
+        policy=l3_order(config.policy),
         cipher=config.cipher,
     )

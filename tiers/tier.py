@@ -5,7 +5,10 @@ Invariants kept here:
   refuses a page that does not fit (the caller makes room first).
 - ``victim`` only ever names an unpinned page, in the order of the tier's
   ``EvictionPolicy`` (least recently used first by default), so a pinned page is
-  never evicted.
+  never evicted; with ``needed`` set (leaf-first: ``tiers.lineage``), it passes over a
+  page still needed by a page after it, telling the policy (``EvictionPolicy.kept``),
+  and names none when every unpinned page is needed (the page wanting room then goes
+  elsewhere, as when every page is pinned).
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ class Tier(Generic[Entry]):
         # told (tier, key, tokens in the page, stored or not) of every page indexed or dropped:
         # the one place a page's tier changes (``tiers.residency``)
         self.on_change: Callable[[str, PageKey, int, bool], None] | None = None
+        self.needed: Callable[[PageKey], bool] | None = None  # leaf-first: see ``victim``
 
     def __contains__(self, key: PageKey) -> bool:
         return key in self.entries
@@ -73,8 +77,15 @@ class Tier(Generic[Entry]):
         return len(self.entries) < self.max_pages
 
     def victim(self, pinned: Callable[[PageKey], bool]) -> PageKey | None:
-        """The policy's next unpinned page, or None when every page is pinned."""
-        return self.policy.victim(pinned)
+        """The policy's next unpinned page that no later page needs (``needed``); None when
+        every page is pinned or needed. Each needed page passed over is ordered as the
+        policy orders a kept one, so the search moves on (at most once round the tier)."""
+        for _ in range(len(self.entries)):
+            key = self.policy.victim(pinned)
+            if key is None or self.needed is None or not self.needed(key):
+                return key
+            self.policy.kept(key)
+        return None
 
     def add(self, key: PageKey, entry: Entry, cost: float = 1.0) -> None:
         if len(self.entries) >= self.max_pages:

@@ -5,6 +5,7 @@ hand, the bound on the shared Mooncake trace against an independent count, and
 
 import json
 import subprocess
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -72,27 +73,33 @@ def test_lru_hits_with_two_l1_pages(tmp_path):
 STRANDED = [(1100, 5, [1, 2, 3]), (600, 5, [7, 8]), (1100, 5, [1, 2, 3])]
 
 
-def test_a_page_held_behind_a_missing_one_counts_as_unreachable(tmp_path):
-    """L1 holds two pages, nothing below. r0 publishes 1, 2; r1 publishes 7, evicting 1
-    (least recently used): r2 finds page 2 held but page 1 gone, so 2 is stranded."""
+@pytest.mark.parametrize("policy", ["lru", "cost", "s3fifo"])
+def test_leaf_first_evicts_the_page_after_not_the_one_before(tmp_path, policy):
+    """L1 holds two pages, nothing below. r0 publishes 1, 2; r1 publishes 7: page 1, the
+    oldest, is needed by page 2, so 2 goes (evicting 1 would strand 2: held, never
+    usable); r2 reuses page 1 and publishes 2 again, evicting 7 (1 is pinned). At every
+    eviction each page held has its previous page held."""
     trace = tr.read_trace(trace_file(tmp_path, STRANDED))
-    result = run(trace, l1_bytes=2 * PAGE_BYTES, l2_bytes=0, l3_bytes=0, policy="lru")
-    assert result.reused == [0, 0, 0]
-    assert (result.held_pages, result.stranded_pages) == (1, 1)
-    assert result.report(distinct_pages=3)["unreachable_ratio"] == 1.0
+    result = run(trace, l1_bytes=2 * PAGE_BYTES, l2_bytes=0, l3_bytes=0, policy=policy)
+    assert result.reused == [0, 0, 512]
+    assert (result.held_pages, result.stranded_pages) == (1, 0)
+    report = result.report(distinct_pages=3)
+    assert (report["unreachable_ratio"], report["unreachable_at_eviction"]) == (0.0, 0.0)
+    assert result.evictions["L1"] == 2 and result.peak_bytes["L1"] <= 2 * PAGE_BYTES
 
 
 def test_each_policy_is_reported_against_the_bound_and_belady_at_its_caps(tmp_path):
     """One L1 page, nothing below: Belady keeps page 1 for r1 and r3 (1024 tokens, under
-    the bound's 1536); LRU keeps whatever came last and reuses nothing."""
+    the bound's 1536); LRU keeps page 1 when r0's page 2 comes (leaf-first: 2 is dropped),
+    so r1 reuses it, then keeps whatever came last (512 tokens in all)."""
     trace = tr.read_trace(trace_file(tmp_path, LRU_TRACE))
     base = rp.ReplayConfig(KV_PER_TOKEN, l1_bytes=PAGE_BYTES, l2_bytes=0, l3_bytes=0)
     report = rp.replay(trace, rp.configs_for(base, ["lru", "belady"], ["always"]), Profile.defaults())
     lru, offline = report["policies"]
     prompt = sum(n for n, _, _ in LRU_TRACE)
-    assert (lru["reused_tokens"], offline["reused_tokens"]) == (0, 1024)
-    assert lru["bound_gap_points"] == pytest.approx(100 * 1536 / prompt)
-    assert lru["belady_gap_points"] == pytest.approx(100 * 1024 / prompt)
+    assert (lru["reused_tokens"], offline["reused_tokens"]) == (512, 1024)
+    assert lru["bound_gap_points"] == pytest.approx(100 * (1536 - 512) / prompt)
+    assert lru["belady_gap_points"] == pytest.approx(100 * (1024 - 512) / prompt)
 
 
 REPEAT = [(1100, 5, [1, 2, 3])] * 3  # two reusable pages, asked three times
@@ -107,19 +114,26 @@ def test_spill_to_l3_is_written_once(tmp_path):
     assert result.reused == [0, 1024, 1024]
     assert report["sources"] == {"L1": 1024, "L2": 0, "L3": 1024, "recomputed": 3300 - 2048}
     assert report["l3_bytes_written"] == PAGE_BYTES
+    assert report["l3_bytes_per_day"] == pytest.approx(PAGE_BYTES * 86400 / 2)  # arrivals 0 s .. 2 s
+    later = [replace(r, arrival_s=r.arrival_s + 3600) for r in trace]  # the same two seconds, an hour on
+    assert (
+        run(later, l1_bytes=PAGE_BYTES, l2_bytes=0, l3_bytes=8 * PAGE_BYTES).report(2)["l3_bytes_per_day"]
+        == (report["l3_bytes_per_day"])
+    )
     assert report["link_bytes"]["L1->L3"] == PAGE_BYTES
     assert report["link_bytes"]["L3->L1"] == 2 * PAGE_BYTES
     assert report["l3_write_amplification"] == 0.5
 
 
 def test_second_use_admission_writes_after_the_second_sighting(tmp_path):
-    """r0: page 1 leaves L1 seen once: not written. r1 misses, recomputes 1 (seen twice)
-    and 2 (seen twice): page 2 leaves L1 first, then page 1, admitted. r2 reuses both."""
+    """r0: page 2 finds L1 holding page 1, which it needs (leaf-first), and goes below,
+    seen once: not written. r1 reuses 1 (seen twice) and recomputes 2 (seen twice),
+    which goes below again, admitted. r2 reuses both."""
     trace = tr.read_trace(trace_file(tmp_path, REPEAT))
     result = run(trace, l1_bytes=PAGE_BYTES, l2_bytes=0, l3_bytes=8 * PAGE_BYTES, l3_admit="second-use")
-    assert result.reused == [0, 0, 1024]
+    assert result.reused == [0, 512, 1024]
     assert result.l3_pages_written == 1
-    assert result.l3_writes_refused == 2
+    assert result.l3_writes_refused == 1
 
 
 def test_decode_seconds_is_the_sum_of_one_token_steps():
@@ -257,12 +271,13 @@ def test_cli_replay_plots_a_sweep(tmp_path):
 
 def test_belady_keeps_the_page_used_soonest(tmp_path):
     """Two pages of room: r1's page 5 is used again later than pages 1, 2, so it goes;
-    r2 reuses 1, 2 (then never used again, they go); r3 misses 5. Three pages: all reuse."""
+    r2 reuses 1, 2 (then never used again, they go); r3 misses 5. Three pages: all reuse.
+    LRU (leaf-first) lets page 2 go for 5, and 5 for 2 at r2: r2 reuses page 1 only."""
     trace = tr.read_trace(trace_file(tmp_path, [(1100, 1, [1, 2, 3]), (600, 1, [5, 6])] * 2))
     assert bd.belady(trace, 512, 2) == [0, 0, 1024, 0]
     assert bd.belady(trace, 512, 3) == [0, 0, 1024, 512] == bd.infinite_cache(trace, 512)
     lru = run(trace, l1_bytes=2 * PAGE_BYTES, l2_bytes=0, l3_bytes=0, policy="lru")
-    assert lru.reused == [0, 0, 0, 0]  # page 5 evicted page 1
+    assert lru.reused == [0, 0, 512, 0]
 
 
 STATE_BYTES = 1 << 20  # a hybrid model's snapshot
@@ -306,3 +321,38 @@ def test_cli_replay_of_a_hybrid_geometry(tmp_path):
     assert refused.returncode == 2 and refused.stderr.strip() == (
         "kvtier: error: --state-bytes goes with --kv-bytes-per-token (a --model's state size is its own)"
     )
+
+
+SCAN = [(1100, 5, [1, 2, 3]), (1100, 5, [1, 2, 4]), (12 * 512 + 1, 5, list(range(100, 113))), (1100, 5, [1, 2, 5])]
+
+
+def test_a_scan_of_one_hit_pages_does_not_evict_a_reused_prefix_under_s3fifo(tmp_path):
+    """L1 holds four pages, nothing below. r1 reuses r0's pages 1, 2; r2 publishes twelve
+    pages never seen again. Under lru they push 1, 2 out; under s3fifo they pass through
+    the small queue while 1, 2, used, move to the main one: r3 reuses them."""
+    trace = tr.read_trace(trace_file(tmp_path, SCAN))
+    reused = {}
+    for policy in ("lru", "s3fifo"):
+        result = run(trace, l1_bytes=4 * PAGE_BYTES, l2_bytes=0, l3_bytes=0, policy=policy)
+        assert result.peak_bytes["L1"] <= 4 * PAGE_BYTES
+        reused[policy] = result.reused
+    assert reused == {"lru": [0, 1024, 0, 0], "s3fifo": [0, 1024, 0, 1024]}
+
+
+# A 4-page prefix shared by ten requests, each with a 3-page tail of its own (7 reusable pages).
+SHARED_PREFIX = [(7 * 512 + 1, 5, [1, 2, 3, 4, 100 + 3 * r, 101 + 3 * r, 102 + 3 * r, 999]) for r in range(10)]
+
+
+@pytest.mark.parametrize("policy", ["lru", "cost", "s3fifo"])
+@pytest.mark.parametrize("l1_pages, l2_pages", [(6, 0), (1, 6)])
+def test_leaf_first_keeps_a_long_shared_prefix_under_many_tails(tmp_path, policy, l1_pages, l2_pages):
+    """Six pages in L1, or one in L1 and six in L2, nothing below: a request's prefix and
+    tail do not fit. Each tail page leaves before the prefix pages it needs (a new tail
+    page never pushes out the page before it), so every request after the first reuses
+    the whole prefix."""
+    trace = tr.read_trace(trace_file(tmp_path, SHARED_PREFIX))
+    caps = {"l1_bytes": l1_pages * PAGE_BYTES, "l2_bytes": l2_pages * PAGE_BYTES}
+    result = run(trace, l3_bytes=0, policy=policy, **caps)
+    assert result.reused == [0] + [4 * 512] * 9
+    assert result.report(distinct_pages=34)["unreachable_at_eviction"] == 0.0
+    assert result.peak_bytes["L1"] <= caps["l1_bytes"] and result.peak_bytes["L2"] <= caps["l2_bytes"]

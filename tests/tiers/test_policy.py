@@ -77,16 +77,19 @@ def store(policy: str, **caps) -> TieredStore:
     return TieredStore(GEOMETRY, NS, StoreConfig(policy=policy, page_bytes=1000, **caps))
 
 
+FIRST = [page_keys(NS, TOKENS[4 * i : 4 * i + 4])[0] for i in range(3)]  # three one-page prompts
+
+
 @pytest.mark.parametrize("policy, kept", [("lru", [1, 2]), ("cost", [0, 2])])
 def test_l1_victim_follows_the_policy(policy, kept):
     s = store(policy, l1_bytes=2000, l2_bytes=0)
     for i in (0, 1):
-        s.publish(KEYS[i], TOKENS[4 * i : 4 * i + 4], KV)
+        s.publish(FIRST[i], TOKENS[4 * i : 4 * i + 4], KV)
     for _ in range(3):  # page 0 used more often, page 1 more recently
-        s.release(s.restore(KEYS[:1], TOKENS).keys)
-    s.release(s.restore(KEYS, TOKENS, first=1).keys)
-    s.publish(KEYS[2], TOKENS[8:12], KV)
-    assert sorted(KEYS.index(k) for k in s.l1) == kept
+        s.release(s.restore(FIRST[:1], TOKENS[:4]).keys)
+    s.release(s.restore(FIRST[1:2], TOKENS[4:8]).keys)
+    s.publish(FIRST[2], TOKENS[8:12], KV)
+    assert sorted(FIRST.index(k) for k in s.l1) == kept
 
 
 def test_caps_count_accounted_page_bytes():

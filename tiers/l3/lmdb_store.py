@@ -27,7 +27,7 @@ import lmdb
 import numpy as np
 from xxhash import xxh3_64_intdigest
 
-from ..policy import POLICIES
+from ..policy import L3_ORDERS
 from ..text import format_bytes
 from . import lmdb_space
 from .base import L3Store, ReadThrough, Snapshot, StoreError
@@ -140,8 +140,8 @@ class DiskTier(L3Store):
             readonly=readonly,
             cipher=cipher,
         )
-        if policy not in POLICIES:
-            raise ValueError(f"unknown eviction policy {policy!r}; expected one of {', '.join(POLICIES)}")
+        if policy not in L3_ORDERS:
+            raise ValueError(f"unknown L3 eviction order {policy!r}; expected one of {', '.join(L3_ORDERS)}")
         self.path = Path(path)
         self._record_bytes = record_bytes  # what a record counts against the cap; None: its size
         self._options = (map_size, capacity_bytes, policy, record_bytes)  # to reopen a replaced store
