@@ -4,7 +4,7 @@ from every tier with mlx-lm's own greedy output, and only the window read for th
 from __future__ import annotations
 
 import pytest
-from mlx_lm.models.cache import RotatingKVCache
+from mlx_lm.models.cache import ChunkedKVCache, RotatingKVCache
 
 from kvtier.engine.engine import Engine, EngineConfig
 from kvtier.engine.models.load import ModelError, layer_kind, load_model
@@ -128,6 +128,8 @@ def test_a_restored_and_a_fresh_request_in_one_batch(gemma, tmp_path):
 def test_what_cannot_be_served_is_refused_in_one_line_naming_it(gemma):
     with pytest.raises(ModelError, match=r"^kvtier cannot serve RotatingKVCache\(keep=4\)"):
         layer_kind(RotatingKVCache(max_size=64, keep=4))  # what make_prompt_cache(max_kv_size=...) builds
+    with pytest.raises(ModelError, match=r"^kvtier cannot serve ChunkedKVCache layers: mlx-lm's BatchGenerator"):
+        layer_kind(ChunkedKVCache(32))  # Llama 4's chunked attention: no merge, so no batch
     with pytest.raises(ModelError, match=r"^page size 64 is larger than this model's sliding window \(32 tokens\)$"):
         gemma.geometry(64)
 
