@@ -29,18 +29,12 @@ sys.path.insert(0, str(REPO))
 from kvtier.engine.models.load import LoadedModel, ModelError  # noqa: E402
 from tests.engine.kind_models import CONFIGS  # noqa: E402
 
-BASE = {  # small sizes under the names most architectures use
-    "hidden_size": 64,
-    "num_hidden_layers": 4,
-    "intermediate_size": 128,
-    "num_attention_heads": 2,
-    "num_key_value_heads": 1,
-    "head_dim": 32,
-    "vocab_size": 259,
+GEMMA_ONLY = ("model_type", "query_pre_attn_scalar", "sliding_window_pattern")
+BASE = {  # the tests' gemma3_text sizes, under the names most architectures use
+    **{name: value for name, value in CONFIGS["gemma3_text"].items() if name not in GEMMA_ONLY},
     "rms_norm_eps": 1e-5,
     "norm_eps": 1e-5,
     "max_position_embeddings": 4096,
-    "sliding_window": 32,
     "rope_theta": 10000.0,
     "tie_word_embeddings": True,
 }
