@@ -14,7 +14,7 @@ from kvtier.tiers.links import Link
 from kvtier.tiers.page import reusable_pages
 
 from ..tiers.lmdb_files import damage_last_byte
-from .conftest import mlx_lm_greedy, stored_once, text_prompt
+from .conftest import mlx_lm_greedy, shared_start_after_restart, stored_once, text_prompt
 from .kind_models import CONFIGS, restoring_wins, write_model
 
 PAGE = 16
@@ -88,15 +88,7 @@ def test_window_model_restored_from_l2_reads_only_the_window(gemma, tmp_path):
 def test_window_model_shared_start_restores_at_another_length(gemma, tmp_path):
     """A second prompt sharing only the first pages restores a shorter prefix: its
     window is other pages' window rows, read from LMDB after a restart."""
-    first = text_prompt(gemma, 160, seed=5)
-    second = first[:70] + text_prompt(gemma, 40, seed=6)
-    expected = mlx_lm_greedy(gemma, second, GREEDY.max_tokens)
-    engine = make_engine(gemma, tmp_path)
-    run_one(engine, first)
-    engine.close()
-    engine = make_engine(gemma, tmp_path)
-    request = run_one(engine, second)
-    engine.close()
+    request, expected = shared_start_after_restart(gemma, make_engine, tmp_path, 70, GREEDY.max_tokens)
     assert request.output == expected and request.sources()["L3"] == 64  # 4 pages of the 70 shared tokens
 
 

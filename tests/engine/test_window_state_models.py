@@ -10,7 +10,7 @@ import pytest
 
 from kvtier.engine.models.load import load_model
 
-from .conftest import mlx_lm_greedy, text_prompt
+from .conftest import mlx_lm_greedy, shared_start_after_restart, text_prompt
 from .kind_models import write_model
 from .test_hybrid_models import GREEDY, make_engine, run_one, sources
 
@@ -45,13 +45,5 @@ def test_restored_from_l1_l2_and_lmdb_after_a_restart_equals_mlx_lm(model, tmp_p
 def test_a_shorter_shared_start_restores_from_an_earlier_snapshot(model, tmp_path):
     """70 shared tokens: 4 full pages, the snapshot after page 4 (one every 2 pages) and
     the window rows of pages 3 and 4, read from LMDB after a restart."""
-    first = text_prompt(model, 150, seed=5)
-    second = first[:70] + text_prompt(model, 40, seed=6)
-    expected = mlx_lm_greedy(model, second, GREEDY.max_tokens)
-    engine = make_engine(model, tmp_path)
-    run_one(engine, first)
-    engine.close()
-    engine = make_engine(model, tmp_path)
-    request = run_one(engine, second)
-    engine.close()
+    request, expected = shared_start_after_restart(model, make_engine, tmp_path, 70, GREEDY.max_tokens)
     assert request.output == expected and request.sources() == sources(l3=64, recomputed=46)
