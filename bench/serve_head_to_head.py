@@ -5,7 +5,8 @@ every conversation before turn t+1 of any). Then both servers restart and the sa
 workload runs again: mlx_lm.server's prompt cache lived in its RAM; kvtier's pages were
 flushed to L3 on SIGTERM.
 
-    python bench/serve_head_to_head.py [--model DIR] [--conversations 8] [--turns 6] [--json]
+    python bench/serve_head_to_head.py [--model DIR] [--conversations 8] [--turns 6]
+                                       [--system-tokens 3000] [--json]
 
 Reports TTFT p50 / p95 and total time per server and pass, and the ratios kvtier /
 mlx_lm.server (the goal: <= 1 on the first pass, <= 0.2 after the restart). Also the
@@ -56,6 +57,10 @@ SYSTEM = (
     "briefly what you do. Keep changes small and run the tests after each one.\n\nTools:\n"
     + "\n".join(json.dumps(tool) for tool in TOOLS)
 )
+NOTES = (
+    "Project notes: pages are written once and never changed; a restore checks each page's checksum; "
+    "the tests run under pytest-xdist, so they use free ports and temporary directories only. "
+)
 TASKS = [
     "Fix the failing test in tests/test_cache.py.",
     "Add a --verbose flag to the CLI.",
@@ -75,9 +80,21 @@ FOLLOW_UPS = [
 ]
 
 
-def run_pass(server: Server, conversations: int, turns: int, max_tokens: int) -> dict:
+def system_prompt(model: str, tokens: int) -> str:
+    """SYSTEM followed by as many ``NOTES`` as bring it to ``tokens`` tokens of the model's
+    tokenizer (an agent's long system prompt; 0: SYSTEM alone)."""
+    from kvtier.engine.models.load import load_tokenizer
+
+    tokenizer, _ = load_tokenizer(model)
+    text = SYSTEM
+    while len(tokenizer.encode(text)) < tokens:
+        text += NOTES
+    return text
+
+
+def run_pass(server: Server, system: str, conversations: int, turns: int, max_tokens: int) -> dict:
     histories = [
-        [{"role": "system", "content": SYSTEM}, {"role": "user", "content": TASKS[c % len(TASKS)]}]
+        [{"role": "system", "content": system}, {"role": "user", "content": TASKS[c % len(TASKS)]}]
         for c in range(conversations)
     ]
     ttfts, first_turns, cached, prompt = [], [], 0, 0
@@ -116,10 +133,12 @@ def main() -> int:
     parser.add_argument("--turns", type=int, default=6)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--page-size", type=int, default=128)
+    parser.add_argument("--system-tokens", type=int, default=0, help="pad the system prompt to this many tokens")
     parser.add_argument("--port", type=int, default=8711)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     model = args.model or default_model_dir()
+    system = system_prompt(model, args.system_tokens)
     store = Path(tempfile.mkdtemp(prefix="kvtier-h2h-"))
     servers = {
         "kvtier": lambda: kvtier_server(model, args.port, store, "--page-size", str(args.page_size)),
@@ -131,7 +150,7 @@ def main() -> int:
             server = make().start()
             try:
                 results.setdefault(name, {})[pass_name] = run_pass(
-                    server, args.conversations, args.turns, args.max_tokens
+                    server, system, args.conversations, args.turns, args.max_tokens
                 )
             finally:
                 server.stop()
@@ -149,13 +168,19 @@ def main() -> int:
         }
         for p in ("first", "after_restart")
     }
-    report = {"model": model, "page_size": args.page_size, "results": results, "kvtier_over_mlx_lm": ratios}
+    report = {
+        "model": model,
+        "page_size": args.page_size,
+        "system_tokens": args.system_tokens,
+        "results": results,
+        "kvtier_over_mlx_lm": ratios,
+    }
     if args.json:
         print(json.dumps(report))
         return 0
     print(
         f"model {model}, {args.conversations} conversations x {args.turns} turns, "
-        f"{args.max_tokens} tokens per answer, page size {args.page_size}"
+        f"{args.max_tokens} tokens per answer, page size {args.page_size}, system prompt >= {args.system_tokens} tokens"
     )
     print(
         f"{'server':<14} {'pass':<14} {'TTFT p50':>9} {'TTFT p95':>9} {'request 1':>9} {'turn 1':>8} {'later':>8} "

@@ -3,7 +3,8 @@
 Every ``spacing`` pages, and always at the last full page of the prompt (a restart
 resumes there; the state at the prompt's very end stays in L1 with its partial page).
 The engine cuts prefill chunks at these boundaries so that the state there exists,
-and adds one at the end of a prefix that a follower waits for (prefix single flight).
+and adds one at the end of the prefix a prompt shares with stored pages, and at the end
+of a prefix that a follower waits for (prefix single flight).
 
 ``choose_spacing`` is the cost model's choice of ``spacing``. Its assumption: a later
 prompt shares a prefix of this one that ends at a page boundary anywhere in it, each
@@ -44,12 +45,14 @@ def choose_spacing(profile: Profile, page_size: int, snapshot_bytes: int, prompt
     return min(range(1, pages + 1), key=cost)
 
 
-def snapshot_pages(prompt_tokens: int, page_size: int, spacing: int) -> list[int]:
+def snapshot_pages(prompt_tokens: int, page_size: int, spacing: int, shared: int = 0) -> list[int]:
     """The page counts after which a prefill of ``prompt_tokens`` tokens keeps a
-    snapshot: multiples of ``spacing`` and the last full page before the prompt's last
-    token, in order."""
+    snapshot: multiples of ``spacing``, the last full page before the prompt's last
+    token, and ``shared``, the pages it shares with stored ones (the end of a prefix two
+    prompts share, such as a system prompt: the next prompt to share it restores all of
+    it, not only up to the snapshot before its end), in order."""
     last = (prompt_tokens - 1) // page_size
-    return sorted({*range(spacing, last + 1, spacing), last} - {0})
+    return sorted({*range(spacing, last + 1, spacing), last, min(shared, last)} - {0})
 
 
 def prefill_segments(prompt: list[int], done: int, page_size: int, points: list[int]) -> list[list[int]]:

@@ -304,7 +304,10 @@ class Engine:
                 self.profile, self.config.page_size, self.geometry.snapshot_nbytes, len(request.prompt)
             )
             request.snapshot_pages = snapshot_pages(
-                len(request.prompt), self.config.page_size, request.snapshot_spacing
+                len(request.prompt),
+                self.config.page_size,
+                request.snapshot_spacing,
+                request.matched_tokens // self.config.page_size,
             )
         self._insert(request, cache, request.prompt[: request.prefix_tokens])
         if self._prefix_flight:

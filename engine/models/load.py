@@ -67,21 +67,26 @@ class LoadedModel:
         attention = [c for c, k in zip(cache, kinds) if k.name != "state"]
         if not attention:
             raise ModelError(
-                "kvtier needs at least one attention layer (a model of recurrent layers only has no pages)"
+                "kvtier cannot serve a model of ArraysCache layers only: "
+                "a snapshot is keyed by the attention pages before it, and this model has none"
             )
-        shapes = {(*c.state[0].shape[1::2], *c.state[1].shape[1::2]) for c in attention}  # heads, head dims
+        shapes = sorted({(c.state[0].shape[1], c.state[0].shape[3], c.state[1].shape[3]) for c in attention})
         if len(shapes) > 1:
-            raise ModelError("kvtier needs the same KV heads and head dimension in every layer")
-        keys, values = attention[0].state[:2]
-        if keys.shape[-1] != values.shape[-1]:
-            raise ModelError("kvtier needs equal key and value head dimensions")
+            described = ", ".join(f"{h} KV heads of {k}" + (f"/{v}" if v != k else "") for h, k, v in shapes)
+            raise ModelError(f"kvtier cannot page attention layers of different shapes in one model ({described})")
+        ((heads, key_dim, value_dim),) = shapes
+        if key_dim != value_dim:
+            raise ModelError(
+                f"kvtier cannot page {type(attention[0]).__name__} layers whose keys and values differ "
+                f"in head dimension ({key_dim} and {value_dim})"
+            )
         try:
             return PageGeometry(
                 num_layers=len(attention),
-                num_kv_heads=keys.shape[1],
-                head_dim=keys.shape[3],
+                num_kv_heads=heads,
+                head_dim=key_dim,
                 page_size=page_size,
-                dtype=str(keys.dtype).removeprefix("mlx.core."),
+                dtype=str(attention[0].state[0].dtype).removeprefix("mlx.core."),
                 kinds=kinds if any(k.name != "kv" for k in kinds) else (),
             )
         except ValueError as err:
@@ -112,9 +117,11 @@ class LoadedModel:
 def layer_kind(cache: object) -> LayerKind:
     """The kind of one of a model's leaf caches (``engine.cache_layers.leaves``: a
     ``CacheList`` is its caches; a state layer's arrays are known once a token has
-    passed); ModelError naming the cache class for one kvtier cannot restore (yet:
-    ``ChunkedKVCache`` and the others; for good: a rotating cache that keeps its first
-    tokens, which mlx-lm's ``BatchGenerator`` drops when it batches the cache)."""
+    passed); ModelError naming the cache class for one kvtier cannot serve: one that
+    mlx-lm's ``BatchGenerator`` cannot batch (no ``merge``: ``ChunkedKVCache``,
+    ``ConcatenateKVCache``, ``QuantizedKVCache``; kvtier runs every request in it), a
+    rotating cache that keeps its first tokens (which ``BatchGenerator`` drops when it
+    batches the cache), and any other class (it is not known how to restore it)."""
     if type(cache) is KVCache:
         return GLOBAL
     if type(cache) is RotatingKVCache and cache.keep == 0:
@@ -126,6 +133,11 @@ def layer_kind(cache: object) -> LayerKind:
     if type(cache) is RotatingKVCache:
         raise ModelError(
             f"kvtier cannot serve RotatingKVCache(keep={cache.keep}): mlx-lm's BatchGenerator drops the kept tokens"
+        )
+    if not hasattr(cache, "merge"):
+        raise ModelError(
+            f"kvtier cannot serve {type(cache).__name__} layers: "
+            "mlx-lm's BatchGenerator, which kvtier runs every request in, cannot batch them"
         )
     raise ModelError(
         f"kvtier cannot restore {type(cache).__name__} layers yet; "

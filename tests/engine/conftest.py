@@ -6,6 +6,7 @@ from mlx_lm.generate import stream_generate
 
 from kvtier.engine.models.defaults import REAL_MODEL, REAL_MODEL_DISTRIBUTION, TINY_MODEL, packaged_gguf
 from kvtier.engine.models.load import load_model
+from kvtier.engine.request import SamplingParams
 from kvtier.tiers.page import page_keys
 
 _TAKES_MODEL = {"run", "calibrate", "bench", "serve"}
@@ -57,6 +58,19 @@ def stored_once(engine, prompt: list[int]) -> list:
     engine.generate([prompt])
     engine.close()
     return page_keys(engine.namespace, prompt)
+
+
+def shared_start_after_restart(loaded, make_engine, store_dir, shared: int, max_tokens: int):
+    """A 160-token prompt run and stored, then, on a restarted engine
+    (``make_engine(loaded, store_dir)``), a prompt sharing its first ``shared`` tokens:
+    that request, and mlx-lm's greedy output for its prompt."""
+    first = text_prompt(loaded, 160, seed=5)
+    second = first[:shared] + text_prompt(loaded, 40, seed=6)
+    for prompt in (first, second):
+        engine = make_engine(loaded, store_dir)
+        (request,) = engine.generate([prompt], SamplingParams(max_tokens=max_tokens))
+        engine.close()
+    return request, mlx_lm_greedy(loaded, second, max_tokens)
 
 
 def wait_until(predicate, what: str, timeout: float = 60):

@@ -10,8 +10,13 @@ so that outputs depend on the context. Sizes are tiny so each test runs in secon
 - ``lfm2``: a recurrent hybrid, short-convolution layers (``ArraysCache``: one state
   array of the last ``conv_L_cache - 1`` inputs) between attention layers;
 - ``falcon_h1``: a ``CacheList`` (Mamba-2 state and KV) per layer;
-- ``llama4``: chunked-attention layers (``ChunkedKVCache``), a kind kvtier does not
-  restore yet (its refusal names it).
+- ``recurrent_gemma``: recurrent blocks (``ArraysCache``) and sliding-window attention
+  blocks (``RotatingKVCache``), no global layer;
+- ``baichuan_m1``: a ``CacheList`` per layer of a short-convolution state over K/V
+  (``ArraysCache``) and a window or global KV cache;
+- ``mamba`` (recurrent layers only) and ``llama4`` (chunked-attention layers,
+  ``ChunkedKVCache``, which mlx-lm's ``BatchGenerator`` cannot batch): refused, the
+  kind named.
 """
 
 from __future__ import annotations
@@ -81,6 +86,50 @@ CONFIGS = {
         "mamba_n_heads": 4,
         "mamba_chunk_size": 16,
     },
+    "recurrent_gemma": {
+        "model_type": "recurrent_gemma",
+        "vocab_size": _VOCAB,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "attention_bias": False,
+        "conv1d_width": 4,
+        "logits_soft_cap": 30.0,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "attention_window_size": 32,
+        "lru_width": 64,
+        "block_types": ["recurrent", "recurrent", "attention"],
+    },
+    "baichuan_m1": {
+        "model_type": "baichuan_m1",
+        "vocab_size": _VOCAB,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "rope_theta": 10000.0,
+        "sliding_window": 32,
+        "sliding_window_layers": [0, 2],
+        "conv_window": 2,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": False,
+    },
+    "mamba": {
+        "model_type": "mamba",
+        "vocab_size": _VOCAB,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "state_size": 16,
+        "conv_kernel": 4,
+        "use_bias": False,
+        "use_conv_bias": True,
+        "time_step_rank": 8,
+    },
     "llama4": {
         "model_type": "llama4",
         "text_config": {
@@ -119,7 +168,7 @@ def _weight(name: str, shape: tuple[int, ...]) -> np.ndarray:
 def write_model(directory: Path, architecture: str, **sizes: object) -> Path:
     """Write the generated ``architecture`` model into ``directory``, its config's
     ``sizes`` changed (a bench sizes one like a real model); returns it."""
-    config = {**CONFIGS[architecture], **sizes, "eos_token_id": EOS_TOKEN_ID, "tie_word_embeddings": True}
+    config = {"tie_word_embeddings": True, **CONFIGS[architecture], **sizes, "eos_token_id": EOS_TOKEN_ID}
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps(config, indent=2))
     for name in _TOKENIZER_FILES:

@@ -131,13 +131,20 @@ def test_bad_input_is_one_line_exit_2_and_the_store_is_intact(store, tmp_path, a
     assert store_state(store) == before
 
 
-def test_unsupported_model_is_one_line_and_exit_2(tmp_path):
-    """A model with chunked-attention layers: refused before any work, the kind named."""
-    model_dir = write_model(tmp_path / "llama4", "llama4")
+@pytest.mark.parametrize(
+    "architecture, message",
+    [
+        ("llama4", "kvtier cannot serve ChunkedKVCache layers: mlx-lm's BatchGenerator"),  # chunked attention
+        ("mamba", "kvtier cannot serve a model of ArraysCache layers only"),  # recurrent layers, no attention
+    ],
+)
+def test_unsupported_model_is_one_line_and_exit_2(tmp_path, architecture, message):
+    """A model kvtier cannot serve: refused before any work, the kind named."""
+    model_dir = write_model(tmp_path / architecture, architecture)
     for argv in (["run", "--prompt", "hi"], ["calibrate"], ["bench", "restore"]):
         done = kvtier(*argv, "--model", str(model_dir), "--store", str(tmp_path / "s"), check=False)
         assert done.returncode == 2, done.stderr
-        assert "kvtier cannot restore ChunkedKVCache layers yet" in done.stderr
+        assert message in done.stderr
         assert len(done.stderr.strip().splitlines()) == 1
 
 

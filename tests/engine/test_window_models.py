@@ -4,7 +4,7 @@ from every tier with mlx-lm's own greedy output, and only the window read for th
 from __future__ import annotations
 
 import pytest
-from mlx_lm.models.cache import RotatingKVCache
+from mlx_lm.models.cache import ChunkedKVCache, RotatingKVCache
 
 from kvtier.engine.engine import Engine, EngineConfig
 from kvtier.engine.models.load import ModelError, layer_kind, load_model
@@ -14,7 +14,7 @@ from kvtier.tiers.links import Link
 from kvtier.tiers.page import reusable_pages
 
 from ..tiers.lmdb_files import damage_last_byte
-from .conftest import mlx_lm_greedy, stored_once, text_prompt
+from .conftest import mlx_lm_greedy, shared_start_after_restart, stored_once, text_prompt
 from .kind_models import CONFIGS, restoring_wins, write_model
 
 PAGE = 16
@@ -88,15 +88,7 @@ def test_window_model_restored_from_l2_reads_only_the_window(gemma, tmp_path):
 def test_window_model_shared_start_restores_at_another_length(gemma, tmp_path):
     """A second prompt sharing only the first pages restores a shorter prefix: its
     window is other pages' window rows, read from LMDB after a restart."""
-    first = text_prompt(gemma, 160, seed=5)
-    second = first[:70] + text_prompt(gemma, 40, seed=6)
-    expected = mlx_lm_greedy(gemma, second, GREEDY.max_tokens)
-    engine = make_engine(gemma, tmp_path)
-    run_one(engine, first)
-    engine.close()
-    engine = make_engine(gemma, tmp_path)
-    request = run_one(engine, second)
-    engine.close()
+    request, expected = shared_start_after_restart(gemma, make_engine, tmp_path, 70, GREEDY.max_tokens)
     assert request.output == expected and request.sources()["L3"] == 64  # 4 pages of the 70 shared tokens
 
 
@@ -128,6 +120,8 @@ def test_a_restored_and_a_fresh_request_in_one_batch(gemma, tmp_path):
 def test_what_cannot_be_served_is_refused_in_one_line_naming_it(gemma):
     with pytest.raises(ModelError, match=r"^kvtier cannot serve RotatingKVCache\(keep=4\)"):
         layer_kind(RotatingKVCache(max_size=64, keep=4))  # what make_prompt_cache(max_kv_size=...) builds
+    with pytest.raises(ModelError, match=r"^kvtier cannot serve ChunkedKVCache layers: mlx-lm's BatchGenerator"):
+        layer_kind(ChunkedKVCache(32))  # Llama 4's chunked attention: no merge, so no batch
     with pytest.raises(ModelError, match=r"^page size 64 is larger than this model's sliding window \(32 tokens\)$"):
         gemma.geometry(64)
 
