@@ -57,20 +57,22 @@ def _fresh_page(driver, url: str) -> None:
     """Load the page and wait for a poll that started after now."""
     driver.get(url + "/dashboard")
     since = time.time() * 1000
-    WebDriverWait(driver, 30).until(
-        lambda d: float(d.find_element(By.ID, "status").get_attribute("data-updated") or 0) > since
-    )
+    WebDriverWait(driver, 30).until(lambda d: float(_attribute(d, "#status", "data-updated") or 0) > since)
 
 
 def _wait_poll(driver) -> None:
     since = time.time() * 1000
-    WebDriverWait(driver, 30).until(
-        lambda d: float(d.find_element(By.ID, "status").get_attribute("data-updated") or 0) > since
-    )
+    WebDriverWait(driver, 30).until(lambda d: float(_attribute(d, "#status", "data-updated") or 0) > since)
+
+
+def _attribute(driver, css: str, name: str) -> str | None:
+    """One attribute of the element ``css`` names, read in one script: the page redraws
+    its tables at each poll, so an element found in one call may be gone by the next."""
+    return driver.execute_script("return document.querySelector(arguments[0])?.getAttribute(arguments[1])", css, name)
 
 
 def _value(driver, css: str) -> str:
-    return driver.find_element(By.CSS_SELECTOR, css).get_attribute("data-value")
+    return _attribute(driver, css, "data-value")
 
 
 def test_the_page_shows_the_stats_without_console_errors(served, browser, tmp_path):

@@ -68,5 +68,5 @@ def test_a_store_with_s3fifo_keeps_lru_order_in_l3(tmp_path):
         kv = mx.zeros(GEOMETRY.shape, dtype=mx.float16)
         for i in range(3):  # each pushes the one before down to L3; L3 holds two
             store.publish(KEYS[i], TOKENS[4 * i : 4 * i + 4], kv)
-        store.flush()
+        store.keeping.flush()
         assert [store.has(key) for key in KEYS] == [False, True, True]
