@@ -29,6 +29,7 @@ import os
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
 
 import mlx.core as mx
@@ -169,7 +170,7 @@ class Replay:
 
     def run(self, on_request: Callable[[], None] | None = None) -> ReplayResult:
         with tempfile.TemporaryDirectory(prefix="kvtier-replay-", dir=fast_tmp()) as tmp:
-            store = TieredStore(self.geometry, self.namespace, self.store_config(Path(tmp)))
+            store = self.new_store(self.store_config(Path(tmp)))
             try:
                 result = ReplayResult(self.config)
                 if self.trace:
@@ -186,6 +187,13 @@ class Replay:
                 return result
             finally:
                 store.close()
+
+    def new_store(self, config: StoreConfig) -> TieredStore:
+        """A store for this replay, whose pages cost their recompute by the profile's
+        prefill model at their depth (as the engine's do)."""
+        store = TieredStore(self.geometry, self.namespace, config)
+        store.page_cost.by_index = partial(self.profile.compute.page_seconds, self.config.page_size)
+        return store
 
     def store_config(self, store_dir: Path) -> StoreConfig:
         c = self.config
@@ -247,8 +255,9 @@ class Replay:
         result.sources[Source.RECOMPUTED.value] += request.input_length - len(restored) * size
         result.reused.append(len(restored) * size)
         result.prompt_tokens += request.input_length
-        for i in range(plan.restore_pages, len(keys)):  # as the engine publishes: no cost hint
-            store.publish(keys[i], tokens[i * size : (i + 1) * size], self.kv, parent=keys[i - 1] if i else None)
+        for i in range(plan.restore_pages, len(keys)):  # as the engine publishes: with its cost at its depth
+            page = tokens[i * size : (i + 1) * size]
+            store.publish(keys[i], page, self.kv, store.page_cost(i), parent=keys[i - 1] if i else None)
         for j in self.snapshot_points(request) if self.snapshot_points else ():
             if j > len(restored):
                 store.publish_snapshot(keys[j - 1], tokens[(j - 1) * size : j * size], self.state)
