@@ -71,6 +71,7 @@ from .snapshots import Snapshots
 from .stats import L3Place, StoreStats
 from .store_config import StoreConfig, StoreView, open_l3_of
 from .tier import DevicePage, DeviceTier, HostTier
+from .write_budget import WriteBudget
 
 __all__ = ["PartialMatch", "PendingRestore", "RestoredPrefix", "StoreConfig", "StoreView", "TieredStore"]
 
@@ -109,6 +110,9 @@ class TieredStore:
         self.ledger = LinkLedger()
         self.links = self.ledger.links  # link name -> LinkStats of this process
         self.pins = Pins()
+        self.budget = (  # L3 writes under a byte rate (tiers.write_budget); None: unbudgeted
+            WriteBudget(config.l3_write_budget, page_bytes, config.clock) if config.l3_write_budget else None
+        )
         self.placement = Placement(
             self.l1,
             self.l2,
@@ -121,6 +125,7 @@ class TieredStore:
             geometry.segments,
             page_quantizer(geometry, config.codec),
         )
+        self.placement.budget = self.budget
         self.snapshots = (
             Snapshots(
                 geometry,
