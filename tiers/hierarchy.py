@@ -157,6 +157,7 @@ class TieredStore:
         self.partials = PartialPages(self.l1, self.placement, geometry.page_size, hybrid, self._lock)
         self.residency = Residency(self._lock, self.l1, self.l2, geometry.page_size)  # who holds which page, as changes
         self.lineage = leaf_first(self.residency, self.l1, self.l2)  # which page follows which: evict leaves first
+        self.placement.depth = self.lineage.depth  # the write budget ranks a shallower page first
         # What recomputing page i of a prompt costs: set by the engine and the replay from their
         # prefill model; publishers pass it, and a page restored from L3 is given it
         self.page_cost = self.restorer.page_cost = self.partials.page_cost = PageCost()

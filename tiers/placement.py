@@ -101,6 +101,7 @@ class Placement:
         self.ledger = ledger
         self.pins = pins
         self.budget: WriteBudget | None = None  # the store's L3 write budget (``StoreConfig.l3_write_budget``)
+        self.depth: Callable[[PageKey], int] = lambda key: 0  # pages before a page (the store's ``lineage.depth``)
 
     def make_room(self, tier: Tier) -> bool:
         """Evict the policy's unpinned victims from ``tier`` until one page fits."""
@@ -163,7 +164,7 @@ class Placement:
         if in_l3 or self.disk.writer.queued(key):
             return True
         if saving is not None and self.budget is not None and self.admission.would_admit(key):
-            if not self.budget.admits(saving):
+            if not self.budget.admits(self.budget.worth(self.depth(key), saving)):
                 source = self.l2 if link is Link.L2_L3 else self.l1
                 source.counters = source.counters.plus(writes_over_budget=1)
                 return False

@@ -24,12 +24,24 @@ def test_a_draining_bucket_writes_the_pages_worth_most():
     written = {1.0: 0, 10.0: 0}
     for i in range(40):
         saving = 10.0 if i % 2 else 1.0
-        written[saving] += budget.admits(saving)
+        written[saving] += budget.admits(WriteBudget.worth(3, saving))
     assert sum(written.values()) <= 6 and written[10.0] > written[1.0] >= 1
     assert budget.skipped == 40 - sum(written.values())
     now[0] = BURST_S  # a minute on: the bucket is full again
-    again = sum(budget.admits(10.0) for _ in range(40))
+    again = sum(budget.admits(WriteBudget.worth(3, 10.0)) for _ in range(40))
     assert 1 <= again <= 6
+
+
+def test_a_shallower_page_is_worth_more_whatever_it_saves():
+    """A page one into its chain and one four pages deeper alternate, the deep one worth
+    ten times more on its own: every reuse of the deep one needs the shallow ones before
+    it, so the draining bucket is spent on the shallow pages."""
+    budget = WriteBudget(6000 / BURST_S, 1000, lambda: 0.0)
+    written = {1: 0, 5: 0}
+    for i in range(40):
+        depth = 5 if i % 2 else 1
+        written[depth] += budget.admits(WriteBudget.worth(depth, 10.0 if depth == 5 else 1.0))
+    assert written[1] > written[5]
 
 
 def trace_file(tmp_path: Path, rows: list[list[int]]) -> Path:
@@ -61,3 +73,23 @@ def test_the_budget_binds_a_replays_spill(tmp_path):
     assert report["policy"] == "cost+budget" and report["l3_write_budget_bytes_per_day"] == rate * 86400
     assert report["l3_bytes_written"] <= rate * budget.trace_s + BURST_S * rate
     assert all(budget.peak_bytes[t] <= budget.capacity[t] for t in budget.capacity)
+
+
+def test_what_the_budget_writes_of_a_chain_is_its_start(tmp_path):
+    """Thirty four-page prompts, then the same thirty again: one L1 page, no L2, a page
+    of L3 writes every 10 s. Pages leave L1 last page first (leaf-first); the budget
+    ranks a shallower page first, so of each chain it writes a start, never pages after
+    one it refused: the second pass finds no page stranded (held after a missing one)."""
+    chains = [[10 * i + j for j in range(5)] for i in range(30)]  # 4 reusable pages of 2100 tokens
+    rows = [
+        {"timestamp": 1000 * t, "input_length": 2100, "output_length": 5, "hash_ids": ids}
+        for t, ids in enumerate(chains + chains)
+    ]
+    path = tmp_path / "trace.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    config = rp.ReplayConfig(KV_PER_TOKEN, l1_bytes=PAGE_BYTES, l2_bytes=0, l3_bytes=200 * PAGE_BYTES)
+    result = rp.Replay(
+        tr.read_trace(path), rp.replace(config, l3_write_budget=PAGE_BYTES / 10), Profile.defaults()
+    ).run()
+    assert result.l3_writes_over_budget > 0 and result.l3_pages_written > 0
+    assert sum(result.reused) > 0 and result.stranded_pages == 0
