@@ -9,6 +9,9 @@ offers to predict it: no store, one pass over the trace's pages (each request's 
 - Predictors of a page's next use that an online policy could read: its uses so far
   (the chance of one more), its age without a reuse (the chance of a reuse later), and
   the prompt length of the request that published it.
+- The last as a policy: one GreedyDual-Frequency cache of the same pages (``cost`` with
+  every page costing the same, page by page), whose pages of a short prompt
+  (``SHORT`` tokens at most) count ``--prior`` extra uses, against none.
 
     python bench/trace_reuse.py TRACE.jsonl [--requests 6000] [--cache-pages 12629]
 """
@@ -16,11 +19,14 @@ offers to predict it: no store, one pass over the trace's pages (each request's 
 from __future__ import annotations
 
 import argparse
+import heapq
+import itertools
 from collections import Counter, OrderedDict, defaultdict
 from pathlib import Path
 
 from kvtier.costmodel.trace import BLOCK_TOKENS, TraceRequest, read_trace
 
+SHORT = 8000  # prompt tokens: the publishers whose pages are reused most (the predictors above)
 AGES = (60, 120, 300, 600, 1200)  # seconds: the buckets of a reuse's age
 LENGTHS = (4000, 8000, 16000, 32000, 64000)  # prompt tokens: the buckets of a publisher's length
 
@@ -99,15 +105,43 @@ def predictors(trace: list[TraceRequest]) -> None:
     print("reused, by the publisher's prompt tokens: " + ", ".join(f"{k} {r / n:.0%} of {n}" for k, (n, r) in rows))
 
 
+def greedy_dual(trace: list[TraceRequest], capacity: int, prior: float) -> float:
+    """The share of the bound's reused pages one GreedyDual-Frequency cache of ``capacity``
+    pages finds, a page's priority the clock plus its uses (plus ``prior`` for a short
+    prompt's pages); each victim's priority becomes the clock."""
+    clock, priority, uses, heap, order = 0.0, {}, Counter(), [], itertools.count()
+    seen: set[int] = set()
+    bound = hits = 0
+    for request in trace:
+        pages = pages_of(request)
+        bound += next((i for i, page in enumerate(pages) if page not in seen), len(pages))
+        hits += next((i for i, page in enumerate(pages) if page not in priority), len(pages))
+        seen.update(pages)
+        extra = prior if request.input_length <= SHORT else 0.0
+        for page in pages:
+            uses[page] += 1
+            priority[page] = clock + uses[page] + extra
+            heapq.heappush(heap, (priority[page], next(order), page))
+        while len(priority) > capacity:
+            value, _, page = heapq.heappop(heap)
+            if priority.get(page) == value:
+                clock = value
+                del priority[page]
+    return hits / max(bound, 1)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("trace", type=Path)
     parser.add_argument("--requests", type=int, default=6000, help="the trace's first N requests")
     parser.add_argument("--cache-pages", type=int, default=(2 + 8 + 64) * 1024 // 6)
+    parser.add_argument("--prior", type=float, nargs="+", default=[0.5, 1.0, 2.0])
     args = parser.parse_args()
     trace = read_trace(args.trace)[: args.requests]
     lru_misses(trace, args.cache_pages)
     predictors(trace)
+    found = [f"{prior:g}: {greedy_dual(trace, args.cache_pages, prior):.1%}" for prior in [0.0, *args.prior]]
+    print("one GreedyDual cache, extra uses of a short prompt's pages -> share of the bound found: " + ", ".join(found))
 
 
 if __name__ == "__main__":
