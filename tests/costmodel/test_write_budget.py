@@ -44,6 +44,18 @@ def test_a_shallower_page_is_worth_more_whatever_it_saves():
     assert written[1] > written[5]
 
 
+def test_a_page_is_written_only_with_room_left_for_the_pages_before_it():
+    """Pages leave leaf-first, so a chain's pages ask deepest first. With two pages left in
+    the bucket and the recent pages deeper still (every page of the chain ranks high), a
+    page three pages in would take what its three predecessors need and be stranded:
+    the bucket writes the chain's first two pages instead, a start of it."""
+    budget = WriteBudget(6000 / BURST_S, 1000, lambda: 0.0)  # six pages
+    assert all(budget.admits(WriteBudget.worth(0, 1.0)) for _ in range(4))  # two pages left
+    assert not any(budget.admits(WriteBudget.worth(20, 1.0)) for _ in range(20))  # deeper than the bucket holds
+    written = [depth for depth in (3, 2, 1, 0) if budget.admits(WriteBudget.worth(depth, 1.0))]
+    assert written == [1, 0]
+
+
 def trace_file(tmp_path: Path, rows: list[list[int]]) -> Path:
     """Requests of 2 new pages and 10 tokens (hash_ids given), one second apart."""
     path = tmp_path / "trace.jsonl"
