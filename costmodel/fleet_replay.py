@@ -128,10 +128,7 @@ def replay_fleet(
         store_config = one.store_config(Path(tmp))
         shared = open_l3_of(store_config)
         fleet = [
-            FleetEngine(
-                f"engine-{i}", TieredStore(one.geometry, one.namespace, replace(store_config, shared_l3=shared))
-            )
-            for i in range(engines)
+            FleetEngine(f"engine-{i}", one.new_store(replace(store_config, shared_l3=shared))) for i in range(engines)
         ]
         try:
             prompts = SyntheticPrompts(one.namespace)

@@ -189,6 +189,14 @@ class ComputeModel(TimeModel):
     def features(n: float, p: float) -> list[float]:
         return [1.0 if n > 0 else 0.0, n, n * (p + n / 2)]
 
+    def page_seconds(self, page_size: int, index: int) -> float:
+        """Recomputing page ``index`` (0: a prompt's first) of ``page_size`` tokens after the
+        pages before it: ``c1*n + c2*n*(p + n/2)`` with ``p = index * n`` (without ``c0``: a
+        step's fixed cost is paid whatever it computes), what keeping the page saves."""
+        _, c1, c2 = self.coef
+        n = page_size
+        return c1 * n + c2 * n * (index * n + n / 2)
+
     @classmethod
     def plausible(cls, coef: list[float]) -> bool:
         """Also: every new token costs some time (``c1 >= MIN_TOKEN_S``)."""

@@ -29,6 +29,7 @@ import os
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
 
 import mlx.core as mx
@@ -71,6 +72,7 @@ class ReplayConfig:
     snapshot_spacing: int = 0  # pages between snapshots; 0: the cost model's choice per prompt
     snapshot_l1_bytes: int = StoreConfig.snapshot_l1_bytes
     snapshot_l2_bytes: int = StoreConfig.snapshot_l2_bytes
+    l3_write_budget: float | None = None  # bytes per second of the trace's own time (None: unbudgeted)
 
     def snapshot_points(self, profile: Profile) -> Callable[[TraceRequest], list[int]] | None:
         """The pages after which a request keeps a snapshot; None without state layers."""
@@ -91,7 +93,8 @@ class ReplayConfig:
 
     @property
     def label(self) -> str:
-        return self.policy if self.l3_admit == "always" else f"{self.policy}+{self.l3_admit}"
+        label = self.policy if self.l3_admit == "always" else f"{self.policy}+{self.l3_admit}"
+        return label if self.l3_write_budget is None else f"{label}+budget"
 
 
 @dataclass
@@ -112,6 +115,7 @@ class ReplayResult:
     capacity: dict[str, int] = field(default_factory=dict)
     l3_pages_written: int = 0
     l3_writes_refused: int = 0  # by the admission filter
+    l3_writes_over_budget: int = 0  # refused by the write budget (L1's and L2's writes_over_budget)
     makespan_s: float = 0.0
     trace_s: float = 0.0  # from the first arrival to the last, in the trace's own time (before ``speed``)
     # Pages of a request that some tier held when it arrived: reachable (the found
@@ -145,6 +149,8 @@ class ReplayResult:
             "l3_write_amplification": written / max(distinct_pages * c.page_bytes, 1),
             "l3_bytes_per_day": written * 86400 / self.trace_s if self.trace_s else 0.0,
             "l3_writes_refused": self.l3_writes_refused,
+            "l3_write_budget_bytes_per_day": c.l3_write_budget * 86400 if c.l3_write_budget else None,
+            "l3_writes_over_budget": self.l3_writes_over_budget,
             "evictions": dict(self.evictions),
             "peak_bytes": dict(self.peak_bytes),
             "makespan_s": self.makespan_s,
@@ -166,10 +172,11 @@ class Replay:
         self.kv = mx.zeros(self.geometry.shape, dtype=mx.float16)  # every page's payload
         self.state = mx.zeros(_STATE.nbytes, dtype=mx.uint8)  # every snapshot's
         self.snapshot_points = config.snapshot_points(profile)
+        self.now = 0.0  # the store's clock: the trace's own time of the request being served
 
     def run(self, on_request: Callable[[], None] | None = None) -> ReplayResult:
         with tempfile.TemporaryDirectory(prefix="kvtier-replay-", dir=fast_tmp()) as tmp:
-            store = TieredStore(self.geometry, self.namespace, self.store_config(Path(tmp)))
+            store = self.new_store(self.store_config(Path(tmp)))
             try:
                 result = ReplayResult(self.config)
                 if self.trace:
@@ -187,6 +194,13 @@ class Replay:
             finally:
                 store.close()
 
+    def new_store(self, config: StoreConfig) -> TieredStore:
+        """A store for this replay, whose pages cost their recompute by the profile's
+        prefill model at their depth (as the engine's do)."""
+        store = TieredStore(self.geometry, self.namespace, config)
+        store.page_cost.by_index = partial(self.profile.compute.page_seconds, self.config.page_size)
+        return store
+
     def store_config(self, store_dir: Path) -> StoreConfig:
         c = self.config
         return StoreConfig(
@@ -200,6 +214,8 @@ class Replay:
             l3_queue_pages=1 << 20,
             snapshot_l1_bytes=self._snapshot_cap(c.snapshot_l1_bytes),
             snapshot_l2_bytes=self._snapshot_cap(c.snapshot_l2_bytes),
+            l3_write_budget=c.l3_write_budget,
+            clock=lambda: self.now,
         )
 
     def _snapshot_cap(self, cap: int) -> int:
@@ -221,6 +237,7 @@ class Replay:
         each of its engines with it)."""
         size, compute = self.config.page_size, self.profile.compute
         keys, tokens = pages
+        self.now = request.arrival_s
         matched = store.locate(keys, tokens)
         stranded = sum(map(store.has, keys[len(matched) + 1 :]))
         result.held_pages += len(matched) + stranded
@@ -247,8 +264,9 @@ class Replay:
         result.sources[Source.RECOMPUTED.value] += request.input_length - len(restored) * size
         result.reused.append(len(restored) * size)
         result.prompt_tokens += request.input_length
-        for i in range(plan.restore_pages, len(keys)):  # as the engine publishes: no cost hint
-            store.publish(keys[i], tokens[i * size : (i + 1) * size], self.kv, parent=keys[i - 1] if i else None)
+        for i in range(plan.restore_pages, len(keys)):  # as the engine publishes: with its cost at its depth
+            page = tokens[i * size : (i + 1) * size]
+            store.publish(keys[i], page, self.kv, store.page_cost(i), parent=keys[i - 1] if i else None)
         for j in self.snapshot_points(request) if self.snapshot_points else ():
             if j > len(restored):
                 store.publish_snapshot(keys[j - 1], tokens[(j - 1) * size : j * size], self.state)
@@ -289,6 +307,7 @@ class Replay:
         result.evictions = {name: tier.evictions for name, tier in stats.tiers.items()}
         result.l3_pages_written = (stats.tiers["L3"].inserts if "L3" in stats.tiers else 0) - written  # L3 counts both
         result.l3_writes_refused = store.admission.rejected
+        result.l3_writes_over_budget = sum(t.writes_over_budget for n, t in stats.tiers.items() if n != "L3")
         result.unreachable_at_eviction = store.lineage.unreachable_share()
 
 
@@ -367,14 +386,19 @@ def _capacity_pages(config: ReplayConfig) -> int:
 
 
 def configs_for(
-    base: ReplayConfig, policies: Sequence[str], admits: Sequence[str], l2_sweep: Sequence[int] = ()
+    base: ReplayConfig,
+    policies: Sequence[str],
+    admits: Sequence[str],
+    l2_sweep: Sequence[int] = (),
+    budgets: Sequence[float | None] = (None,),
 ) -> list[ReplayConfig]:
-    """One config per L2 size (or the base one), policy and admission, in that order
-    (belady, which has no admission, once per L2 size)."""
+    """One config per L2 size (or the base one), policy, admission and L3 write budget, in
+    that order (belady, which has neither, once per L2 size)."""
     return [
-        replace(base, l2_bytes=l2, policy=p, l3_admit=a)
+        replace(base, l2_bytes=l2, policy=p, l3_admit=a, l3_write_budget=b)
         for l2 in (l2_sweep or [base.l2_bytes])
         for p in policies
         for a in admits
-        if p != BELADY or a == admits[0]
+        for b in budgets
+        if p != BELADY or (a, b) == (admits[0], budgets[0])
     ]

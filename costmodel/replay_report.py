@@ -18,7 +18,8 @@ def format_report(report: dict) -> str:
         "",
         f"{'policy':<18} {'L1':>6} {'L2':>6} {'L3':>6} {'reused':>7} {'L1 tok':>10} {'L2 tok':>10} "
         f"{'L3 tok':>10} {'saved s':>9} {'ttft p50':>9} {'p90':>9} {'p99':>9} {'L3 GiB w':>9} "
-        f"{'L3 amp':>6} {'ev L1':>7} {'ev L2':>7} {'ev L3':>7} {'gap':>5} {'to opt':>6} {'unreach':>7} {'at ev':>6}",
+        f"{'L3 amp':>6} {'TiB/day':>7} {'ev L1':>7} {'ev L2':>7} {'ev L3':>7} {'gap':>5} {'to opt':>6} "
+        f"{'unreach':>7} {'at ev':>6}",
     ]
     for p in report["policies"]:
         if p["policy"] == BELADY:
@@ -35,6 +36,7 @@ def format_report(report: dict) -> str:
             f"{p['reused_ratio']:>7.1%} {src['L1']:>10} {src['L2']:>10} {src['L3']:>10} "
             f"{p['prefill_seconds_saved']:>9.0f} {p['ttft_p50_s']:>9.2f} {p['ttft_p90_s']:>9.2f} "
             f"{p['ttft_p99_s']:>9.2f} {p['l3_bytes_written'] / gib:>9.1f} {p['l3_write_amplification']:>6.2f} "
+            f"{p['l3_bytes_per_day'] / (1 << 40):>7.1f} "
             f"{ev.get('L1', 0):>7} {ev.get('L2', 0):>7} {ev.get('L3', 0):>7} {p['bound_gap_points']:>5.1f} "
             f"{p['belady_gap_points']:>6.1f} {p['unreachable_ratio']:>7.1%} {p['unreachable_at_eviction']:>6.1%}"
         )

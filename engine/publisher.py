@@ -103,7 +103,8 @@ class Publisher:
             pages.append((i, kv))
         mx.eval([kv for _, kv in pages])
         for i, kv in pages:
-            self.store.publish(keys[i], tokens[i * size : (i + 1) * size], kv, parent=parents[i])
+            cost = self.store.page_cost(i)
+            self.store.publish(keys[i], tokens[i * size : (i + 1) * size], kv, cost, parent=parents[i])
         self.scheduler.published(request.rid, keys[request.published : ready])
         request.published = ready
         self.totals.store_seconds += time.perf_counter() - t0

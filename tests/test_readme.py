@@ -59,6 +59,8 @@ COVERAGE = {
     "curl -s -H 'Authorization: Bearer sk-bob'": "test_security_snippets",
     "sed -n 1,6000p mooncake_conversation_trace.jsonl": "test_replay_sizing",
     "6000 requests, 76643649 prompt tokens, page": "test_replay_sizing",
+    ".venv/bin/kvtier replay conversation-6000.jsonl --l2-bytes 8GiB": "test_replay_sizing",
+    "policy                 L1": "test_replay_sizing",
     "head -n 6000 mooncake_conversation_trace.jsonl": "test_replay_fleet",
     "6000 requests, 76643649 prompt tokens on 4 engines": "test_replay_fleet",
     "kvtier run   [--model PATH_OR_ID]": "test_flags_are_the_commands_flags",
@@ -467,6 +469,13 @@ def test_replay_sizing(shell):
     assert [row.split()[:4] for row in printed[3:]] == [row.split()[:4] for row in readme[3:]]
     assert all("(offline, one cache)" in row for row in printed if row.startswith("belady"))
     assert (shell.cwd / "sizing.png").read_bytes()[:4] == b"\x89PNG"
+    # the write budget's rows, from the file the first command wrote: the same header and rows
+    budgeted = normalized(
+        shell.run(block(".venv/bin/kvtier replay conversation-6000.jsonl --l2-bytes 8GiB").text).stdout
+    )
+    readme_budgeted = normalized(block("policy                 L1").text)
+    assert budgeted[0] == readme_budgeted[0] == readme[3]
+    assert [row.split()[:4] for row in budgeted[1:]] == [row.split()[:4] for row in readme_budgeted[1:]]
 
     # The infinite cache of those requests, from their hash_ids: per request, the
     # leading reusable 512-token blocks (at most (n - 1) // 512) seen in earlier requests.

@@ -33,6 +33,7 @@ class TierStats:
     evictions: int = 0
     checksum_failures: int = 0
     writes_dropped: int = 0
+    writes_over_budget: int = 0  # pages leaving this tier that the L3 write budget refused (dropped)
 
     def plus(self, **deltas: int) -> TierStats:
         """These counters with ``deltas`` added (``plus(hit_pages=1)``)."""

@@ -63,7 +63,7 @@ from .links import LinkLedger, Throttle
 from .page import Namespace, PageGeometry, PageKey, Source, page_tokens
 from .partials import PartialPages
 from .placement import Pins, Placement
-from .policy import L3Admission, make_policy
+from .policy import L3Admission, PageCost, make_policy
 from .quant import PageCodec, namespace_codecs, page_quantizer
 from .residency import Residency
 from .restore import PartialMatch, PendingRestore, RestoredPrefix, Restorer
@@ -71,6 +71,7 @@ from .snapshots import Snapshots
 from .stats import L3Place, StoreStats
 from .store_config import StoreConfig, StoreView, open_l3_of
 from .tier import DevicePage, DeviceTier, HostTier
+from .write_budget import WriteBudget
 
 __all__ = ["PartialMatch", "PendingRestore", "RestoredPrefix", "StoreConfig", "StoreView", "TieredStore"]
 
@@ -109,6 +110,9 @@ class TieredStore:
         self.ledger = LinkLedger()
         self.links = self.ledger.links  # link name -> LinkStats of this process
         self.pins = Pins()
+        self.budget = (  # L3 writes under a byte rate (tiers.write_budget); None: unbudgeted
+            WriteBudget(config.l3_write_budget, page_bytes, config.clock) if config.l3_write_budget else None
+        )
         self.placement = Placement(
             self.l1,
             self.l2,
@@ -121,6 +125,7 @@ class TieredStore:
             geometry.segments,
             page_quantizer(geometry, config.codec),
         )
+        self.placement.budget = self.budget
         self.snapshots = (
             Snapshots(
                 geometry,
@@ -152,6 +157,10 @@ class TieredStore:
         self.partials = PartialPages(self.l1, self.placement, geometry.page_size, hybrid, self._lock)
         self.residency = Residency(self._lock, self.l1, self.l2, geometry.page_size)  # who holds which page, as changes
         self.lineage = leaf_first(self.residency, self.l1, self.l2)  # which page follows which: evict leaves first
+        self.placement.depth = self.lineage.depth  # the write budget ranks a shallower page first
+        # What recomputing page i of a prompt costs: set by the engine and the replay from their
+        # prefill model; publishers pass it, and a page restored from L3 is given it
+        self.page_cost = self.restorer.page_cost = self.partials.page_cost = PageCost()
         self._closed = False
         self._closing = threading.Event()  # ends the counter checkpoints and a late join
         self.readers = Readers(self.throttle)
@@ -352,7 +361,8 @@ class TieredStore:
         computed over a copy in L2 or L3 (a plan that loads only some pages, or computes
         the first ones while later ones load) is kept in L1 like a restored page: the
         next request reads it from L1, not from below again.
-        ``cost``: the seconds its recompute takes, for the ``cost`` eviction policy;
+        ``cost``: the seconds its recompute takes, for the ``cost`` eviction policy
+        (``page_cost`` of its place in its prompt);
         ``parent``: the key of the page before it (``partials.match`` finds it by that;
         leaf-first eviction keeps a page while one after it stays: ``tiers.lineage``)."""
         with self._lock:

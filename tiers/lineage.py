@@ -123,6 +123,14 @@ class Lineage:
         below = self.children["L1"][key] + self.children["L2"][key] > 0 or arriving_child
         return below and "L1" not in self.where.get(key, ())
 
+    def depth(self, key: PageKey) -> int:
+        """How many pages come before ``key`` in its chain, as far as the store remembers
+        (0: a chain's first page, or one whose previous page is not known)."""
+        n, parent = 0, self.parent.get(key)
+        while parent is not None:
+            n, parent = n + 1, self.parent.get(parent)
+        return n
+
     def unreachable_share(self) -> float:
         """The mean, over every page that left L1 or L2, of the share of their pages whose
         previous page neither held at that moment (0.0 before any)."""

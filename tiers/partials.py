@@ -22,6 +22,7 @@ import mlx.core as mx
 
 from .page import partial_key, shared_start
 from .placement import Placement
+from .policy import PageCost
 from .restore import PartialMatch
 from .tier import DevicePage, DeviceTier
 
@@ -33,17 +34,20 @@ class PartialPages:
         self.l1, self.placement, self.page_size = l1, placement, page_size
         self.with_state = with_state  # a hybrid model's: reused only whole, with their state
         self._lock = lock
+        self.page_cost = PageCost()  # the store's (``TieredStore.page_cost``)
 
     def publish(self, parent: bytes, tokens: Sequence[int], kv: mx.array, state: mx.array | None = None) -> bool:
         """Keep a partial page (``kv``: its tokens along axis 3; a hybrid model's ``state``
         after them) in L1 after the page keyed ``parent``, weighed by the eviction
-        policy as the fraction of a page's recompute it saves. False if already there
-        or if L1 has no room."""
+        policy as the fraction of a first page's recompute it saves (its depth is not
+        known here). False if already there or if L1 has no room."""
         key = partial_key(parent, tokens)
         with self._lock:
             if key in self.l1 or not self.placement.make_room(self.l1):
                 return False
-            self.l1.add(key, DevicePage(tuple(tokens), kv, parent, state), len(tokens) / self.page_size)
+            self.l1.add(
+                key, DevicePage(tuple(tokens), kv, parent, state), self.page_cost(0) * len(tokens) / self.page_size
+            )
             return True
 
     def match(self, parent: bytes, tokens: Sequence[int]) -> PartialMatch | None:

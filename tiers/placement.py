@@ -7,8 +7,9 @@ Invariants (``tiers.hierarchy`` lists them all):
 - a page leaving L1 is copied to L2 only if L2 lacks it, and goes straight to L3
   (``L1->L3``) when L2 has no room; a page leaving L2 is queued for L3 unless it is
   known to be there (``in_l3`` on its entry: restored from L3, or queued by this
-  process) or queued already, and only if L3's admission lets it in; a page that finds
-  no place is dropped and counted;
+  process) or queued already, and only if L3's admission lets it in, and the write budget
+  (``tiers.write_budget``) when there is one; a page that finds no place is dropped and
+  counted;
 - nothing here asks L3 anything: queueing a page costs no round trip on the caller's
   thread. The writer finds out whether L3 holds it already (Redis: one pipelined
   ``EXISTS`` per batch, LMDB: in its write transaction) and sends only the pages it
@@ -36,6 +37,7 @@ from .links import Link, LinkLedger
 from .page import PageKey
 from .policy import L3Admission
 from .tier import DeviceTier, HostTier, Tier, kv_to_host
+from .write_budget import WriteBudget
 
 
 class Pins:
@@ -98,6 +100,8 @@ class Placement:
         self.admission = admission
         self.ledger = ledger
         self.pins = pins
+        self.budget: WriteBudget | None = None  # the store's L3 write budget (``StoreConfig.l3_write_budget``)
+        self.depth: Callable[[PageKey], int] = lambda key: 0  # pages before a page (the store's ``lineage.depth``)
 
     def make_room(self, tier: Tier) -> bool:
         """Evict the policy's unpinned victims from ``tier`` until one page fits."""
@@ -106,22 +110,31 @@ class Placement:
             if victim is None:
                 return False
             tier.counters = tier.counters.plus(evictions=1)
+            saving = tier.policy.saving(victim)
             if tier is self.l1:
                 cost = self.l1.policy.cost_of(victim)
                 page = self.l1.pop(victim)
                 if len(page.tokens) >= self.page_size:  # a partial page is dropped
-                    self.place_below_l1(victim, page.tokens, page.kv, cost, page.in_l3)
+                    self.place_below_l1(victim, page.tokens, page.kv, cost, page.in_l3, saving)
             else:
                 entry = self.l2.entries[victim]
-                self.write_l3(victim, entry.tokens, self.l2.read(victim), Link.L2_L3, in_l3=entry.in_l3)
+                data = self.l2.read(victim)
+                self.write_l3(victim, entry.tokens, data, Link.L2_L3, in_l3=entry.in_l3, saving=saving)
                 self.l2.pop(victim)
         return True
 
     def place_below_l1(
-        self, key: PageKey, page_tokens: tuple[int, ...], kv: mx.array, cost: float, in_l3: bool = False
+        self,
+        key: PageKey,
+        page_tokens: tuple[int, ...],
+        kv: mx.array,
+        cost: float,
+        in_l3: bool = False,
+        saving: float | None = None,
     ) -> None:
         """Give a page leaving (or refused by) L1 a place in L2, else L3, else drop it
-        (``in_l3``: L3 is known to hold it)."""
+        (``in_l3``: L3 is known to hold it; ``saving``: what keeping it saves, for the
+        write budget, by default its ``cost``: a page just computed)."""
         if key in self.l2:
             return
         t0 = time.perf_counter()
@@ -129,7 +142,7 @@ class Placement:
         if self.make_room(self.l2):
             self.l2.write(key, page_tokens, data, cost, in_l3)
             self.ledger.record(Link.L1_L2, len(data), time.perf_counter() - t0)
-        elif not self.write_l3(key, page_tokens, data, Link.L1_L3, in_l3=in_l3):
+        elif not self.write_l3(key, page_tokens, data, Link.L1_L3, in_l3=in_l3, saving=saving or cost):
             self.l2.counters = self.l2.counters.plus(writes_dropped=1)
 
     def write_l3(
@@ -140,14 +153,21 @@ class Placement:
         link: Link,
         wait: bool = False,
         in_l3: bool = False,
+        saving: float | None = None,
     ) -> bool:
         """Queue a page for L3 unless it is known to be there (``in_l3``) or queued; True
         if L3 has or will have it (the writer skips a page it finds stored). Asks L3
-        nothing (module docstring)."""
+        nothing (module docstring). A spilled page (``saving``: what keeping it saves)
+        also needs the write budget's leave (``tiers.write_budget``), a flushed one not."""
         if self.disk is None:
             return False
         if in_l3 or self.disk.writer.queued(key):
             return True
+        if saving is not None and self.budget is not None and self.admission.would_admit(key):
+            if not self.budget.admits(self.budget.worth(self.depth(key), saving)):
+                source = self.l2 if link is Link.L2_L3 else self.l1
+                source.counters = source.counters.plus(writes_over_budget=1)
+                return False
         if not self.admission.admits(key):
             return False
         t0 = time.perf_counter()

@@ -11,9 +11,11 @@ the caps and the pins (a victim is always an unpinned page the tier holds).
   top of the tier's clock, which rises to the priority of each victim. Pages that
   are used again climb; pages left alone fall behind the clock and leave in turn,
   however hot they once were (the aging). Equal priorities leave oldest first. A
-  publisher may pass a page's cost (``TieredStore.publish``); without one every
-  page costs the same and the policy orders by uses and age. L3 keeps the same
-  order in its LMDB tables (``tiers.l3.lmdb_store``), with every page costing the same.
+  page's cost is the prefill seconds of recomputing it at its depth in its prompt
+  (``TieredStore.page_cost``: the engine's and the replay's fitted prefill model;
+  without one every page costs the same and the policy orders by uses and age), so a
+  deep page outlives a shallow one of equal use. L3 keeps the same order in its LMDB
+  tables (``tiers.l3.lmdb_store``), with every page costing the same.
 - ``s3fifo``: S3-FIFO (Yang et al., SOSP'23), scan-resistant. A new page enters a small
   probationary FIFO (a tenth of the tier); one not used again while there leaves first
   and is remembered in a ghost list of keys (as many as the tier holds), so a run of
@@ -52,11 +54,19 @@ class EvictionPolicy:
 
     def __init__(self) -> None:
         self.order: OrderedDict[PageKey, None] = OrderedDict()
+        self.cost: dict[PageKey, float] = {}
+        self.uses: dict[PageKey, int] = {}
 
     def added(self, key: PageKey, cost: float = 1.0) -> None:
         self.order[key] = None
+        self.note(key, cost)
+
+    def note(self, key: PageKey, cost: float) -> None:
+        """Every policy's bookkeeping of a page added: its cost, no use yet."""
+        self.cost[key], self.uses[key] = cost, 0
 
     def used(self, key: PageKey) -> None:
+        self.uses[key] += 1
         self.order.move_to_end(key)
 
     def kept(self, key: PageKey) -> None:
@@ -66,10 +76,15 @@ class EvictionPolicy:
 
     def cost_of(self, key: PageKey) -> float:
         """The cost the page was added with (it goes with the page to the next tier)."""
-        return 1.0
+        return self.cost[key]
+
+    def saving(self, key: PageKey) -> float:
+        """What keeping the page is expected to save: its cost times its expected reuse
+        (its uses in this tier, plus the one a page is published or moved down for)."""
+        return self.cost[key] * (self.uses[key] + 1)
 
     def removed(self, key: PageKey) -> None:
-        del self.order[key]
+        del self.order[key], self.cost[key], self.uses[key]
 
     def victim(self, pinned: Pinned) -> PageKey | None:
         """The page to evict next, or None when every page is pinned."""
@@ -88,14 +103,13 @@ class CostPolicy(EvictionPolicy):
     def __init__(self) -> None:
         self.clock = 0.0
         self.priority: dict[PageKey, float] = {}
-        self.uses: dict[PageKey, int] = {}
         self.cost: dict[PageKey, float] = {}
+        self.uses: dict[PageKey, int] = {}
         self.heap: list[tuple[float, int, PageKey]] = []
         self._seq = itertools.count()
 
     def added(self, key: PageKey, cost: float = 1.0) -> None:
-        self.cost[key] = cost
-        self.uses[key] = 0
+        self.note(key, cost)
         self.used(key)
 
     def used(self, key: PageKey) -> None:
@@ -109,8 +123,9 @@ class CostPolicy(EvictionPolicy):
         if len(self.heap) > 4 * len(self.priority) + 64:
             self._compact()
 
-    def cost_of(self, key: PageKey) -> float:
-        return self.cost[key]
+    def saving(self, key: PageKey) -> float:
+        """Its cost times its uses (the publish counts as the first)."""
+        return self.cost[key] * self.uses[key]
 
     def removed(self, key: PageKey) -> None:
         del self.priority[key], self.uses[key], self.cost[key]
@@ -154,8 +169,11 @@ class S3FifoPolicy(EvictionPolicy):
         self.small: OrderedDict[PageKey, int] = OrderedDict()
         self.main: OrderedDict[PageKey, int] = OrderedDict()
         self.ghost: OrderedDict[PageKey, None] = OrderedDict()
+        self.cost: dict[PageKey, float] = {}
+        self.uses: dict[PageKey, int] = {}
 
     def added(self, key: PageKey, cost: float = 1.0) -> None:
+        self.note(key, cost)
         if key in self.ghost:
             del self.ghost[key]
             self.main[key] = 0
@@ -163,6 +181,7 @@ class S3FifoPolicy(EvictionPolicy):
             self.small[key] = 0
 
     def used(self, key: PageKey) -> None:
+        self.uses[key] += 1
         queue = self.small if key in self.small else self.main
         queue[key] = min(queue[key] + 1, self.MAX_USES)
 
@@ -171,6 +190,7 @@ class S3FifoPolicy(EvictionPolicy):
         (self.small if key in self.small else self.main).move_to_end(key)
 
     def removed(self, key: PageKey) -> None:
+        del self.cost[key], self.uses[key]
         if key in self.small:
             del self.small[key]
             self.ghost[key] = None
@@ -209,6 +229,18 @@ class S3FifoPolicy(EvictionPolicy):
             else:
                 return None
         return None
+
+
+class PageCost:
+    """The seconds recomputing page ``index`` of a prompt (0: its first) takes, what the
+    ``cost`` policy weighs a page by: 1.0 for every page until an owner of a prefill
+    model sets ``by_index`` (the engine and the replay: ``ComputeModel.page_seconds``)."""
+
+    def __init__(self) -> None:
+        self.by_index: Callable[[int], float] = lambda index: 1.0
+
+    def __call__(self, index: int) -> float:
+        return self.by_index(index)
 
 
 def make_policy(name: str) -> EvictionPolicy:

@@ -33,7 +33,7 @@ from .l3_reads import AheadRead
 from .links import LinkLedger, Throttle
 from .page import PageGeometry, PageKey, Source, page_tokens
 from .placement import Pins, Placement
-from .policy import L3Admission
+from .policy import L3Admission, PageCost
 from .tier import DevicePage, DeviceTier, HostTier, kv_to_host
 
 
@@ -78,6 +78,7 @@ class _Page:
     record: StoredRecord | None = None  # an L3 page's record, in the restore's snapshot
     slot: int | None = None  # the L2 slot a compressed L3 page is decoded into
     parent: bytes | None = None  # the key of the page before it
+    index: int = 0  # its place in its prompt (0: the first page): its recompute cost's depth
 
     @property
     def host(self) -> np.ndarray:
@@ -148,6 +149,7 @@ class Restorer:
         self.admission = admission
         self.ledger = ledger
         self.throttle = throttle
+        self.page_cost = PageCost()  # the store's (``TieredStore.page_cost``): an L3 page's cost
 
     def begin(
         self,
@@ -281,7 +283,7 @@ class Restorer:
             kv = mx.array(page.host)
             kv = kv.view(mx.bfloat16) if self.geometry.dtype == "bfloat16" else kv
             below = self.l2.entries.get(page.key)
-            cost = self.l2.policy.cost_of(page.key) if below is not None else 1.0
+            cost = self.l2.policy.cost_of(page.key) if below is not None else self.page_cost(page.index)
             in_l3 = page.source is Source.L3 or (below is not None and below.in_l3)  # evicted again: not rewritten
             self.l1.add(page.key, DevicePage(page.tokens, kv, page.parent, in_l3=in_l3), cost)
 
@@ -361,7 +363,7 @@ class Restorer:
             if page is None:
                 break
             self.admission.seen(key)
-            page.parent = parents[i]
+            page.parent, page.index = parents[i], i
             pages.append(page)
         self._count_lookups(pages, tried=min(len(pages) + 1, max(0, len(keys) - first)))
         for page in pages:
@@ -402,7 +404,8 @@ class Restorer:
             if page.slot is not None:
                 if page.data is not None:
                     quantized = page.data if self.l2.codec is not None else None  # else decoded in place
-                    self.l2.fill(page.key, page.tokens, page.slot, in_l3=True, raw=quantized)
+                    cost = self.page_cost(page.index)
+                    self.l2.fill(page.key, page.tokens, page.slot, cost, in_l3=True, raw=quantized)
                 else:
                     self.l2.give_back(page.slot)
         return self._cut(pages, next((i for i, p in enumerate(pages) if p.compressed and p.data is None), len(pages)))

@@ -3,7 +3,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -61,6 +62,11 @@ class StoreConfig:
     # How a restore's copies are cut up over threads and arrays (``tiers.join.JoinLimits``).
     # Last, like l2_codec: positional configs keep their meaning.
     join_limits: JoinLimits = field(default_factory=JoinLimits)
+    # L3 writes of spilled pages at most this many bytes per second, admitted by their expected
+    # saving (``tiers.write_budget``); None: unbudgeted
+    l3_write_budget: float | None = None
+    # The store's clock (seconds), which the write budget fills on: wall time, or a replay's trace time
+    clock: Callable[[], float] = time.monotonic
 
 
 def open_l3_of(config: StoreConfig) -> L3Store:

@@ -120,6 +120,26 @@ def parse_throttle(text: str) -> tuple[str, float]:
     return tier, float(bytes_per_s)
 
 
+_PER = {"s": 1, "min": 60, "h": 3600, "day": 86400}
+
+
+def parse_rate(text: str) -> float:
+    """Bytes per second from ``20GiB/day``, ``1GiB/h``, ``5MiB/min`` or ``2MiB/s`` (more than 0)."""
+    size, _, per = text.rpartition("/")
+    try:
+        nbytes = parse_size(size) if per.lower() in _PER else 0
+    except argparse.ArgumentTypeError:
+        nbytes = 0
+    if nbytes <= 0:
+        raise argparse.ArgumentTypeError(f"bad rate {text!r} (use e.g. 20GiB/day, 1GiB/h or 2MiB/s; more than 0)")
+    return nbytes / _PER[per.lower()]
+
+
+def rate_list(text: str) -> list[float | None]:
+    """Comma-separated rates (``parse_rate``), or ``none`` for no limit."""
+    return [None if part == "none" else parse_rate(part) for part in text.split(",")]
+
+
 def name_list(allowed: Sequence[str]):
     """An argparse type: a comma-separated list of names from ``allowed``."""
 

@@ -20,6 +20,7 @@ from ..models.paths import default_store_dir, kvtier_home
 from .args import (
     add_codec_flag,
     non_negative_int,
+    parse_rate,
     parse_size,
     parse_throttle,
     port_number,
@@ -151,6 +152,13 @@ def _add_engine_flags(tree: Tree, parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--no-offload", action="store_true", help="no store: recompute every prompt")
     parser.add_argument("--policy", choices=POLICIES, default=DEFAULT_POLICY, help="eviction policy of every tier")
+    parser.add_argument(
+        "--l3-write-budget",
+        type=parse_rate,
+        metavar="RATE",
+        help="write spilled pages to L3 at most at RATE (e.g. 20GiB/day, 1GiB/h), those of highest expected "
+        "saving first; the pages refused are counted (writes_over_budget)",
+    )
     parser.add_argument(
         "--no-auto-calibrate",
         action="store_true",

@@ -13,7 +13,16 @@ from kvtier.costmodel.fleet_replay import MAX_IMBALANCE, ROUTES
 from kvtier.tiers.policy import ADMISSIONS, DEFAULT_POLICY, POLICIES
 
 from ..models.paths import default_store_dir
-from .args import l2_sweep, name_list, non_negative_int, parse_size, positive_int, positive_number, store_arg
+from .args import (
+    l2_sweep,
+    name_list,
+    non_negative_int,
+    parse_size,
+    positive_int,
+    positive_number,
+    rate_list,
+    store_arg,
+)
 from .common import UsageError, load_model, no_data
 from .tree import Tree
 
@@ -53,6 +62,14 @@ def add_replay_parser(tree: Tree, sub) -> None:
         type=name_list(ADMISSIONS),
         default=["always"],
         help=f"comma-separated L3 admission filters: {','.join(ADMISSIONS)}",
+    )
+    replay.add_argument(
+        "--l3-write-budget",
+        type=rate_list,
+        default=[None],
+        metavar="RATE,...",
+        help="comma-separated, each replayed: L3 writes at most at RATE of the trace's time (e.g. 20GiB/day, "
+        "1GiB/h), the pages of highest expected saving first; none: unbudgeted",
     )
     replay.add_argument("--sweep", type=l2_sweep, metavar="l2-bytes=S,S,...", help="replay at each L2 size")
     replay.add_argument(
@@ -113,9 +130,14 @@ def cmd_replay(args: argparse.Namespace) -> int:
         snapshot_bytes=state_bytes,
     )
     if args.engines is not None:
-        one = replace(base, policy=(args.policy or [DEFAULT_POLICY])[0], l3_admit=args.l3_admit[0])
+        one = replace(
+            base,
+            policy=(args.policy or [DEFAULT_POLICY])[0],
+            l3_admit=args.l3_admit[0],
+            l3_write_budget=args.l3_write_budget[0],
+        )
         return _replay_fleet(args, trace, one, profile)
-    configs = rp.configs_for(base, args.policy or list(POLICIES), args.l3_admit, args.sweep or ())
+    configs = rp.configs_for(base, args.policy or list(POLICIES), args.l3_admit, args.sweep or (), args.l3_write_budget)
     replays = sum(c.policy != BELADY for c in configs)
     with tqdm(total=len(trace) * replays, desc="replaying", unit="req", file=sys.stderr) as bar:
         report = rp.replay(trace, configs, profile or Profile.defaults(), lambda: bar.update())
@@ -151,7 +173,12 @@ def _check_fleet_args(args: argparse.Namespace) -> None:
         return
     if args.policy is not None and (len(args.policy) > 1 or args.policy[0] == BELADY):
         raise UsageError("--engines replays one --policy (not belady)")
-    for flag, given in (("--sweep", args.sweep), ("--plot", args.plot), ("a second --l3-admit", args.l3_admit[1:])):
+    for flag, given in (
+        ("--sweep", args.sweep),
+        ("--plot", args.plot),
+        ("a second --l3-admit", args.l3_admit[1:]),
+        ("a second --l3-write-budget", args.l3_write_budget[1:]),
+    ):
         if given:
             raise UsageError(f"--engines replays one configuration: {flag} does not go with it")
 

@@ -38,6 +38,7 @@ def open_engine(args: argparse.Namespace, loaded, store_dir: Path | None, **conf
         throttle=dict(args.throttle),
         label=loaded.label,
         cipher=cipher,
+        l3_write_budget=args.l3_write_budget,
     )
     try:
         return Engine(

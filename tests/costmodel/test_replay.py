@@ -238,6 +238,8 @@ def test_cli_replay_json_reports_bound_and_each_policy(tmp_path):
         (["--sweep", "l1-bytes=1GiB"], "bad sweep"),
         (["--plot", "x.png"], "give --sweep"),
         (["--profile", "missing.json"], "cannot read profile"),
+        (["--l3-write-budget", "5GiB"], "bad rate '5GiB'"),
+        (["--l3-write-budget", "none,0GiB/day"], "bad rate '0GiB/day'"),
     ],
 )
 def test_cli_replay_bad_input_is_one_line_and_exit_2(tmp_path, args, message):

@@ -21,6 +21,7 @@ TIER_KEYS = [
     "evictions",
     "checksum_failures",
     "writes_dropped",
+    "writes_over_budget",
 ]
 
 
