@@ -18,7 +18,9 @@ adds where the prompt tokens came from (the usage's ``sources`` summed), where t
 TTFT goes (the client's, the backends' own from their ``/metrics``, of it their
 admission wait) and the router's placements by reason. The backends run without the
 first-use calibration (the profile defaults, the same for every policy) so runs differ
-only by placement, and with this machine's cores shared out as their BLAS threads.
+only by placement. Each backend keeps OpenBLAS's own thread count (one per core): three
+backends busy at once on two cores ran as fast as with one thread each, and a backend
+busy alone, as cache-aware placement often leaves one, prefills faster with both.
 
 The shared L3 gets a page only when a backend spills it (write-back, DESIGN §2): while
 every backend's L1 has room, ``sources`` shows nothing from L3, and a turn sent away
@@ -100,11 +102,6 @@ def latency_sums(url: str) -> Counter:
     return sums
 
 
-def blas_threads(backends: int) -> int:
-    """Each of ``backends`` processes' share of the cores this process may run on."""
-    return max(1, len(os.sched_getaffinity(0)) // backends)
-
-
 def kvtier(*args: str) -> list[str]:
     return [sys.executable, "-m", "kvtier.engine.cli", *args]
 
@@ -113,14 +110,11 @@ def run_policy(policy: str, args, redis_url: str) -> dict:
     n = 1 if policy == "single" else BACKENDS
     store = f"{redis_url}?prefix=fleet-{policy}-{os.getpid()}:"
     model = ["--model", args.model] if args.model else []
-    # The backends share this machine's cores: each gets its share as BLAS threads, so
-    # that n processes do not run (and spin-wait) n times the cores' threads.
-    threads = blas_threads(n)
     backends = []
     for i in range(n):
         port = free_port()
         flags = ["--store", store, "--page-size", str(args.page_size), "--no-auto-calibrate", *model]
-        cmd = ["env", f"OPENBLAS_NUM_THREADS={threads}", *kvtier("serve", "--port", str(port), *flags)]
+        cmd = kvtier("serve", "--port", str(port), *flags)
         backends.append(Server(f"backend-{i}", cmd, f"http://127.0.0.1:{port}", None).start())
     front = backends[0]
     router = None
@@ -173,7 +167,6 @@ def run_policy(policy: str, args, redis_url: str) -> dict:
         "computed_tokens": computed,
         "cached_fraction": round(1 - computed / prompt, 3) if prompt else 0.0,
         "sources": dict(sources),
-        "blas_threads": threads,
         # where a request's TTFT goes, averaged over requests: the client's (through the
         # router), of it the backends' own (submission to first token; the difference is
         # the router and the hops), of that the wait for admission into the batch (the
