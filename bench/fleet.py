@@ -3,27 +3,38 @@ as L3, ``kvtier route`` in front, and an agent-like workload through it, once pe
 policy (cache-aware, round-robin, least-load), each on fresh backends and an empty L3
 (a key prefix of its own); ``single`` is one backend alone, for its cached fraction.
 
-The workload: ``--conversations`` conversations (24), half on each of two system
-prompts (``--system-words`` words each), ``--turns`` turns each (a user message, the
-answer appended before the next), ``--concurrency`` conversations at a time, each turn
-streamed (``--max-tokens``). Per policy: TTFT p50 and p95 (the first chunk with text),
-prompt tokens computed (``recomputed`` in the usage) and their share, and each
-backend's requests; ``--json`` adds where the prompt tokens came from (the usage's
-``sources`` summed), the backends' mean TTFT and admission wait (their ``/metrics``)
-and the router's placements by reason. The backends run without
-the first-use calibration (the profile defaults, the same for every policy) so runs
-differ only by placement.
+The workload, an agent's: ``--conversations`` conversations (24), half on each of two
+system prompts (``--system-words`` words each), ``--turns`` turns each, and every turn
+after the first brings back the output of the tool the previous answer ran
+(``--tool-words`` words) before the next ask (``--ask-words`` words), so a history grows
+by a tool output, an ask and an answer a turn, as a coding agent's does: a long system
+prompt, tool outputs much longer than the asks, the answer appended before the next
+turn. The defaults keep those proportions at a size this 2-core machine prefills in
+minutes (the tokenizer of ``kvtier-tiny`` is byte-level: a word is about 6 tokens).
+``--concurrency`` conversations run at a time, each turn streamed (``--max-tokens``).
+Per policy: TTFT p50 and p95 (the first chunk with text), prompt tokens computed
+(``recomputed`` in the usage) and their share, and each backend's requests; ``--json``
+adds where the prompt tokens came from (the usage's ``sources`` summed), where the mean
+TTFT goes (the client's, the backends' own from their ``/metrics``, of it their
+admission wait) and the router's placements by reason. The backends run without the
+first-use calibration (the profile defaults, the same for every policy) so runs differ
+only by placement. Each backend keeps OpenBLAS's own thread count (one per core): three
+backends busy at once on two cores ran as fast as with one thread each, and a backend
+busy alone, as cache-aware placement often leaves one, prefills faster with both.
 
 The shared L3 gets a page only when a backend spills it (write-back, DESIGN §2): while
 every backend's L1 has room, ``sources`` shows nothing from L3, and a turn sent away
 from its conversation's backend recomputes the history that backend holds. On one
 machine the backends also share its cores, so a prefill is slower while the others
 compute: the backends' admission wait is the queue the router prices, the rest of
-their TTFT is restore, prefill and that sharing.
+their TTFT is restore, prefill and that sharing. On a machine of few cores that rest
+is nearly all prefill (``kvtier-tiny`` is 24 float32 layers on mlx's CPU backend, and
+its attention's cost grows with the context), so TTFTs of seconds are the prefill:
+what cache-aware placement saves, and what a turn sent away from its history pays.
 
     python bench/fleet.py [--model M] [--policies cache-aware,round-robin,least-load,single]
-                          [--conversations 24] [--turns 3] [--system-words 450] [--concurrency 6]
-                          [--max-tokens 12] [--page-size 32] [--json]
+                          [--conversations 24] [--turns 5] [--system-words 150] [--ask-words 8]
+                          [--tool-words 30] [--concurrency 3] [--max-tokens 8] [--page-size 32] [--json]
 """
 
 from __future__ import annotations
@@ -60,10 +71,20 @@ def system_prompt(seed: int, words: int) -> str:
     return f"You are agent {seed}. " + " ".join(rng.choice(WORDS) for _ in range(words))
 
 
-def conversation(index: int, systems: list[str], turns: int) -> list[list[dict]]:
-    """The messages of each turn but the answers (filled in as they come)."""
+def conversation(index: int, systems: list[str], turns: int, ask_words: int, tool_words: int) -> list[list[dict]]:
+    """The messages of each turn but the answers (filled in as they come). As an agent's:
+    every turn after the first also brings back the output of the tool the previous answer
+    ran (``tool_words`` words), so the history grows by a tool output and an ask a turn."""
     rng = random.Random(1000 + index)
-    asks = [f"Task {index}.{t}: " + " ".join(rng.choice(WORDS) for _ in range(30)) for t in range(turns)]
+
+    def words(n: int) -> str:
+        return " ".join(rng.choice(WORDS) for _ in range(n))
+
+    asks = [
+        (f"Tool output {index}.{t - 1}:\n{words(tool_words)}\n" if t and tool_words else "")
+        + f"Task {index}.{t}: {words(ask_words)}"
+        for t in range(turns)
+    ]
     return [
         [{"role": "system", "content": systems[index % len(systems)]}],
         *([{"role": "user", "content": a}] for a in asks),
@@ -112,7 +133,7 @@ def run_policy(policy: str, args, redis_url: str) -> dict:
     def converse(index: int) -> list:
         messages, out = [], []
         with httpx.Client(timeout=600) as client:
-            for part in conversation(index, systems, args.turns):
+            for part in conversation(index, systems, args.turns, args.ask_words, args.tool_words):
                 messages += part
                 if part[0]["role"] == "system":
                     continue
@@ -146,9 +167,11 @@ def run_policy(policy: str, args, redis_url: str) -> dict:
         "computed_tokens": computed,
         "cached_fraction": round(1 - computed / prompt, 3) if prompt else 0.0,
         "sources": dict(sources),
-        # the backends' own view, averaged over requests: submission to first token, of it
-        # the wait for admission into the batch (the rest: restore and prefill, and decoding
-        # beside the batch's other requests)
+        # where a request's TTFT goes, averaged over requests: the client's (through the
+        # router), of it the backends' own (submission to first token; the difference is
+        # the router and the hops), of that the wait for admission into the batch (the
+        # rest: restore and prefill, and decoding beside the batch's other requests)
+        "ttft_mean_s": round(sum(ttfts) / max(len(ttfts), 1), 3),
         "backend_ttft_mean_s": round(sums["kvtier_ttft_seconds_sum"] / max(sums["kvtier_ttft_seconds_count"], 1), 3),
         "backend_queue_mean_s": round(sums["kvtier_queue_seconds_sum"] / max(sums["kvtier_queue_seconds_count"], 1), 3),
         "per_backend": dict(sorted(Counter(r.backend or backends[0].url for r in replies).items())),
@@ -161,10 +184,12 @@ def main() -> int:
     parser.add_argument("--model", help="the backends' model (default: kvtier's default)")
     parser.add_argument("--policies", default=",".join(POLICIES))
     parser.add_argument("--conversations", type=int, default=24)
-    parser.add_argument("--turns", type=int, default=3)
-    parser.add_argument("--system-words", type=int, default=450)
-    parser.add_argument("--concurrency", type=int, default=6)
-    parser.add_argument("--max-tokens", type=int, default=12)
+    parser.add_argument("--turns", type=int, default=5)
+    parser.add_argument("--system-words", type=int, default=150)
+    parser.add_argument("--ask-words", type=int, default=8)
+    parser.add_argument("--tool-words", type=int, default=30)
+    parser.add_argument("--concurrency", type=int, default=3)
+    parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--page-size", type=int, default=32)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()

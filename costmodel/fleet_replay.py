@@ -11,7 +11,9 @@ each request, at its arrival, to:
 
 - ``round-robin``: the next engine in turn;
 - ``least-load``: the engine with the fewest requests running and waiting then (ties:
-  fewer prompt tokens not yet prefilled, then the first);
+  fewer prompt tokens not yet prefilled, then the first in an order that turns by one
+  each request, as the router's does: idle engines take turns rather than the first
+  taking every request that finds them all idle);
 - ``cache-aware``: ``costmodel.fleet.choose`` over what each engine's store holds of the
   prompt (``TieredStore.locate``: its L1 and L2, then the shared L3) and its queue, with
   the load bound ``max_imbalance``: the router's rule.
@@ -79,7 +81,8 @@ def round_robin(engines: Sequence[FleetEngine], i: int, now: float, request: Tra
 
 
 def least_load(engines: Sequence[FleetEngine], i: int, now: float, request: TraceRequest, pages: Pages) -> FleetEngine:
-    return min(engines, key=lambda e: e.load(now))  # min keeps the first of equals
+    turn = i % len(engines)
+    return min([*engines[turn:], *engines[:turn]], key=lambda e: e.load(now))  # min keeps the first of equals
 
 
 def cache_aware(max_imbalance: int, profile: Profile, config: ReplayConfig) -> Route:

@@ -95,6 +95,14 @@ def test_least_load_spreads_a_burst_evenly(tmp_path):
     assert row["requests_spread"] == row["prompt_tokens_spread"] == pytest.approx(1.0)
 
 
+def test_least_load_ties_take_turns(tmp_path):
+    """Each request finds every engine idle (they are far apart): the tie between them
+    goes to each engine in turn, not always to the first."""
+    rows = [(100.0 * i, 2 * PAGE + 100, [500 + i, 600 + i, 700 + i]) for i in range(12)]
+    row = fleet(tmp_path, rows, 3, "least-load")
+    assert [e["requests"] for e in row["per_engine"].values()] == [4, 4, 4]
+
+
 def test_a_page_one_engine_spilled_is_found_by_another(tmp_path):
     """L1 holds two pages and there is no L2: a page leaving an engine's L1 goes to the
     shared L3. e0 computes pages 1, 2 (r0), then 10..12 (r2), which evict 1, 2 to L3;
