@@ -17,6 +17,8 @@ this prompt: wide for a large state or a fast prefill, narrow for a small state.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from kvtier.costmodel.profile import Profile
 
 
@@ -55,8 +57,12 @@ def snapshot_pages(prompt_tokens: int, page_size: int, spacing: int, shared: int
     return sorted({*range(spacing, last + 1, spacing), last, min(shared, last)} - {0})
 
 
-def prefill_segments(prompt: list[int], done: int, page_size: int, points: list[int]) -> list[list[int]]:
-    """``prompt[done:]`` cut at each snapshot point after ``done`` (mlx-lm's
-    ``BatchGenerator.insert_segments`` ends a prefill chunk at every cut)."""
-    bounds = [done, *(p * page_size for p in points if p * page_size > done), len(prompt)]
-    return [prompt[a:b] for a, b in zip(bounds, bounds[1:]) if b > a]
+def prefill_segments(
+    prompt: list[int], done: int, page_size: int, points: list[int], cuts: Sequence[int] = ()
+) -> list[list[int]]:
+    """``prompt[done:]`` cut at each snapshot point after ``done`` and at each token
+    offset in ``cuts`` (mlx-lm's ``BatchGenerator.insert_segments`` ends a prefill chunk
+    at every cut)."""
+    inner = {p * page_size for p in points} | set(cuts)
+    bounds = [done, *sorted(b for b in inner if done < b < len(prompt)), len(prompt)]
+    return [prompt[a:b] for a, b in zip(bounds, bounds[1:])]

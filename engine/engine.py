@@ -318,7 +318,8 @@ class Engine:
 
     def _insert(self, request: Request, cache: list | None, held: list[int]) -> None:
         """Hand ``request`` to mlx-lm, its ``cache`` holding the tokens ``held`` (the
-        prompt's first ones); a hybrid model's prefill chunks end at its snapshot pages."""
+        prompt's first ones); a hybrid model's prefill chunks end at its snapshot pages
+        and its shared end."""
         options: dict[str, Any] = {
             "max_tokens": [request.params.max_tokens],
             "caches": [cache],  # a None cache is a fresh one (mlx-lm's insert), though its hint says List[List[Any]]
@@ -326,8 +327,10 @@ class Engine:
             "samplers": [sampler(request.params)],
             "logits_processors": [logits_processors(request.params)],
         }
-        if request.snapshot_pages:
-            segments = prefill_segments(request.prompt, len(held), self.config.page_size, request.snapshot_pages)
+        if request.snapshot_pages or request.shared_end:
+            segments = prefill_segments(
+                request.prompt, len(held), self.config.page_size, request.snapshot_pages, [request.shared_end]
+            )
             (request.uid,) = self.generator.insert_segments([segments], **options)
         else:
             (request.uid,) = self.generator.insert([request.prompt[len(held) :]], **options)

@@ -88,13 +88,16 @@ class PrefixCaches:
     def restored_with_state(self, request: Request, matched_pages: int) -> list | None:
         """A hybrid model's cache: the plan's pages with the state after them, from a
         snapshot (the store cuts the pages back to one) or, when the plan takes every
-        matched page, from the L1 partial page after them with its state. Serial."""
+        matched page, from the L1 partial page after them with its state. Serial. Sets
+        ``request.shared_end`` where the prompt leaves an L1 page after the matched ones
+        midway, past what is restored (its prefill keeps a state there)."""
         assert request.plan is not None, "restoring a request admission did not plan"
         size, restore = self.config.page_size, request.plan.restore_pages
         then = None
+        after = request.prompt[matched_pages * size : len(request.prompt) - 1]
         if restore == matched_pages:
-            after = request.prompt[restore * size : len(request.prompt) - 1]
             then = self.store.partials.match(request.parents[restore], after)
+        shared_end = matched_pages * size + self.store.partials.shared(request.parents[matched_pages], after)
         keys = request.keys[:restore]
         request.restored = self.store.restore(
             keys, request.prompt, then=then, parents=request.parents, read=request.l3_read
@@ -102,6 +105,7 @@ class PrefixCaches:
         request.pinned = list(request.restored.keys)
         request.partial_tokens = request.restored.partial_tokens
         request.prefix_tokens = request.restored.num_pages * size + request.partial_tokens
+        request.shared_end = shared_end if shared_end % size and shared_end > request.prefix_tokens else 0
         if not request.prefix_tokens:
             return None
         state = request.restored.state

@@ -57,8 +57,10 @@ class Publisher:
     def with_state(self, request: Request, response) -> None:
         """A hybrid model's prefill step: publish the pages that became full, the state
         where a snapshot is due (``request.snapshot_pages``: the step ended there), and
-        at the end of the prompt its last partial page with the state after it (L1).
-        Whatever the publish setting: a state exists only at the step that reaches it."""
+        as a partial page with the state after it (L1) the tokens after the last full
+        page at the end of the prompt and where it leaves an L1 page midway
+        (``request.shared_end``). Whatever the publish setting: a state exists only at
+        the step that reaches it."""
         caches, _ = self.generator.extract_cache([request.uid])[request.uid]
         g, size, keys = self.store.geometry, self.config.page_size, request.keys
         held = offset(caches, g)  # tokens in the cache (at the end of the prompt: all of them)
@@ -70,13 +72,20 @@ class Publisher:
             state = snapshot(caches, g)
             mx.eval(state)
             self.store.publish_snapshot(keys[held // size - 1], request.prompt[held - size : held], state)
-        done = len(keys) * size
-        if response.end_of_prompt and request.published == len(keys) and 0 < held - done < size:
-            kv, state = page_kv(caches, g, done, held), snapshot(caches, g)
-            if kv is not None:
-                mx.eval(kv, state)
-                self.store.partials.publish(request.parents[len(keys)], request.prompt[done:held], kv, state)
+        if response.end_of_prompt and request.published == len(keys) and 0 < held - len(keys) * size < size:
+            self.keep_partial(request, caches, len(keys), held)
+        elif held == request.shared_end and held // size <= request.published:
+            self.keep_partial(request, caches, held // size, held)
         self.totals.store_seconds += time.perf_counter() - t0
+
+    def keep_partial(self, request: Request, caches: list, pages: int, held: int) -> None:
+        """Keep the prompt's tokens after its first ``pages`` pages, up to ``held`` (the
+        tokens in the cache), in L1 as a partial page with the state after them."""
+        g, done = self.store.geometry, pages * self.config.page_size
+        kv, state = page_kv(caches, g, done, held), snapshot(caches, g)
+        if kv is not None:
+            mx.eval(kv, state)
+            self.store.partials.publish(request.parents[pages], request.prompt[done:held], kv, state)
 
     def publish(
         self,

@@ -80,6 +80,7 @@ class Request:
     snapshot_spacing: int = 0  # a hybrid model's: its state is kept every this many pages (costmodel.spacing)
     snapshot_pages: list[int] = field(default_factory=list)  # and after these pages of its prompt
     matched_tokens: int = 0  # the longest stored match at admission: where the prompt left the cache
+    shared_end: int = 0  # a hybrid model's: where it leaves an L1 page midway (0: it does not); state kept there
     prefilled: int = 0  # tokens mlx-lm has prefilled after the restored prefix
     resumed: int = 0  # of them, those prefilled before its last insertion (``Engine._snapshot_at``)
     l1_tokens_at_enqueue: int = 0  # prompt tokens in L1 when submitted

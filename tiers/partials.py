@@ -70,6 +70,15 @@ class PartialPages:
             assert found is not None, "following() lists pages in L1 (under the same lock)"
             return PartialMatch(best, found.kv[:, :, :, :shared], found.parent, found.state)
 
+    def shared(self, parent: bytes, tokens: Sequence[int]) -> int:
+        """How many of ``tokens`` the L1 page after ``parent`` that shares most of them
+        starts with (full or partial, with a state or not; not counted as a hit): where
+        a prompt leaves the stored ones midway. A hybrid model keeps its state there
+        (``Publisher.with_state``): the next prompt that leaves them at the same token,
+        a new conversation on the same system prompt, then reuses that start too."""
+        with self._lock:
+            return max((shared_start(page.tokens, tokens) for _, page in self.l1.following(parent)), default=0)
+
     def resumes(self, parent: bytes, after: Sequence[int]) -> bool:
         """Whether a partial page with its state follows ``parent`` whose tokens ``after``
         (the prompt's tokens after that page, its last excluded) all start with

@@ -127,16 +127,19 @@ def test_missing_snapshots_recompute(lfm2):
 
 
 def test_a_shared_prefix_found_in_the_store_gets_a_snapshot_at_its_end(lfm2, tmp_path):
-    """A new conversation on another's system prompt (5 shared pages, snapshots every 2):
-    the first to share it restores 4 pages and keeps the state after the 5th, so the
-    next restores all 5."""
+    """A new conversation on another's system prompt (90 tokens: 5 pages and 10 tokens;
+    snapshots every 2 pages): the first to share it restores 4 pages and keeps the state
+    after the 5th, and after the 90th token (it leaves the first's 6th page there), so
+    the next restores all 90 tokens."""
     system = text_prompt(lfm2, 150, seed=13)[:90]
-    first, second, third = (system + text_prompt(lfm2, 40, seed=s) for s in (14, 15, 16))
+    first, second, third = (
+        system + lfm2.tokenizer.encode(f"{c} ") + text_prompt(lfm2, 40, seed=s) for c, s in zip("xyz", (14, 15, 16))
+    )
     engine = make_engine(lfm2, tmp_path)
     turns = [run_one(engine, prompt) for prompt in (first, second, third)]
     engine.close()
     assert [t.output for t in turns] == [mlx_lm_greedy(lfm2, p, GREEDY.max_tokens) for p in (first, second, third)]
-    assert [t.sources()["L1"] for t in turns] == [0, 64, 80]
+    assert [t.sources()["L1"] for t in turns] == [0, 64, 90]
 
 
 def test_next_chat_turn_reuses_the_whole_previous_prompt(lfm2, tmp_path):

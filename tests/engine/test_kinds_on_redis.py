@@ -1,5 +1,7 @@
-"""A sliding-window and a recurrent-hybrid model restored from Redis after a restart:
-the window segments and the state snapshots go through the same record format."""
+"""Sliding-window, recurrent-hybrid and window-and-state models restored from Redis
+after a restart: the window segments and the state snapshots go through the same record
+format. RecurrentGemma has recurrent blocks and window-only attention (a snapshot and the
+window rows before it); Falcon-H1 a ``CacheList`` of a Mamba-2 state and KV per layer."""
 
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ PAGE = 16
 GREEDY = SamplingParams(max_tokens=8)
 
 
-@pytest.mark.parametrize("architecture", ["gemma3_text", "lfm2"])
+@pytest.mark.parametrize("architecture", ["gemma3_text", "lfm2", "recurrent_gemma", "falcon_h1"])
 def test_restored_from_redis_after_a_restart(redis_server, tmp_path, architecture):  # noqa: F811
     loaded = load_model(str(write_model(tmp_path / architecture, architecture)))
     prompt = text_prompt(loaded, 150, seed=11)
@@ -36,12 +38,12 @@ def test_restored_from_redis_after_a_restart(redis_server, tmp_path, architectur
     first.close()
     second = engine()
     (restored,) = second.generate([prompt], GREEDY)
-    stats = second.stats().store
+    stats, geometry = second.stats().store, second.geometry
     second.close()
     assert cold.output == expected and restored.output == expected
     assert restored.sources() == {"L1": 0, "L2": 0, "L3": 144, "recomputed": 6}
     assert stats.l3.backend == "redis" and stats.links[Link.L3_L1].pages == 9
-    if architecture == "lfm2":
+    if geometry.snapshot_nbytes:  # the state after page 9, with them
         assert stats.snapshots.links[Link.L3_L1].pages == 1
-    else:  # the window layers' rows of 2 of the 9 pages only
-        assert stats.links[Link.L3_L1].bytes < 9 * second.geometry.nbytes
+    if geometry.window is not None:  # the window layers' rows of 2 of the 9 pages only
+        assert stats.links[Link.L3_L1].bytes < 9 * geometry.nbytes
