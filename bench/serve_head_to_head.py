@@ -1,19 +1,28 @@
 """kvtier serve against mlx_lm.server on the same model, over HTTP, with an agent-like
 workload: 8 conversations share a long system prompt with tool definitions, 6 turns
-each, every answer appended to its history, the conversations interleaved (turn t of
-every conversation before turn t+1 of any). Then both servers restart and the same
-workload runs again: mlx_lm.server's prompt cache lived in its RAM; kvtier's pages were
-flushed to L3 on SIGTERM.
+each, every answer appended to its history and every follow-up carrying a tool result
+(``--tool-tokens``, 512 by default: what a coding agent's file read or test report
+adds each turn; 0 gives the bare "Go on." follow-ups), the conversations interleaved
+(turn t of every conversation before turn t+1 of any). Then both servers restart and
+the same workload runs again: mlx_lm.server's prompt cache lived in its RAM; kvtier's
+pages were flushed to L3 on SIGTERM. Both run with their defaults: mlx_lm.server's
+prompt cache holds 10 sequences (``--prompt-cache-size``), so from about 10
+conversations on it loses each conversation's history before the conversation comes
+back, and recomputes it after the shared system prompt; kvtier's tiers keep them.
 
     python bench/serve_head_to_head.py [--model DIR] [--conversations 8] [--turns 6]
+                                       [--tool-tokens 512] [--max-tokens 32]
                                        [--system-tokens 3000] [--json]
 
 Reports TTFT p50 / p95 and total time per server and pass, and the ratios kvtier /
-mlx_lm.server (the goal: <= 1 on the first pass, <= 0.2 after the restart). Also the
-TTFT of the pass's first request, and the TTFT p50 of each conversation's first turn
-apart from the later turns: after a restart, the first request finds mlx_lm.server's
-RAM cache empty; its other first turns reuse that request's system prompt, and its
-later turns the earlier turns of the same pass, as on the first pass.
+mlx_lm.server (the goals: TTFT p50 <= 1 at 8 conversations, where both caches hold
+everything; <= 0.3 at 32 conversations and after the restart). Also the TTFT of the
+pass's first request, and the TTFT p50 of each conversation's first turn apart from
+the later turns: after a restart, the first request finds mlx_lm.server's RAM cache
+empty; its other first turns reuse that request's system prompt, and its later turns
+the earlier turns of the same pass, as on the first pass. And per turn, each server's
+TTFT p50 and the share of the turn's prompt tokens it reported cached
+(``prompt_tokens_details.cached_tokens``): the reuse each server gets, side by side.
 """
 
 from __future__ import annotations
