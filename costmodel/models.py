@@ -5,7 +5,8 @@
   ``p`` cached ones (attention work grows with the context).
 
 Both are fitted over a window of recent samples (calibration first, then every real
-transfer and prefill), refitted on each new sample, with non-negative coefficients and
+transfer and prefill), refitted on each new sample (the engine defers that refit while
+a request waits for its first token: ``engine.refinement``), with non-negative coefficients and
 robust to outliers (``robust_fit``), so one step the machine stalled, or one timing far
 too short, does not move the model. A fit whose figures no machine can have (a link
 faster than device memory, or infinitely fast: samples that do not grow with the bytes;
@@ -95,6 +96,7 @@ class TimeModel:
     coef: list[float]
     samples: deque = field(default_factory=lambda: deque(maxlen=WINDOW))
     error: ErrorLog = field(default_factory=ErrorLog)
+    stale: bool = False  # samples arrived that the coefficients were not refitted on
 
     # each model's feature vector of its own inputs (bytes; new and cached tokens)
     features: ClassVar[Callable[..., list[float]]]
@@ -102,11 +104,22 @@ class TimeModel:
     def predict(self, *x: float) -> float:
         return max(float(np.dot(self.coef, self.features(*x))), 0.0)
 
-    def observe(self, *x: float, seconds: float) -> None:
-        """Record a real measurement: log the prediction error, then refit."""
+    def observe(self, *x: float, seconds: float, refit: bool = True) -> None:
+        """Record a real measurement: log the prediction error, then refit; ``refit=False``
+        leaves the refit to ``refit_stale`` (a caller with a request waiting for its first
+        token refits after it: a robust refit takes milliseconds)."""
         self.error.record(self.predict(*x), seconds)
         self.samples.append((*x, seconds))
-        self.refit()
+        if refit:
+            self.refit()
+        else:
+            self.stale = True
+
+    def refit_stale(self) -> None:
+        """Refit if samples arrived since the last refit (``observe(..., refit=False)``)."""
+        if self.stale:
+            self.stale = False
+            self.refit()
 
     def refit(self) -> None:
         data = np.array(self.samples, dtype=float).reshape(len(self.samples), -1)

@@ -78,6 +78,11 @@ class Profile:
         log.warning("%s: the stored cost profile is damaged; ignored (`kvtier calibrate` measures anew)", where)
         return None
 
+    def refit_stale(self) -> None:
+        """Refit every model that took samples since its last refit (``TimeModel.refit_stale``)."""
+        for model in (self.compute, *self.links.values()):
+            model.refit_stale()
+
     def capped(self, throttle: dict[str, float]) -> Profile:
         """A view whose throttled tiers' links are no faster than the cap (bytes/s)."""
         links = dict(self.links)

@@ -54,7 +54,7 @@ from .models.load import LoadedModel
 from .prefix_cache import PrefixCaches
 from .prefix_flights import PrefixFlightsView
 from .publisher import Publisher
-from .refinement import observe_links, observe_prefill
+from .refinement import observe_links, observe_prefill, refit_after_first_tokens
 from .request import CANCELLED, ERROR, Request, SamplingParams
 from .sampling import logits_processors, sampler, token_logprob
 from .scheduler import Scheduler
@@ -240,6 +240,7 @@ class Engine:
         for request in [r for r in self._running.values() if r.cancelled]:
             self._end(request, CANCELLED)
         if not self._running:
+            refit_after_first_tokens(self.profile, self._running)
             if self.l3_wait is not None:
                 self.l3_wait.wait()  # requests whose L3 pages are being read
             return  # everyone left is a held follower (their leader is done) or parked
@@ -256,6 +257,7 @@ class Engine:
         for response in generation_responses:
             if (running := self._running.get(response.uid)) is not None:  # not failed in this step
                 self._guarded(running, self._on_token, response)
+        refit_after_first_tokens(self.profile, self._running)
 
     def _fail_batch(self, exc: Exception) -> None:
         """A fault in the batch as a whole (its state is unknown): every request in it fails."""
@@ -443,6 +445,7 @@ class Engine:
 
     def _close_store(self) -> None:
         assert self.store is not None, "closing the store of an engine without one"
+        self.profile.refit_stale()
         stats = self.stats()  # keep what online refinement learned, and the last window
         self.store.accounts.put_meta(
             self.loaded.profile_key(self.geometry, self.namespace.codecs), self.profile.to_dict()

@@ -4,6 +4,11 @@ Only clean observations are fed: a link's time when no throttle slowed it (a
 throttled link times the throttle's sleep, not the link), and prefill time from
 steps that only prefilled one request's chunk (a step that also decoded, or
 finished a prompt and sampled its first token, times more than the chunk).
+
+Observing only records: the models are refitted (``refit_after_first_tokens``) once no
+running request waits for its first token. A refit is a robust fit over the window
+(milliseconds of scipy on a loaded CPU), and between a request's prefill and its first
+token it would add to that request's TTFT, on every request.
 """
 
 from __future__ import annotations
@@ -25,7 +30,8 @@ def observe_links(
     throttled = {link for tier in throttle for link in READ_LINKS[tier]}
     for name, now in after.items():
         if name in profile.links and name not in throttled and now.bytes > before[name].bytes:
-            profile.links[name].observe(now.bytes - before[name].bytes, seconds=now.seconds - before[name].seconds)
+            moved, seconds = now.bytes - before[name].bytes, now.seconds - before[name].seconds
+            profile.links[name].observe(moved, seconds=seconds, refit=False)
 
 
 def observe_prefill(
@@ -45,4 +51,11 @@ def observe_prefill(
         chunk, cached = prefilled - request.prefilled, request.prefix_tokens + request.prefilled
         request.prefilled = prefilled
         if clean and chunk > 0:
-            profile.compute.observe(chunk, cached, seconds=seconds)
+            profile.compute.observe(chunk, cached, seconds=seconds, refit=False)
+
+
+def refit_after_first_tokens(profile: Profile, running: Mapping[int, Request]) -> None:
+    """Refit the models observed since their last refit, unless a running request has
+    not had its first token yet (it is refitted after that token instead)."""
+    if all(request.t_first_token is not None for request in running.values()):
+        profile.refit_stale()

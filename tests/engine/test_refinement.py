@@ -62,3 +62,21 @@ def test_prefill_is_refined_only_from_steps_that_ran_one_request(loaded):
     together = [text_prompt(loaded, 4 * PAGE + 1, seed=s) for s in (2, 3)]
     engine.generate(together, GREEDY)  # every prefill step batches both requests
     assert len(engine.profile.compute.samples) == after_alone
+
+
+def test_a_prefill_is_refitted_on_after_the_requests_first_token(loaded):
+    """A refit takes milliseconds: the engine refits after the request's first token,
+    not between its prefill and that token (where it would add to its TTFT)."""
+    engine = engine_for(loaded, step=PAGE)
+    compute = engine.profile.compute
+    for n, p in [(64, 0), (128, 0), (64, 128), (256, 64), (32, 512)]:  # one distinct input short of a fit
+        compute.observe(n, p, seconds=1e-3 + 1e-4 * n + 1e-9 * n * (p + n / 2))
+    unfitted, samples = list(compute.coef), len(compute.samples)
+    request = engine.submit(text_prompt(loaded, 4 * PAGE + 1, seed=5), GREEDY)
+    while request.t_first_token is None:
+        assert compute.coef == unfitted, "refitted before the request's first token"
+        engine.step()
+    assert len(compute.samples) > samples, "its prefill steps were samples"
+    assert compute.coef != unfitted, "refitted in the step that gave the first token"
+    engine.run()
+    engine.close()
