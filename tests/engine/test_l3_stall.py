@@ -105,8 +105,9 @@ def test_a_hybrids_snapshot_reads_are_off_the_step_loop_too(lfm2, tmp_path, monk
     """Its pages in L1 and the snapshots after them in L3 only (the snapshot tiers keep
     none): the restore points and the snapshot are read off the loop, before admission;
     with L3 frozen the read is abandoned at its deadline (recompute), everything else
-    answers; once L3 answers, the same prompt restores its pages with L3's snapshot."""
+    answers; once L3 answers, a prompt of the same pages restores them with L3's snapshot."""
     prompt, other = text_prompt(lfm2, 9 * PAGE + 6, seed=3), text_prompt(lfm2, 2 * PAGE + 5, seed=4)
+    tail = [t for t in text_prompt(lfm2, 12, seed=5) if t != prompt[9 * PAGE]][:6]
     params = SamplingParams(max_tokens=4)
     store = StoreConfig(l1_bytes=1 << 26, store_dir=tmp_path, snapshot_l1_bytes=1, snapshot_l2_bytes=1)
     engine = Engine(lfm2, EngineConfig(page_size=PAGE, store=store, snapshot_spacing=2))
@@ -136,8 +137,11 @@ def test_a_hybrids_snapshot_reads_are_off_the_step_loop_too(lfm2, tmp_path, monk
             deadline = time.monotonic() + 10
             while http.get("/health").json()["status"] != "ok" and time.monotonic() < deadline:
                 time.sleep(0.05)
-            again = engine.submit(prompt, params)
-            assert list(again.stream()) == mlx_lm_greedy(lfm2, prompt, 4)
+            # the same 9 pages, another tail: the stalled request kept its own tail in L1
+            # with the state after it (a partial page), so its tail must differ
+            branch = prompt[: 9 * PAGE] + tail
+            again = engine.submit(branch, params)
+            assert list(again.stream()) == mlx_lm_greedy(lfm2, branch, 4)
             # pages 1-8 from L1, page 9 with its state from L3 (a token is labelled by its slowest part)
             assert again.sources() == {"L1": 8 * PAGE, "L2": 0, "L3": PAGE, "recomputed": 6}
     finally:
