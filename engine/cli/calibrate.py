@@ -57,9 +57,10 @@ def calibrate_on_first_use(loaded, geometry, store_dir: Path, codec: str = "raw"
                     return
         except StoreError:
             return  # the engine warns and runs without L3
-    print(
+    print(  # the line and its end in one write: a Ctrl-C between them would join it to the next line
         f"kvtier: no cost profile for this model in {store_dir}: a quick calibration first "
-        "(--no-auto-calibrate skips it; `kvtier calibrate` measures more)",
+        "(--no-auto-calibrate skips it; `kvtier calibrate` measures more)\n",
+        end="",
         file=sys.stderr,
     )
     calibrate_into(loaded, geometry, store_dir, True, "calibrating (quick, first use)", codec, l2_codec)
