@@ -21,6 +21,7 @@ import math
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import ClassVar, TypeVar
 
 import numpy as np
@@ -209,6 +210,11 @@ class ComputeModel(TimeModel):
         _, c1, c2 = self.coef
         n = page_size
         return c1 * n + c2 * n * (index * n + n / 2)
+
+    def page_costs(self, page_size: int) -> Callable[[int], float]:
+        """``page_seconds`` of each page index, what a store prices its pages by
+        (``TieredStore.page_cost.by_index``: the engine's and the replay's)."""
+        return partial(self.page_seconds, page_size)
 
     @classmethod
     def plausible(cls, coef: list[float]) -> bool:

@@ -29,7 +29,6 @@ import os
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
-from functools import partial
 from pathlib import Path
 
 import mlx.core as mx
@@ -198,7 +197,7 @@ class Replay:
         """A store for this replay, whose pages cost their recompute by the profile's
         prefill model at their depth (as the engine's do)."""
         store = TieredStore(self.geometry, self.namespace, config)
-        store.page_cost.by_index = partial(self.profile.compute.page_seconds, self.config.page_size)
+        store.page_cost.by_index = self.profile.compute.page_costs(self.config.page_size)
         return store
 
     def store_config(self, store_dir: Path) -> StoreConfig:

@@ -29,7 +29,6 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from functools import partial
 from types import MappingProxyType
 from typing import Any
 
@@ -99,7 +98,7 @@ class Engine:
         )
         self.profile = self._load_profile()
         if self.store is not None:  # each page weighed by its recompute at its depth, as the fit stands
-            self.store.page_cost.by_index = partial(self.profile.compute.page_seconds, self.config.page_size)
+            self.store.page_cost.by_index = self.profile.compute.page_costs(self.config.page_size)
         policy = self.config.single_flight if self.store is not None else "off"
         self._prefix_flight = policy == "prefix"  # exact inputs are a prefix case: no exact flights then
         flights = FlightCoordinator("off" if self._prefix_flight else policy)
