@@ -16,7 +16,7 @@ each request, at its arrival, to:
   taking every request that finds them all idle);
 - ``cache-aware``: ``costmodel.fleet.choose`` over what each engine's store holds of the
   prompt (``TieredStore.locate``: its L1 and L2, then the shared L3) and its queue, with
-  the load bound ``max_imbalance``: the router's rule.
+  the load bound ``max_imbalance``: the router's rule, its ties turning as least-load's.
 
 An engine's load at a moment is what it was sent and has not finished: a request is
 waiting or prefilling until its first token (its prompt tokens count as not yet
@@ -80,9 +80,15 @@ def round_robin(engines: Sequence[FleetEngine], i: int, now: float, request: Tra
     return engines[i % len(engines)]
 
 
-def least_load(engines: Sequence[FleetEngine], i: int, now: float, request: TraceRequest, pages: Pages) -> FleetEngine:
+def turned(engines: Sequence[FleetEngine], i: int) -> list[FleetEngine]:
+    """The engines in an order that turns by one each request, as the router's: the first
+    of equals (``min`` keeps it) is then a different engine each time."""
     turn = i % len(engines)
-    return min([*engines[turn:], *engines[:turn]], key=lambda e: e.load(now))  # min keeps the first of equals
+    return [*engines[turn:], *engines[:turn]]
+
+
+def least_load(engines: Sequence[FleetEngine], i: int, now: float, request: TraceRequest, pages: Pages) -> FleetEngine:
+    return min(turned(engines, i), key=lambda e: e.load(now))
 
 
 def cache_aware(max_imbalance: int, profile: Profile, config: ReplayConfig) -> Route:
@@ -91,7 +97,7 @@ def cache_aware(max_imbalance: int, profile: Profile, config: ReplayConfig) -> R
     def route(engines: Sequence[FleetEngine], i: int, now: float, request: TraceRequest, pages: Pages) -> FleetEngine:
         keys, tokens = pages
         candidates = []
-        for engine in engines:
+        for engine in turned(engines, i):
             load, pending = engine.load(now)
             candidates.append(Candidate(engine.name, tuple(engine.store.locate(keys, tokens)), pending, load, profile))
         placed = choose(candidates, request.input_length, config.page_size, config.page_bytes, max_imbalance)

@@ -95,11 +95,12 @@ def test_least_load_spreads_a_burst_evenly(tmp_path):
     assert row["requests_spread"] == row["prompt_tokens_spread"] == pytest.approx(1.0)
 
 
-def test_least_load_ties_take_turns(tmp_path):
-    """Each request finds every engine idle (they are far apart): the tie between them
-    goes to each engine in turn, not always to the first."""
+@pytest.mark.parametrize("route", ["least-load", "cache-aware"])
+def test_ties_take_turns(tmp_path, route):
+    """Each request finds every engine idle (they are far apart) and none holding its
+    pages: the tie between them goes to each engine in turn, not always to the first."""
     rows = [(100.0 * i, 2 * PAGE + 100, [500 + i, 600 + i, 700 + i]) for i in range(12)]
-    row = fleet(tmp_path, rows, 3, "least-load")
+    row = fleet(tmp_path, rows, 3, route)
     assert [e["requests"] for e in row["per_engine"].values()] == [4, 4, 4]
 
 
