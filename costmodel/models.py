@@ -212,9 +212,19 @@ class ComputeModel(TimeModel):
         return c1 * n + c2 * n * (index * n + n / 2)
 
     def page_costs(self, page_size: int) -> Callable[[int], float]:
-        """``page_seconds`` of each page index, what a store prices its pages by
-        (``TieredStore.page_cost.by_index``: the engine's and the replay's)."""
-        return partial(self.page_seconds, page_size)
+        """What a store prices each page index by (``TieredStore.page_cost.by_index``: the
+        engine's and the replay's): its ``page_seconds`` over the first page's, under the
+        fit as it stands when the page is priced. Relative, because a policy keeps each
+        page's price from when it came, and the fit moves as prefill is observed (the
+        first, cold prefills are slow): in seconds, pages priced under a slow early fit
+        would outlive every page priced after it, the newest request's own pages first."""
+        return partial(self.relative_page_seconds, page_size)
+
+    def relative_page_seconds(self, page_size: int, index: int) -> float:
+        """``page_seconds`` of page ``index`` in units of a first page's (1.0 for every page
+        when the fit has no attention term)."""
+        first = self.page_seconds(page_size, 0)
+        return self.page_seconds(page_size, index) / first if first > 0 else 1.0
 
     @classmethod
     def plausible(cls, coef: list[float]) -> bool:

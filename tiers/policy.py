@@ -11,11 +11,12 @@ the caps and the pins (a victim is always an unpinned page the tier holds).
   top of the tier's clock, which rises to the priority of each victim. Pages that
   are used again climb; pages left alone fall behind the clock and leave in turn,
   however hot they once were (the aging). Equal priorities leave oldest first. A
-  page's cost is the prefill seconds of recomputing it at its depth in its prompt
-  (``TieredStore.page_cost``: the engine's and the replay's fitted prefill model;
-  without one every page costs the same and the policy orders by uses and age), so a
-  deep page outlives a shallow one of equal use. L3 keeps the same order in its LMDB
-  tables (``tiers.l3.lmdb_store``), with every page costing the same.
+  page's cost is recomputing it at its depth in its prompt, in units of a prompt's
+  first page (``TieredStore.page_cost``: the engine's and the replay's fitted prefill
+  model, ``ComputeModel.page_costs``; without one every page costs the same and the
+  policy orders by uses and age), so a deep page outlives a shallow one of equal use.
+  L3 keeps the same order in its LMDB tables (``tiers.l3.lmdb_store``), with every
+  page costing the same.
 - ``s3fifo``: S3-FIFO (Yang et al., SOSP'23), scan-resistant. A new page enters a small
   probationary FIFO (a tenth of the tier); one not used again while there leaves first
   and is remembered in a ghost list of keys (as many as the tier holds), so a run of
@@ -232,9 +233,10 @@ class S3FifoPolicy(EvictionPolicy):
 
 
 class PageCost:
-    """The seconds recomputing page ``index`` of a prompt (0: its first) takes, what the
-    ``cost`` policy weighs a page by: 1.0 for every page until an owner of a prefill
-    model sets ``by_index`` (the engine and the replay: ``ComputeModel.page_seconds``)."""
+    """What recomputing page ``index`` of a prompt (0: its first) costs, relative to its
+    first page, what the ``cost`` policy weighs a page by: 1.0 for every page until an
+    owner of a prefill model sets ``by_index`` (the engine and the replay:
+    ``ComputeModel.page_costs``)."""
 
     def __init__(self) -> None:
         self.by_index: Callable[[int], float] = lambda index: 1.0
