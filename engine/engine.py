@@ -250,11 +250,15 @@ class Engine:
             self._fail_batch(exc)
             return
         observe_prefill(self.profile, self._running, prompt_responses, generation_responses, time.perf_counter() - t0)
+        for response in generation_responses:  # the tokens to their readers before the store's work
+            if (running := self._running.get(response.uid)) is not None:
+                self._guarded(running, self._deliver, response)
         if self.publisher is not None:
             for response in prompt_responses:
-                self._guarded(self._running[response.uid], self.publisher.on_prefill, response)
+                if (running := self._running.get(response.uid)) is not None:  # not failed in this step
+                    self._guarded(running, self.publisher.on_prefill, response)
         for response in generation_responses:
-            if (running := self._running.get(response.uid)) is not None:  # not failed in this step
+            if (running := self._running.get(response.uid)) is not None:
                 self._guarded(running, self._on_token, response)
         refit_after_first_tokens(self.profile, self._running)
 
@@ -352,15 +356,20 @@ class Engine:
         leader.resumed = len(held) - leader.prefix_tokens
         self._insert(leader, cache, list(held))
 
-    def _on_token(self, request: Request, response) -> None:
-        now = time.perf_counter()
+    def _deliver(self, request: Request, response) -> None:
+        """A step's token to the request's stream, first thing after the step: publishing
+        the pages its prompt filled (``Publisher.on_prefill``) comes after, off its time
+        to first token."""
         if request.t_first_token is None:
-            request.t_first_token = now
+            request.t_first_token = time.perf_counter()
         if response.finish_reason != "stop":  # the EOS token is not part of the output
             request.output.append(response.token)
             if request.params.logprobs is not None:  # before the token: a reader of the stream finds both
                 request.logprobs.append(token_logprob(response.logprobs, response.token, request.params.logprobs))
             request._tokens.put(response.token)
+
+    def _on_token(self, request: Request, response) -> None:
+        """After the step's publishing: the answer's pages, and the end of a finished request."""
         if response.finish_reason is None:
             if self.publisher is not None:
                 self.publisher.on_decode(request, response)
