@@ -63,7 +63,7 @@ from .links import LinkLedger, Throttle
 from .page import Namespace, PageGeometry, PageKey, Source, page_tokens
 from .partials import PartialPages
 from .placement import Pins, Placement
-from .policy import L3Admission, PageCost, UseHistory, make_policy
+from .policy import L3Admission, PageCost, make_policy
 from .quant import PageCodec, namespace_codecs, page_quantizer
 from .residency import Residency
 from .restore import PartialMatch, PendingRestore, RestoredPrefix, Restorer
@@ -100,11 +100,9 @@ class TieredStore:
         keep_buffers_for_restores()
         self.ns_digest = namespace.digest()
         page_bytes = config.page_bytes or geometry.nbytes
-        history = UseHistory()  # a page's uses in L1 and L2 together (``cost-history``)
-        self.l1 = DeviceTier(config.l1_bytes, page_bytes, make_policy(config.policy, history))
+        self.l1 = DeviceTier(config.l1_bytes, page_bytes, make_policy(config.policy))
         l2_codec = PageCodec.of(geometry, config.l2_codec)
-        l2_policy = make_policy(config.policy, history)
-        self.l2 = HostTier(config.l2_bytes, geometry.nbytes, config.page_bytes, l2_policy, l2_codec)
+        self.l2 = HostTier(config.l2_bytes, geometry.nbytes, config.page_bytes, make_policy(config.policy), l2_codec)
         self.admission = L3Admission(config.l3_admit)
         self.disk: L3Store | None = None  # set by _join: now, or once an unreachable server answers
         self.config = config

@@ -16,12 +16,6 @@ the caps and the pins (a victim is always an unpinned page the tier holds).
   without one every page costs the same and the policy orders by uses and age), so a
   deep page outlives a shallow one of equal use. L3 keeps the same order in its LMDB
   tables (``tiers.l3.lmdb_store``), with every page costing the same.
-- ``cost-history``: ``cost`` whose use counts are a page's history in the store, not
-  in one tier: a page's uses go with it from L1 to L2 (as its cost does) and are
-  remembered after it leaves both (``UseHistory``), so a page computed again after it
-  was evicted starts from the uses it had. Why: on a conversation trace a page's
-  chance of another use grows with its uses, and L2, where capacity decides, would
-  otherwise see every page arrive from L1 with one use. L3 keeps ``cost``'s order.
 - ``s3fifo``: S3-FIFO (Yang et al., SOSP'23), scan-resistant. A new page enters a small
   probationary FIFO (a tenth of the tier); one not used again while there leaves first
   and is remembered in a ghost list of keys (as many as the tier holds), so a run of
@@ -45,7 +39,7 @@ from collections.abc import Callable
 
 from .page import PageKey
 
-POLICIES = ("lru", "cost", "s3fifo", "cost-history")
+POLICIES = ("lru", "cost", "s3fifo")
 L3_ORDERS = ("lru", "cost")  # the orders L3's tables keep
 DEFAULT_POLICY = "cost"
 ADMISSIONS = ("always", "second-use")
@@ -159,47 +153,6 @@ class CostPolicy(EvictionPolicy):
         heapq.heapify(self.heap)
 
 
-class UseHistory:
-    """How often each recent page was used in a store's L1 and L2 together (at most
-    ``memory`` pages remembered, the least recently changed forgotten first): what
-    ``cost-history`` counts from, shared by the policies of both tiers."""
-
-    def __init__(self, memory: int = 1 << 18) -> None:
-        self.memory = memory
-        self._uses: OrderedDict[PageKey, int] = OrderedDict()
-
-    def uses(self, key: PageKey) -> int:
-        return self._uses.get(key, 0)
-
-    def record(self, key: PageKey, uses: int) -> None:
-        """The page has been used ``uses`` times in all (a count never falls)."""
-        self._uses[key] = max(self._uses.pop(key, 0), uses)
-        if len(self._uses) > self.memory:
-            self._uses.popitem(last=False)
-
-
-class CostHistoryPolicy(CostPolicy):
-    """``cost`` counting a page's uses in the whole store (``UseHistory``): a page
-    added starts from the uses it had anywhere (a page never seen: its publish, one),
-    so a move from L1 to L2 neither loses nor adds a use."""
-
-    name = "cost-history"
-
-    def __init__(self, history: UseHistory) -> None:
-        super().__init__()
-        self.history = history
-
-    def added(self, key: PageKey, cost: float = 1.0) -> None:
-        self.note(key, cost)
-        self.uses[key] = max(self.history.uses(key), 1)
-        self.history.record(key, self.uses[key])
-        self.kept(key)
-
-    def used(self, key: PageKey) -> None:
-        super().used(key)
-        self.history.record(key, self.uses[key])
-
-
 class S3FifoPolicy(EvictionPolicy):
     """S3-FIFO over one tier (see the module docstring).
 
@@ -290,11 +243,7 @@ class PageCost:
         return self.by_index(index)
 
 
-def make_policy(name: str, history: UseHistory | None = None) -> EvictionPolicy:
-    """A tier's policy; ``history``: the store's, which ``cost-history`` shares between
-    its tiers (a fresh one when None)."""
-    if name == "cost-history":
-        return CostHistoryPolicy(UseHistory() if history is None else history)
+def make_policy(name: str) -> EvictionPolicy:
     policies = {"lru": EvictionPolicy, "cost": CostPolicy, "s3fifo": S3FifoPolicy}
     if name not in policies:
         raise ValueError(f"unknown eviction policy {name!r}; expected one of {', '.join(POLICIES)}")
@@ -302,10 +251,8 @@ def make_policy(name: str, history: UseHistory | None = None) -> EvictionPolicy:
 
 
 def l3_order(policy: str) -> str:
-    """The order L3's tables keep for a tier policy (``L3_ORDERS``): its own (``cost``
-    for ``cost-history``: L3 sees no tier's uses), else ``lru``."""
-    own = "cost" if policy == "cost-history" else policy
-    return own if own in L3_ORDERS else "lru"
+    """The order L3's tables keep for a tier policy (``L3_ORDERS``): its own, else ``lru``."""
+    return policy if policy in L3_ORDERS else "lru"
 
 
 class L3Admission:

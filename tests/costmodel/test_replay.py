@@ -345,7 +345,7 @@ def test_a_scan_of_one_hit_pages_does_not_evict_a_reused_prefix_under_s3fifo(tmp
 SHARED_PREFIX = [(7 * 512 + 1, 5, [1, 2, 3, 4, 100 + 3 * r, 101 + 3 * r, 102 + 3 * r, 999]) for r in range(10)]
 
 
-@pytest.mark.parametrize("policy", ["lru", "cost", "s3fifo", "cost-history"])
+@pytest.mark.parametrize("policy", ["lru", "cost", "s3fifo"])
 @pytest.mark.parametrize("l1_pages, l2_pages", [(6, 0), (1, 6)])
 def test_leaf_first_keeps_a_long_shared_prefix_under_many_tails(tmp_path, policy, l1_pages, l2_pages):
     """Six pages in L1, or one in L1 and six in L2, nothing below: a request's prefix and
@@ -360,7 +360,7 @@ def test_leaf_first_keeps_a_long_shared_prefix_under_many_tails(tmp_path, policy
     assert result.peak_bytes["L1"] <= caps["l1_bytes"] and result.peak_bytes["L2"] <= caps["l2_bytes"]
 
 
-@pytest.mark.parametrize("policy", ["lru", "cost", "cost-history"])
+@pytest.mark.parametrize("policy", ["lru", "cost"])
 def test_l3_keeps_a_long_shared_prefix_under_many_tails(tmp_path, policy):
     """One page in L1, none in L2, six in L3: the prefix lives in L3, and every tail
     page written there after it follows a prefix page, so L3 evicts tails only (a
@@ -370,20 +370,3 @@ def test_l3_keeps_a_long_shared_prefix_under_many_tails(tmp_path, policy):
     result = run(trace, l1_bytes=PAGE_BYTES, l2_bytes=0, l3_bytes=6 * PAGE_BYTES, policy=policy)
     assert result.reused == [0] + [4 * 512] * 9
     assert result.evictions["L3"] > 0 and result.peak_bytes["L3"] <= 6 * PAGE_BYTES
-
-
-# Page 1 is used three times while in L1, then leaves for L2 ahead of two one-off prompts.
-HISTORY = [(513, 5, [1, 2])] * 3 + [(1025, 5, [10, 11, 12]), (1025, 5, [20, 21, 22]), (513, 5, [1, 2])]
-
-
-def test_cost_history_keeps_a_page_that_l1_used_often_when_l2_fills(tmp_path):
-    """One page in L1, two in L2, nothing below. Under ``cost`` page 1 reaches L2 with
-    one use, like the one-off pages after it, and leaves first, being the oldest; under
-    ``cost-history`` it brings its three uses, the one-off pages leave, and r5 reuses it."""
-    trace = tr.read_trace(trace_file(tmp_path, HISTORY))
-    reused = {}
-    for policy in ("cost", "cost-history"):
-        result = run(trace, l1_bytes=PAGE_BYTES, l2_bytes=2 * PAGE_BYTES, l3_bytes=0, policy=policy)
-        assert result.peak_bytes["L2"] <= 2 * PAGE_BYTES
-        reused[policy] = result.reused
-    assert reused == {"cost": [0, 512, 512, 0, 0, 0], "cost-history": [0, 512, 512, 0, 0, 512]}

@@ -7,7 +7,7 @@ import pytest
 from kvtier.tiers.hierarchy import StoreConfig, TieredStore
 from kvtier.tiers.l3.lmdb_store import DiskTier
 from kvtier.tiers.page import Namespace, PageGeometry, page_keys
-from kvtier.tiers.policy import CostPolicy, EvictionPolicy, L3Admission, UseHistory, make_policy
+from kvtier.tiers.policy import CostPolicy, EvictionPolicy, L3Admission, make_policy
 
 NOT_PINNED = lambda key: False  # noqa: E731
 
@@ -178,26 +178,3 @@ def test_a_restore_counts_as_a_sighting(tmp_path):
     s.settle()
     assert s.stats().tiers["L3"].inserts == 1
     s.close()
-
-
-@pytest.mark.parametrize(("name", "kept"), [("cost", b"fresh"), ("cost-history", b"hot")])
-def test_cost_history_carries_a_pages_uses_from_l1_to_l2_and_past_its_eviction(name, kept):
-    """``hot`` is used 3 times in L1, then moves to L2 beside a one-off page that came
-    down after it: ``cost`` sees both with one use and lets the older go; ``cost-history``
-    knows ``hot``'s uses. Evicted from both and computed again, it still has them."""
-    history = UseHistory()
-    l1, l2 = make_policy(name, history), make_policy(name, history)
-    l1.added(b"hot")
-    for _ in range(3):
-        l1.used(b"hot")
-    l1.removed(b"hot")
-    l2.added(b"hot")
-    l2.added(b"fresh")
-    victim = l2.victim(NOT_PINNED)
-    assert victim != kept
-    l2.removed(b"hot")
-    l2.removed(b"fresh")
-    again = make_policy(name, history)
-    again.added(b"hot")  # computed again after it left both tiers
-    again.added(b"other")
-    assert again.victim(NOT_PINNED) == (b"other" if name == "cost-history" else b"hot")
