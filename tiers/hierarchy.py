@@ -158,6 +158,7 @@ class TieredStore:
         self.residency = Residency(self._lock, self.l1, self.l2, geometry.page_size)  # who holds which page, as changes
         self.lineage = leaf_first(self.residency, self.l1, self.l2)  # which page follows which: evict leaves first
         self.placement.depth = self.lineage.depth  # the write budget ranks a shallower page first
+        self.placement.parent = self.lineage.parent.get  # L3 keeps a page's parent while it stays
         # What recomputing page i of a prompt costs: set by the engine and the replay from their
         # prefill model; publishers pass it, and a page restored from L3 is given it
         self.page_cost = self.restorer.page_cost = self.partials.page_cost = PageCost()

@@ -102,6 +102,7 @@ class Placement:
         self.pins = pins
         self.budget: WriteBudget | None = None  # the store's L3 write budget (``StoreConfig.l3_write_budget``)
         self.depth: Callable[[PageKey], int] = lambda key: 0  # pages before a page (the store's ``lineage.depth``)
+        self.parent: Callable[[PageKey], bytes | None] = lambda key: None  # the page before it (``lineage.parent``)
 
     def make_room(self, tier: Tier) -> bool:
         """Evict the policy's unpinned victims from ``tier`` until one page fits."""
@@ -172,8 +173,15 @@ class Placement:
             return False
         t0 = time.perf_counter()
         queued = self.disk.put(
-            key, self.ns_digest, page_tokens, data.data, wait=wait, segments=self.segments, quantize=self.quantize
-        )  # the page's bytes, no copy
+            key,
+            self.ns_digest,
+            page_tokens,
+            data.data,  # the page's bytes, no copy
+            wait=wait,
+            segments=self.segments,
+            quantize=self.quantize,
+            parent=self.parent(key),  # L3 keeps the page before it while it stays (leaf-first)
+        )
         if queued:
             self.ledger.record(link, len(data), time.perf_counter() - t0)
         return queued

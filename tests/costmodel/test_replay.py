@@ -358,3 +358,15 @@ def test_leaf_first_keeps_a_long_shared_prefix_under_many_tails(tmp_path, policy
     assert result.reused == [0] + [4 * 512] * 9
     assert result.report(distinct_pages=34)["unreachable_at_eviction"] == 0.0
     assert result.peak_bytes["L1"] <= caps["l1_bytes"] and result.peak_bytes["L2"] <= caps["l2_bytes"]
+
+
+@pytest.mark.parametrize("policy", ["lru", "cost"])
+def test_l3_keeps_a_long_shared_prefix_under_many_tails(tmp_path, policy):
+    """One page in L1, none in L2, six in L3: the prefix lives in L3, and every tail
+    page written there after it follows a prefix page, so L3 evicts tails only (a
+    tail's first page leaves after its last) and every request after the first
+    reuses the whole prefix."""
+    trace = tr.read_trace(trace_file(tmp_path, SHARED_PREFIX))
+    result = run(trace, l1_bytes=PAGE_BYTES, l2_bytes=0, l3_bytes=6 * PAGE_BYTES, policy=policy)
+    assert result.reused == [0] + [4 * 512] * 9
+    assert result.evictions["L3"] > 0 and result.peak_bytes["L3"] <= 6 * PAGE_BYTES

@@ -37,6 +37,13 @@ def raw_env(path: Path) -> Iterator[tuple[lmdb.Environment, object, object]]:
         env.close()
 
 
+def followed(env: lmdb.Environment, txn: lmdb.Transaction, keys: Iterable[bytes]) -> set[bytes]:
+    """Those of ``keys`` that a stored record follows (``chain``: ``b"c" + key`` -> a
+    u32 count; ``tiers.l3.lmdb_chain``): out of the eviction order until it goes."""
+    chain = env.open_db(b"chain", txn=txn)
+    return {k for k in keys if txn.get(b"c" + k, db=chain) is not None}
+
+
 def damage_last_byte(path: Path, keys: Iterable[bytes]) -> None:
     """Flip the last byte of each record ``keys`` names in the closed store at ``path``
     (of a page, its last layer's rows: a window row's where the model has window layers)."""

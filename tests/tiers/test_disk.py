@@ -34,7 +34,7 @@ from kvtier.tiers.l3.record import (
     decode_record,
 )
 
-from .lmdb_files import raw_env, write_lock
+from .lmdb_files import followed, raw_env, write_lock
 
 REPO = Path(__file__).resolve().parents[2]
 NS = b"N" * 16
@@ -60,15 +60,16 @@ def _scan(path: Path) -> dict:
             order = [bytes(k)[8:] for k, _ in txn.cursor(db=env.open_db(b"order", txn=txn))]
             used = msgpack.unpackb(txn.get(b"bytes_used", db=meta))
             npages = msgpack.unpackb(txn.get(b"pages", db=meta))
-    return {"sizes": sizes, "lru": lru, "order": order, "bytes_used": used, "pages": npages}
+            held = followed(env, txn, sizes)
+    return {"sizes": sizes, "lru": lru, "order": order, "followed": held, "bytes_used": used, "pages": npages}
 
 
 def _assert_consistent(path: Path, capacity: int) -> dict:
     s = _scan(path)
     assert s["bytes_used"] == sum(s["sizes"].values()) <= capacity
     assert s["pages"] == len(s["sizes"])
-    assert s["lru"] == set(s["order"]) == set(s["sizes"])
-    assert len(s["order"]) == len(s["sizes"])
+    assert s["lru"] == set(s["order"]) | s["followed"] == set(s["sizes"])  # leaf-first: followed ones wait
+    assert len(s["order"]) + len(s["followed"]) == len(s["sizes"])
     return s
 
 

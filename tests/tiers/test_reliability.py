@@ -37,7 +37,7 @@ from kvtier.tiers.l3.record import CODECS, QUANTIZED, RECORD_VERSION, CorruptRec
 from kvtier.tiers.page import Namespace, PageGeometry, page_keys
 from kvtier.tiers.tier import kv_to_host
 
-from .lmdb_files import raw_env, write_lock
+from .lmdb_files import followed, raw_env, write_lock
 from .test_disk import NS, RECORD_VALUES, TOKENS, key, payload
 
 pytestmark = pytest.mark.slow  # starts processes or loads the real model
@@ -164,8 +164,8 @@ def _wait_ready(child: subprocess.Popen, timeout: float) -> bool:
 
 def assert_consistent(store: Path, capacity: int) -> dict:
     """Read with lmdb directly (the store closed): meta bytes_used and pages match the
-    records (absent meta: nothing was ever committed), lru and order name exactly the
-    records, bytes within the cap. What is stored, as ``test_disk._scan`` reports it."""
+    records (absent meta: nothing was ever committed), lru names exactly the records and
+    order those no record follows, bytes within the cap. What is stored, as ``test_disk._scan`` reports it."""
     with raw_env(store) as (env, pages, meta):
         with env.begin() as txn:
             sizes = {bytes(k): len(v) for k, v in txn.cursor(db=pages)}
@@ -174,9 +174,10 @@ def assert_consistent(store: Path, capacity: int) -> dict:
             used, npages = (
                 msgpack.unpackb(txn.get(name, db=meta) or msgpack.packb(0)) for name in (b"bytes_used", b"pages")
             )
+            held = followed(env, txn, sizes)
     assert used == sum(sizes.values()) <= capacity
     assert npages == len(sizes)
-    assert lru == set(order) == set(sizes) and len(order) == len(sizes)
+    assert lru == set(order) | held == set(sizes) and len(order) + len(held) == len(sizes)  # leaf-first
     return {"sizes": sizes, "bytes_used": used, "pages": npages}
 
 
@@ -264,11 +265,12 @@ def verify_store(store: Path, log: CrashLog, fresh: set[bytes], tier: DiskTier |
 
 def _check_meta(tier: DiskTier, capacity: int) -> list[bytes]:
     """Through the open tier's census (one read transaction): meta bytes_used and pages
-    match the records, lru and order name exactly the records; the record keys."""
+    match the records, lru names exactly the records and order those no record follows; the record keys."""
     census = tier.census()
     assert census.bytes_used == sum(census.sizes.values()) <= capacity
     assert census.pages == len(census.sizes)
-    assert census.lru == set(census.order) == set(census.sizes) and len(census.order) == len(census.sizes)
+    assert census.lru == set(census.order) | census.followed == set(census.sizes)  # leaf-first: followed ones wait
+    assert len(census.order) + len(census.followed) == len(census.sizes)
     return list(census.sizes)
 
 

@@ -263,6 +263,7 @@ class L3Store(ABC):
         wait: bool = False,
         segments: tuple[int, ...] = (),
         quantize: Quantize | None = None,
+        parent: bytes | None = None,
     ) -> bool:
         """Queue a write-once page write; False (and counted) when the queue is full.
 
@@ -270,12 +271,20 @@ class L3Store(ABC):
         ``segments``: byte lengths of the payload's separately checked segments.
         ``quantize``: how this store's codec, if it quantizes, encodes the page
         (``tiers.quant``); without it the page is stored raw (a snapshot's state).
+        ``parent``: the key of the page before this one, when known: L3 then keeps the
+        parent while this page stays (leaf-first, ``tiers.l3.lmdb_chain``; Redis: by use).
         """
         if self.writer.queued(key):
             return True  # write-once: nothing to copy or write
         # whether L3 holds it already is the writer's question (one per batch), not the caller's
         pending = PendingPut(
-            bytes(key), bytes(namespace_digest), token_bytes(tokens), bytes(payload), segments, quantize
+            bytes(key),
+            bytes(namespace_digest),
+            token_bytes(tokens),
+            bytes(payload),
+            segments,
+            quantize,
+            None if parent is None else bytes(parent),
         )
         if self._never_fits(len(payload)) or not self.writer.put(pending, wait=wait):  # never fits: nothing crosses
             self.count(writes_dropped=1)

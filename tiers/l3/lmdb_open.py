@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 
 _MIB = 1 << 20
 _MIN_MAP = 16 << 30  # address space only: the file grows with the data, not with the map
-_DBS = (b"pages", b"lru", b"order", b"counters", b"namespaces")
+_DBS = (b"pages", b"lru", b"order", b"counters", b"namespaces", b"chain")
 
 
 def check_format_version(path: Path, stored: bytes | None) -> None:
@@ -113,18 +113,23 @@ def open_readonly(path: Path, policy: str, record_bytes: int | None) -> PageTabl
         with env.begin(db=meta) as txn:
             check_format_version(path, txn.get(b"format_version"))
         pages, lru, order, counters = (env.open_db(name, create=False) for name in _DBS[:4])
-        try:
-            namespaces = env.open_db(b"namespaces", create=False)
-        except lmdb.NotFoundError:  # a store no writer has opened since the table came
-            namespaces = None
+        namespaces, chain = (_optional_db(env, name) for name in (b"namespaces", b"chain"))
     except lmdb.Error as exc:  # NotFoundError: a database missing
         env.close()
         raise StoreError(f"cannot read store at {path}: {one_line(exc)}") from None
     except BaseException:
         env.close()
         raise
-    dbs = Databases(meta, pages, lru, order, counters, namespaces)
+    dbs = Databases(meta, pages, lru, order, counters, namespaces, chain)
     return PageTables(env, dbs, policy, record_bytes, default_capacity(path)[0])  # what a damaged cap reads as
+
+
+def _optional_db(env: lmdb.Environment, name: bytes) -> Database | None:
+    """A read-only store's database that a store no writer has opened since it came lacks."""
+    try:
+        return env.open_db(name, create=False)
+    except lmdb.NotFoundError:
+        return None
 
 
 def _check_file_size(path: Path, env: lmdb.Environment) -> None:

@@ -4,7 +4,8 @@ Records (``tiers.l3.record``) live in the ``pages`` database under their 16-byte
 Side databases: ``meta`` (format version, store-wide bytes_used and pages, access_seq,
 the L3 cap ``capacity``, ``put_meta`` entries under ``user/``), ``lru`` (page key ->
 8-byte big-endian rank (the last access seq under LRU) and a u32 use count), ``order``
-(rank || page key -> b"", next victim first), ``counters``, ``namespaces`` (namespace
+(rank || page key -> b"", next victim first, the records no stored record follows),
+``chain`` (which record follows which: ``tiers.l3.lmdb_chain``), ``counters``, ``namespaces`` (namespace
 digest -> its pages, bytes, tokens, last use and what the process that wrote it said
 about it).
 
@@ -97,7 +98,9 @@ class DiskTier(L3Store):
       bytes_used/pages, the namespaces table, lru and order change in the same
       transaction as the records.
     - eviction takes the least-recently-used record first (or, with ``policy="cost"``,
-      the lowest frequency-with-aging rank); a get counts as a use.
+      the lowest frequency-with-aging rank) among the records no stored record follows
+      (leaf-first: a page written with its ``parent`` keeps it; ``tiers.l3.lmdb_chain``);
+      a get counts as a use.
     - put never waits for the disk: a full queue drops the write and counts it.
     - LMDB errors (MapFullError included) never reach a caller after open.
     - another format version, an unwritable directory or a damaged environment raise

@@ -2,9 +2,11 @@
 stamp a use, and the meta numbers and namespace counts that change with them.
 
 Records live in ``pages``; ``lru`` maps a page key to its 8-byte big-endian rank and a
-u32 use count, ``order`` holds rank || page key -> b"" (next victim first). Everything
-a transaction changes (records, lru/order, meta bytes_used/pages/access_seq/clock,
-namespace counts) is written in that same transaction, so the tables always agree.
+u32 use count, ``order`` holds rank || page key -> b"" (next victim first) for the
+records no stored record follows (leaf-first: ``tiers.l3.lmdb_chain``, whose ``chain``
+table keeps which record follows which). Everything a transaction changes (records,
+lru/order/chain, meta bytes_used/pages/access_seq/clock, namespace counts) is written
+in that same transaction, so the tables always agree.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import lmdb
 import msgpack
 from xxhash import xxh3_64_intdigest
 
+from .lmdb_chain import Chain
 from .lmdb_meta import STATE_FIELDS, MetaTables, StoreState, ns_row
 from .record import RecordHeader, header_or_none
 from .tables import DamageLog, is_namespace_row, unpacked
@@ -56,6 +59,7 @@ class Databases:
     order: Database
     counters: Database
     namespaces: Database | None
+    chain: Database | None = None  # None: a read-only store no writer has opened since it came
 
 
 @dataclass(frozen=True)
@@ -65,7 +69,8 @@ class Census:
 
     sizes: dict[bytes, int]  # record key -> stored value length
     lru: frozenset[bytes]  # keys with an lru entry
-    order: tuple[bytes, ...]  # keys in eviction order, next victim first
+    order: tuple[bytes, ...]  # keys in eviction order, next victim first (those no record follows)
+    followed: frozenset[bytes]  # stored keys that a stored record follows (out of ``order`` until it goes)
     bytes_used: int  # meta
     pages: int  # meta
 
@@ -85,6 +90,7 @@ class PageTables:
         self._policy, self._record_bytes = policy, record_bytes
         self.damage = DamageLog(env.path())  # damaged side values, each told once
         self.meta = MetaTables(dbs.meta, dbs.pages, dbs.order, self.size, policy, default_capacity, self.damage)
+        self.chain = Chain(dbs.chain)
 
     def size(self, value: memoryview | bytes) -> int:
         """Bytes a record counts against the cap (and in bytes_used)."""
@@ -97,6 +103,7 @@ class PageTables:
                 {bytes(k): len(v) for k, v in txn.cursor(db=self.dbs.pages)},
                 frozenset(bytes(k) for k, _ in txn.cursor(db=self.dbs.lru)),
                 tuple(bytes(k)[_SEQ.size :] for k, _ in txn.cursor(db=self.dbs.order)),
+                frozenset(bytes(k) for k, _ in txn.cursor(db=self.dbs.pages) if self.chain.followers(txn, bytes(k))),
                 state.bytes_used,
                 state.pages,
             )
@@ -148,40 +155,62 @@ class PageTables:
                     self.stamp(txn, state, key, _uses(stamp) + 1)
                     if (header := header_or_none(txn.get(key, db=self.dbs.pages) or b"")) is not None:
                         state.used.add(header.namespace)
-            for key, value in records:
-                self._insert(txn, state, key, value, outcome)
+            for (key, value), put in zip(records, batch.puts):
+                self._insert(txn, state, key, value, put.parent, outcome)
             self.save_state(txn, state)
         return outcome
 
-    def _insert(self, txn: lmdb.Transaction, state: StoreState, key: bytes, value: bytes, outcome: Outcome) -> None:
+    def _insert(
+        self,
+        txn: lmdb.Transaction,
+        state: StoreState,
+        key: bytes,
+        value: bytes,
+        parent: bytes | None,
+        outcome: Outcome,
+    ) -> None:
         if txn.get(key, db=self.dbs.pages) is not None:
             return  # write-once (another process may have written it since put)
         if self.size(value) > state.capacity:  # larger than the whole tier: evict nothing for it
             outcome.writes_dropped += 1
             return
-        outcome.evictions += self.evict(txn, state, state.capacity - self.size(value))
+        outcome.evictions += self.evict(txn, state, state.capacity - self.size(value), spare=parent)
         txn.put(key, value, db=self.dbs.pages)
         self.stamp(txn, state, key)
+        if parent is not None and self.chain.link(txn, key, parent):
+            self._hold(txn, parent)
         header = RecordHeader.unpack(value)[0]  # encoded by the writer just now
         state.tally(header.namespace, 1, self.size(value), header.token_count)
         state.used.add(header.namespace)
         outcome.inserts += 1
 
-    def evict(self, txn: lmdb.Transaction, state: StoreState, limit: int) -> int:
-        """Remove records, next victim first, until bytes_used <= limit; how many went."""
+    def evict(self, txn: lmdb.Transaction, state: StoreState, limit: int, spare: bytes | None = None) -> int:
+        """Remove records, next victim first, until bytes_used <= limit; how many went.
+        ``spare``: the parent of the record being written, which counts as followed (a
+        page never pushes out the page before it), unless nothing else can go."""
         evicted = 0
-        while state.bytes_used > limit:
-            with txn.cursor(db=self.dbs.order) as cursor:
-                if not cursor.first():
-                    break
-                key = bytes(cursor.key())[_SEQ.size :]
-                if self._policy == "cost":
-                    state.clock = _SEQ.unpack_from(cursor.key())[0] >> 32
-                cursor.delete()  # always progress, even past an entry lru no longer names
+        while state.bytes_used > limit and (key := self._victim(txn, state, spare)) is not None:
             value = txn.get(key, db=self.dbs.pages)
             self.remove(txn, state, key, value)
             evicted += value is not None
         return evicted
+
+    def _victim(self, txn: lmdb.Transaction, state: StoreState, spare: bytes | None) -> bytes | None:
+        """The next record to evict, its ``order`` entry taken (None: the store is empty).
+        Should ``order`` be empty while records remain (a follower removed by a kvtier
+        that kept no chain table), any record goes: the cap is a hard limit."""
+        with txn.cursor(db=self.dbs.order) as cursor:
+            if not cursor.first():
+                with txn.cursor(db=self.dbs.pages) as records:
+                    return bytes(records.key()) if records.first() else None
+            if bytes(cursor.key())[_SEQ.size :] == spare:
+                if not cursor.next():  # the page before the one arriving goes last
+                    cursor.first()
+            key = bytes(cursor.key())[_SEQ.size :]
+            if self._policy == "cost":
+                state.clock = _SEQ.unpack_from(cursor.key())[0] >> 32
+            cursor.delete()  # always progress, even past an entry lru no longer names
+            return key
 
     def evict_alone(self, limit: Callable[[StoreState], int], capacity: int | None = None) -> int:
         """Evict in a transaction of its own down to ``limit(state)`` bytes (and set the
@@ -205,17 +234,27 @@ class PageTables:
         if (stamp := txn.get(key, db=self.dbs.lru)) is not None:
             txn.delete(bytes(stamp)[: _SEQ.size] + key, db=self.dbs.order)
             txn.delete(key, db=self.dbs.lru)
+        parent = self.chain.unlink(txn, key)
+        if parent is not None and (stamp := txn.get(parent, db=self.dbs.lru)) is not None:
+            txn.put(bytes(stamp)[: _SEQ.size] + parent, b"", db=self.dbs.order)  # its last follower went
+
+    def _hold(self, txn: lmdb.Transaction, key: bytes) -> None:
+        """A stored record followed now leaves the eviction order (its rank stays in lru)."""
+        if (stamp := txn.get(key, db=self.dbs.lru)) is not None:
+            txn.delete(bytes(stamp)[: _SEQ.size] + key, db=self.dbs.order)
 
     def stamp(self, txn: lmdb.Transaction, state: StoreState, key: bytes, uses: int = 1) -> None:
         """Place a page in the eviction order (``order`` is read first to last): by
         access sequence (``lru``), or (``cost``) by GreedyDual-Frequency rank
         ``clock + uses`` in the high 32 bits, the access sequence below it, so equal
         ranks leave oldest first. Every L3 page costs the same to recompute, so this
-        is frequency with aging. ``lru`` holds the rank and the use count."""
+        is frequency with aging. ``lru`` holds the rank and the use count; ``order`` the
+        rank only while no stored record follows the page (leaf-first)."""
         state.access_seq += 1
         rank = (
             state.access_seq if self._policy == "lru" else (state.clock + uses) << 32 | (state.access_seq & 0xFFFFFFFF)
         )
         seq = _SEQ.pack(rank)
         txn.put(key, seq + _LEN.pack(uses), db=self.dbs.lru)
-        txn.put(seq + key, b"", db=self.dbs.order)
+        if not self.chain.followers(txn, key):
+            txn.put(seq + key, b"", db=self.dbs.order)

@@ -17,6 +17,13 @@ What differs from LMDB, and why:
 - Writes are ``SET NX`` (write-once) from the writer thread, after one pipelined
   ``EXISTS`` per batch so that a page the server holds is not sent again; deletes of rejected records
   are a server-side compare-and-delete on the value's SHA-1, so a rewritten record survives.
+- Leaf-first is the server's eviction helped, not enforced: the same pipeline ``TOUCH``es
+  the page before each page written (``put(parent=...)``), so under an LRU or LFU
+  ``maxmemory-policy`` a page is used at least as recently, and at least as often, as
+  the pages written after it, and a restore reads a chain from its first page, so a
+  page is read at least as often as any page after it. Redis samples its victims and
+  keeps no order table of ours, so it may still evict a page before one after it
+  (LMDB never does: ``tiers.l3.lmdb_chain``).
 - Nothing waits long on a server that is down or slow: every call has a short socket
   timeout (``?socket_timeout=`` overrides it) and no client-side retries; after a connection
   failure the store answers "absent" and drops writes (counted) for a back-off that doubles
@@ -309,12 +316,15 @@ class RedisTier(L3Store):
         if not puts:
             return
         records = [(p.key, self.encoded(p)) for p in puts]
+        parents = list(dict.fromkeys(p.parent for p in puts if p.parent is not None))
 
         def write() -> list:
             pipe = self._client.pipeline(transaction=False)
             for key, value in records:
                 pipe.set(self._page(key), value, nx=True)
-            return pipe.execute(raise_on_error=False)
+            for parent in parents:  # one key a command: a cluster routes each to its slot
+                pipe.touch(self._page(parent))
+            return pipe.execute(raise_on_error=False)[: len(records)]
 
         results = self._call("write", write, None)
         if results is None:

@@ -31,6 +31,7 @@ class PendingPut:
     payload: bytes
     segments: tuple[int, ...] = ()  # byte lengths of the payload's segments (``record.encode_record``)
     quantize: Quantize | None = None  # how a quantized codec encodes this page (None: not a page, stored raw)
+    parent: bytes | None = None  # the key of the page before it, when the writer knows it (leaf-first in L3)
 
 
 @dataclass
