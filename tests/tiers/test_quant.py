@@ -76,6 +76,28 @@ def test_each_codec_round_trips_within_one_step_of_its_group(codec, dtype):
         assert error.max() > 0  # lossy: it is not the raw page back
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+@pytest.mark.parametrize("codec", list(BITS))
+def test_a_decoded_page_is_mx_dequantize_s_bytes(codec, dtype):
+    """The codec's own decode gives the bytes ``mx.dequantize`` gives for the groups
+    ``mx.quantize`` made of each layer's K and V (a page of 11 layers of 64 KiB halves:
+    decoded a few layers at a time, the last chunk short), into a slot or new memory."""
+    geometry = PageGeometry(num_layers=11, num_kv_heads=2, head_dim=64, page_size=128, dtype=dtype)
+    pages = PageCodec.of(geometry, codec)
+    kv = page(5, geometry)
+    expected = []
+    for layer in range(geometry.num_layers):
+        halves = []
+        for half, bits in enumerate(BITS[codec]):
+            groups = kv[layer, half].reshape(-1, GROUP)
+            halves.append(mx.dequantize(*mx.quantize(groups, GROUP, bits), GROUP, bits).reshape(kv.shape[2:]))
+        expected.append(mx.stack(halves))
+    slot = np.zeros(geometry.nbytes, np.uint8)
+    payload = pages.encode(codec, kv_to_host(kv))
+    assert pages.decode(payload, slot) is slot
+    assert slot.tobytes() == kv_to_host(mx.stack(expected)).tobytes() == pages.decode(payload).tobytes()
+
+
 def test_a_page_that_does_not_split_into_groups_is_refused_at_open(tmp_path):
     odd = PageGeometry(num_layers=2, num_kv_heads=1, head_dim=8, page_size=4, dtype="bfloat16")  # 32 values
     with pytest.raises(ValueError, match="groups of 64"):
