@@ -3,8 +3,9 @@
     python bench/codec_decode.py [--codecs q8 k8v4 q4] [--pages 8] [--rounds 9] [--encode]
 
 For one page geometry of the default model (float32 KV: 5.6 MiB a 128-token page),
-``--pages`` random pages are quantized, then each round decodes all of them into L2-like
-slots three ways, interleaved so that a machine's load favours none:
+``--pages`` random pages are quantized (each payload at an odd address, as in LMDB's
+map), then each round decodes all of them into L2-like slots three ways, interleaved so
+that a machine's load favours none:
 
 - ``ours``: ``tiers.quant.decode`` (the codec's decode);
 - ``mx.dequantize``: one ``mx.dequantize`` per half of a page, copied into its slot;
@@ -31,7 +32,7 @@ from kvtier.tiers.quant import BITS, GROUP, PageCodec
 from kvtier.tiers.tier import kv_to_host
 
 
-def with_mx_dequantize(codec: str, payload: bytes, layers: int, out: np.ndarray) -> None:
+def with_mx_dequantize(codec: str, payload: memoryview, layers: int, out: np.ndarray) -> None:
     """A page decoded by ``mx.dequantize``, one call a half, copied into ``out``."""
     rows = out.view(np.float32).reshape(layers, 2, -1)
     values = rows[:, 0].size
@@ -58,7 +59,8 @@ def measure(
     pages = PageCodec.of(geometry, codec)
     assert pages is not None, codec
     t0 = time.perf_counter()
-    payloads = [pages.encode(codec, raw) for raw in raws]
+    # at an odd address, as LMDB's map hands a payload over (after its record's header)
+    payloads = [memoryview(b"\0" + pages.encode(codec, raw))[1:] for raw in raws]
     encode_s = (time.perf_counter() - t0) / len(raws)
     ways = {
         "ours": lambda: [pages.decode(p, s) for p, s in zip(payloads, slots)],
