@@ -169,6 +169,26 @@ def test_a_corrupted_quantized_record_is_rejected_and_its_pages_recomputed(tmp_p
     reader.close()
 
 
+@pytest.mark.parametrize("l3", ["q8", "k8v4"])
+def test_a_page_restored_from_l3_into_an_l2_of_its_codec_keeps_its_stored_bytes(tmp_path, l3):
+    """An L3 record of L2's own codec goes into L2 as stored: a second restore, from L2,
+    gives the KV the first gave from L3 (quantizing a decoded page again would not give
+    its bytes back: the codecs are lossy)."""
+    writer = store(tmp_path, l3, l3)
+    keys = publish(writer, 3)
+    writer.close()
+    reader = store(tmp_path, l3, l3, l2_pages=8)
+    first = reader.restore(keys, TOKENS)
+    reader.release(first.keys)
+    again = reader.restore(keys, TOKENS)
+    reader.release(again.keys)
+    assert (first.sources, again.sources) == ([Source.L3] * 3, [Source.L2] * 3)
+    for (k1, v1), (k2, v2) in zip(first.layers, again.layers):
+        assert kv_to_host(k1).tobytes() == kv_to_host(k2).tobytes()
+        assert kv_to_host(v1).tobytes() == kv_to_host(v2).tobytes()
+    reader.close()
+
+
 def test_a_quantizing_l2_holds_more_pages_in_the_same_bytes(tmp_path):
     l2 = store(tmp_path, "raw", "q8", l2_pages=4)
     assert l2.l2.max_pages == 4 * PAGE // stored_nbytes("q8", PAGE, "bfloat16") >= 1.7 * 4
