@@ -157,8 +157,8 @@ def dequantize(
     groups = per_layer // GROUP
     codes = words.reshape(layers, groups, GROUP * bits // 8)
     # a payload lies at any byte offset (in LMDB's map, after its header): numpy's loops
-    # over unaligned floats are several times slower, so the scales and biases (1/16 of
-    # a half's bytes at most) are copied aligned when they are not
+    # over unaligned floats are several times slower, so the scales and biases (1/32 of
+    # the bytes they decode to) are copied aligned when they are not
     scale = np.require(scales.view(_STORAGE[dtype]), requirements="A").reshape(layers, groups, 1)
     bias = np.require(biases.view(_STORAGE[dtype]), requirements="A").reshape(layers, groups, 1)
     step = max(1, _CHUNK // (per_layer * _ITEMSIZE[dtype]))
