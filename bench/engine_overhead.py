@@ -1,12 +1,15 @@
 """Engine overhead on all-unique prompts, as ratios measured in one run.
 
     python bench/engine_overhead.py [--prompts 8] [--tokens 600] [--max-tokens 32] [--repeats 5]
+                                    [--l2-codec raw|q8|q4|k8v4] [--l3-codec raw|zstd|q8|q4|k8v4]
 
 Three ways to run the same burst of unique prompts (nothing to reuse):
 - ``mlx_lm``: mlx-lm's own ``BatchGenerator``, prompts inserted together;
 - ``off``: the kvtier engine with ``offload=False`` (no store);
 - ``on``: the engine with offload on, a fresh store per run (publication after every
-  step, L1 inserts; ``close`` flushes to L3 and is timed separately).
+  step, L1 inserts; ``close`` flushes to L3 and is timed separately), its tiers'
+  codecs those of ``--l2-codec`` and ``--l3-codec`` (a quantizing L3 encodes every
+  page that its flush writes).
 Runs are interleaved and repeated, each repeat in a rotated order (so a machine
 slowing down or speeding up favours none of them); the median of each is reported.
 """
@@ -24,6 +27,7 @@ from mlx_lm.generate import BatchGenerator
 
 import kvtier  # noqa: F401  (loads OpenBLAS before mlx, when installed)
 from kvtier.engine.blas import blas_in_use
+from kvtier.engine.cli.args import add_codec_flag
 from kvtier.engine.engine import Engine, EngineConfig
 from kvtier.engine.models.load import load_model
 from kvtier.engine.request import SamplingParams
@@ -48,9 +52,11 @@ def run_mlx_lm(loaded, prompts, max_tokens) -> float:
     return time.perf_counter() - t0
 
 
-def run_engine(loaded, prompts, max_tokens, offload: bool) -> tuple[float, float, float]:
+def run_engine(loaded, prompts, max_tokens, offload: bool, codecs=("raw", "raw")) -> tuple[float, float, float]:
+    """Seconds of the run, of its close, and inside the store; ``codecs``: L2's and L3's."""
     with tempfile.TemporaryDirectory() as tmp:
-        config = EngineConfig(offload=offload, store=StoreConfig(store_dir=Path(tmp)), prefill_step_size=512)
+        store = StoreConfig(store_dir=Path(tmp), l2_codec=codecs[0], codec=codecs[1])
+        config = EngineConfig(offload=offload, store=store, prefill_step_size=512)
         t0 = time.perf_counter()
         engine = Engine(loaded, config)
         engine.generate(prompts, SamplingParams(max_tokens=max_tokens))
@@ -66,13 +72,14 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=600)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=5)
+    add_codec_flag(parser)  # --l2-codec, --l3-codec: as kvtier run's
     args = parser.parse_args()
     loaded = load_model()
     times: dict[str, list[float]] = {"mlx_lm": [], "off": [], "on": [], "close": [], "store": []}
     run_mlx_lm(loaded, unique_prompts(2, 64, 999), 2)  # warm-up: kernels, allocator
 
     def on(prompts) -> None:
-        seconds, close, store = run_engine(loaded, prompts, args.max_tokens, offload=True)
+        seconds, close, store = run_engine(loaded, prompts, args.max_tokens, True, (args.l2_codec, args.codec))
         times["on"].append(seconds)
         times["close"].append(close)
         times["store"].append(store / seconds)
@@ -91,7 +98,7 @@ def main() -> None:
     print(f"BLAS: {blas_in_use()}")
     print(
         f"{args.prompts} unique prompts x {args.tokens} tokens, {args.max_tokens} output tokens, "
-        f"median of {args.repeats}"
+        f"median of {args.repeats}; offload on with L2 {args.l2_codec}, L3 {args.codec}"
     )
     for name in ("mlx_lm", "off", "on", "close"):
         print(f"  {name:>7}: {med[name]:7.3f} s")

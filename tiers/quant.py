@@ -39,6 +39,8 @@ BITS = dict(zip(QUANTIZED, ((8, 8), (4, 4), (8, 4))))  # codec -> (key bits, val
 PREFIX = struct.Struct("<BBBBI")  # dtype code, key bits, value bits, group, layers
 _DTYPES = ("bfloat16", "float16", "float32")
 _ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
+_STORAGE = {"bfloat16": np.uint16, "float16": np.float16, "float32": np.float32}  # a page's values in numpy
+_CHUNK = 512 << 10  # bytes of a page's half decoded at a time (``dequantize``)
 
 
 @dataclass(frozen=True)
@@ -107,8 +109,8 @@ def encode(codec: str, raw: bytes | memoryview | np.ndarray, layout: PageLayout)
 
 def decode(codec: str, payload: memoryview | bytes, raw_nbytes: int, out: np.ndarray | None = None) -> np.ndarray:
     """The raw page (uint8, ``raw_nbytes``) of a quantized payload, dequantized straight
-    into ``out`` when given (no other full-size host copy: each half is dequantized by
-    mlx and copied into its rows); CorruptRecord when the payload cannot be this page's."""
+    into ``out`` when given (no other full-size host copy); CorruptRecord when the
+    payload cannot be this page's. The bytes are ``mx.dequantize``'s (``dequantize``)."""
     payload = memoryview(payload).cast("B")
     if len(payload) < PREFIX.size:
         raise CorruptRecord("quantized payload shorter than its prefix")
@@ -124,20 +126,53 @@ def decode(codec: str, payload: memoryview | bytes, raw_nbytes: int, out: np.nda
         raise CorruptRecord("quantized payload length differs from its raw length's")
     itemsize, values = _ITEMSIZE[dtype], raw_nbytes // _ITEMSIZE[dtype] // 2
     target = np.empty(raw_nbytes, np.uint8) if out is None else out
-    rows = target.reshape(layers, 2, -1)
+    rows = target.view(_STORAGE[dtype]).reshape(layers, 2, -1)
     at = PREFIX.size
     for half, bits in enumerate((kbits, vbits)):
         sizes = (values * bits // 8, (values // GROUP) * itemsize, (values // GROUP) * itemsize)
-        views = []
-        for size in sizes:
-            views.append(np.frombuffer(payload[at : at + size], np.uint8))
-            at += size
-        words = mx.array(views[0].view(np.uint32)).reshape(values // GROUP, -1)
-        scales = _as_mx(views[1], dtype).reshape(-1, 1)
-        biases = _as_mx(views[2], dtype).reshape(-1, 1)
-        plain = mx.dequantize(words, scales, biases, GROUP, bits)
-        np.copyto(rows[:, half], _as_bytes(plain).reshape(layers, -1))
+        words, scales, biases = (np.frombuffer(payload, np.uint8, n, at + sum(sizes[:i])) for i, n in enumerate(sizes))
+        at += sum(sizes)
+        dequantize(words, scales, biases, bits, dtype, rows[:, half])
     return target
+
+
+def dequantize(
+    words: np.ndarray, scales: np.ndarray, biases: np.ndarray, bits: int, dtype: str, out: np.ndarray
+) -> None:
+    """``mx.dequantize(words, scales, biases, GROUP, bits)`` of one half of a page (its
+    K, or its V), bytes for bytes, into ``out`` (``(layers, values)``, the page's rows
+    of that half, in its storage dtype); ``words``, ``scales``, ``biases`` are uint8
+    views of the payload's parts.
+
+    Why not ``mx.dequantize`` itself: on a CPU it costs several memcpys of the page
+    (``bench/codec_decode.py``). mlx's affine decode is ``scale * q + bias``, two
+    rounded operations in the page's dtype (no fused multiply-add), and numpy's float32
+    and float16 arithmetic rounds each the same way, so ``q * scale`` then ``+ bias``
+    into ``out`` gives its bytes; bfloat16, which numpy lacks, is computed by mlx's own
+    elementwise operations, the same two, and copied into ``out``. A few layers at a
+    time (``_CHUNK`` bytes of ``out``), so the add reads what the multiply just wrote
+    from the core's cache rather than from memory. A 4-bit byte holds two values, the
+    first in its low nibble (mlx packs values from the least significant bits up)."""
+    layers, per_layer = out.shape
+    groups = per_layer // GROUP
+    codes = words.reshape(layers, groups, GROUP * bits // 8)
+    # a payload lies at any byte offset (in LMDB's map, after its header): numpy's loops
+    # over unaligned floats are several times slower, so the scales and biases (1/32 of
+    # the bytes they decode to) are copied aligned when they are not
+    scale = np.require(scales.view(_STORAGE[dtype]), requirements="A").reshape(layers, groups, 1)
+    bias = np.require(biases.view(_STORAGE[dtype]), requirements="A").reshape(layers, groups, 1)
+    step = max(1, _CHUNK // (per_layer * _ITEMSIZE[dtype]))
+    for a in range(0, layers, step):
+        b = min(a + step, layers)
+        q = codes[a:b] if bits == 8 else np.stack((codes[a:b] & 0xF, codes[a:b] >> 4), axis=-1)
+        q = q.reshape(b - a, groups, GROUP)
+        dst = out[a:b].reshape(b - a, groups, GROUP)
+        if dtype == "bfloat16":
+            plain = mx.array(q).astype(mx.bfloat16) * _as_mx(scale[a:b], dtype) + _as_mx(bias[a:b], dtype)
+            np.copyto(dst, np.asarray(plain.view(mx.uint16)))
+        else:
+            np.multiply(q, scale[a:b], out=dst)
+            np.add(dst, bias[a:b], out=dst)
 
 
 def namespace_codecs(l3: str, l2: str = "raw") -> str:

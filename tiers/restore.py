@@ -100,6 +100,14 @@ class _Page:
     def stored(self) -> int:
         return self.record.stored if self.record is not None else 0
 
+    def stored_in(self, codec: str) -> memoryview | None:
+        """Its L3 payload when that is the page in ``codec``, in the clear (an L2 of that
+        codec keeps it as it is); else None."""
+        record = self.record
+        if record is None or record.header.codec != codec or record.header.nonce:
+            return None
+        return record.payload
+
     @property
     def codec(self) -> str:
         """How the page is stored where it was found (``tiers.links.links_crossed``): an
@@ -403,9 +411,10 @@ class Restorer:
         for page in reads:  # a page decoded whole is kept in L2, even past the cut
             if page.slot is not None:
                 if page.data is not None:
-                    quantized = page.data if self.l2.codec is not None else None  # else decoded in place
+                    stored = page.stored_in(self.l2.codec.name) if self.l2.codec is not None else None
+                    quantized = page.data if self.l2.codec is not None and stored is None else None  # else in place
                     cost = self.page_cost(page.index)
-                    self.l2.fill(page.key, page.tokens, page.slot, cost, in_l3=True, raw=quantized)
+                    self.l2.fill(page.key, page.tokens, page.slot, cost, in_l3=True, raw=quantized, stored=stored)
                 else:
                     self.l2.give_back(page.slot)
         return self._cut(pages, next((i for i, p in enumerate(pages) if p.compressed and p.data is None), len(pages)))

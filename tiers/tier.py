@@ -224,11 +224,15 @@ class HostTier(Tier[HostPage]):
         cost: float = 1.0,
         in_l3: bool = False,
         raw: np.ndarray | bytes | None = None,
+        stored: memoryview | bytes | np.ndarray | None = None,
     ) -> None:
         """Index a reserved slot: its bytes in place (``raw_slot``), or the page's ``raw``
-        bytes, copied in (quantized with the tier's codec)."""
-        if raw is not None:
+        bytes, copied in (quantized with the tier's codec), or ``stored``, the page
+        already in the tier's codec (a checked L3 payload of that codec), copied in as it
+        is: quantizing its decoded bytes again would not give them back (lossy)."""
+        if stored is None and raw is not None:
             stored = raw if self.codec is None else self.codec.encode(self.codec.name, raw)
+        if stored is not None:
             self.arena[slot] = np.frombuffer(stored, dtype=np.uint8)
         self.add(key, HostPage(tokens, slot, in_l3), cost)
 

@@ -76,6 +76,30 @@ def test_each_codec_round_trips_within_one_step_of_its_group(codec, dtype):
         assert error.max() > 0  # lossy: it is not the raw page back
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+@pytest.mark.parametrize("codec", list(BITS))
+def test_a_decoded_page_is_mx_dequantize_s_bytes(codec, dtype):
+    """The codec's own decode gives the bytes ``mx.dequantize`` gives for the groups
+    ``mx.quantize`` made of each layer's K and V (a page of 11 layers of 64 KiB halves:
+    decoded a few layers at a time, the last chunk short), into a slot or new memory,
+    from a payload at any address."""
+    geometry = PageGeometry(num_layers=11, num_kv_heads=2, head_dim=64, page_size=128, dtype=dtype)
+    pages = PageCodec.of(geometry, codec)
+    kv = page(5, geometry)
+    expected = []
+    for layer in range(geometry.num_layers):
+        halves = []
+        for half, bits in enumerate(BITS[codec]):
+            groups = kv[layer, half].reshape(-1, GROUP)
+            halves.append(mx.dequantize(*mx.quantize(groups, GROUP, bits), GROUP, bits).reshape(kv.shape[2:]))
+        expected.append(mx.stack(halves))
+    slot = np.zeros(geometry.nbytes, np.uint8)
+    payload = pages.encode(codec, kv_to_host(kv))
+    assert pages.decode(payload, slot) is slot
+    odd = memoryview(b"\0" + payload)[1:]  # at an odd address, as in LMDB's map
+    assert slot.tobytes() == kv_to_host(mx.stack(expected)).tobytes() == pages.decode(odd).tobytes()
+
+
 def test_a_page_that_does_not_split_into_groups_is_refused_at_open(tmp_path):
     odd = PageGeometry(num_layers=2, num_kv_heads=1, head_dim=8, page_size=4, dtype="bfloat16")  # 32 values
     with pytest.raises(ValueError, match="groups of 64"):
@@ -142,6 +166,26 @@ def test_a_corrupted_quantized_record_is_rejected_and_its_pages_recomputed(tmp_p
     reader.release(restored.keys)
     reader.keeping.flush()
     assert not reader.disk.contains(keys[2])  # deleted
+    reader.close()
+
+
+@pytest.mark.parametrize("l3", ["q8", "k8v4"])
+def test_a_page_restored_from_l3_into_an_l2_of_its_codec_keeps_its_stored_bytes(tmp_path, l3):
+    """An L3 record of L2's own codec goes into L2 as stored: a second restore, from L2,
+    gives the KV the first gave from L3 (quantizing a decoded page again would not give
+    its bytes back: the codecs are lossy)."""
+    writer = store(tmp_path, l3, l3)
+    keys = publish(writer, 3)
+    writer.close()
+    reader = store(tmp_path, l3, l3, l2_pages=8)
+    first = reader.restore(keys, TOKENS)
+    reader.release(first.keys)
+    again = reader.restore(keys, TOKENS)
+    reader.release(again.keys)
+    assert (first.sources, again.sources) == ([Source.L3] * 3, [Source.L2] * 3)
+    for (k1, v1), (k2, v2) in zip(first.layers, again.layers):
+        assert kv_to_host(k1).tobytes() == kv_to_host(k2).tobytes()
+        assert kv_to_host(v1).tobytes() == kv_to_host(v2).tobytes()
     reader.close()
 
 
