@@ -9,6 +9,7 @@ arrays in one pass, hashing the L3 pages as it copies them.
 from __future__ import annotations
 
 import atexit
+import functools
 import io
 import os
 import threading
@@ -212,11 +213,7 @@ class JoinedPages:
         self.payload = len(hosts) * g.nbytes * len(layers) // g.num_layers  # bytes of the join
         self.start = 0  # where the join starts in the file's payload
         self.size = self.payload + SLACK  # bytes of the file's payload
-        header = io.BytesIO()
-        np.lib.format.write_array_header_1_0(
-            header, {"descr": self.dtype.str, "fortran_order": False, "shape": (self.size // self.dtype.itemsize,)}
-        )
-        self.header = header.getvalue()
+        self.header = _npy_header(self.dtype.str, self.size // self.dtype.itemsize)
         self.pos = 0
 
     def hash_rest(self) -> None:
@@ -283,6 +280,16 @@ class JoinedPages:
             n = min(self.run - at, len(out) - done)
             out[done : done + n] = runs[page][row, at : at + n].data
             done += n
+
+
+@functools.lru_cache(maxsize=64)
+def _npy_header(descr: str, count: int) -> bytes:
+    """The ``.npy`` header of a flat array of ``count`` items: the same few sizes recur
+    (one per page count and group), and numpy's writer costs a small restore more than
+    a lookup."""
+    header = io.BytesIO()
+    np.lib.format.write_array_header_1_0(header, {"descr": descr, "fortran_order": False, "shape": (count,)})
+    return header.getvalue()
 
 
 _pools: dict[int, ThreadPoolExecutor] = {}  # threads -> the shared pool of that many

@@ -185,6 +185,25 @@ def test_eviction_is_least_recently_used_and_get_counts_as_use(store: Path) -> N
     _assert_consistent(store, 4 * record)
 
 
+def test_a_use_wakes_no_writer_and_is_committed_with_the_next_write(store: Path) -> None:
+    """A restore's use of an L3 page is queued without waking the writer (tiers.l3.writer:
+    a GIL hand-over on the restore's thread); the next write commits it before it evicts."""
+    record = len(payload(0)) + 200
+    tier = DiskTier(store, 4 * record)
+    for i in range(4):
+        tier.put(key(i), NS, TOKENS, payload(i))
+        tier.flush()
+    assert tier.get(key(0), NS, TOKENS, 4096) is not None
+    time.sleep(0.3)  # a woken writer commits a use alone after 0.05 s; an idle one looks once a second
+    assert tier.writer.state().queued_touches == 1
+    for i in (4, 5):
+        tier.put(key(i), NS, TOKENS, payload(i))
+        tier.flush()
+    assert tier.writer.state().queued_touches == 0
+    assert [tier.contains(key(i)) for i in range(6)] == [True, False, False, True, True, True]
+    tier.close()
+
+
 def test_record_larger_than_capacity_is_dropped(store: Path) -> None:
     tier = DiskTier(store, 1000)
     tier.put(key(1), NS, TOKENS, payload(1))

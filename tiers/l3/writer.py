@@ -8,7 +8,13 @@ the tier). Invariants:
 - deletes of a batch are named by ``doomed`` until that batch has committed, so a
   rejected record reads as absent the whole time (see ``RecordCheck.doomed``, ``tiers.l3.check``).
 - ``close`` commits all pending work before the thread stops; after it, ``put`` refuses.
-- a read-only writer never starts its thread and refuses every write and delete.
+- a read-only writer never starts its thread and refuses every write and delete;
+- a use (``touch``) never wakes the thread: it rides along with the next batch (a
+  write's, a delete's, a flush's) or is committed at the thread's next look
+  (``_TOUCH_POLL_S``). Why: a restore touches every L3 page it serves, and waking
+  another Python thread from the restore's costs it a GIL hand-over, on a busy
+  machine as long as a small restore; uses are hints for L3's eviction order, which
+  a write (the only thing that evicts) commits with them.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from dataclasses import dataclass
 from .record import Quantize
 
 _TOUCH_DELAY_S = 0.05  # uses alone wait this long, so many share one commit
+_TOUCH_POLL_S = 1.0  # an idle writer looks for uses this often (they do not wake it)
 _MAX_TOUCHES = 4096  # uses are hints: past this many pending, the oldest are dropped
 
 
@@ -120,8 +127,6 @@ class Writer:
             self._touches[key] = None
             if len(self._touches) > _MAX_TOUCHES:
                 del self._touches[next(iter(self._touches))]
-            if len(self._touches) == 1:
-                self._wake.notify_all()  # later touches ride along (see _next_batch)
 
     def delete(self, key: bytes, fingerprint: object) -> None:
         """Queue the delete of ``key`` while it still holds the value of ``fingerprint``."""
@@ -161,7 +166,7 @@ class Writer:
     def _next_batch(self) -> Batch | None:
         with self._lock:
             while not self._has_work() and not self._closing:
-                self._wake.wait()
+                self._wake.wait(_TOUCH_POLL_S)  # uses do not wake it (module docstring)
             if not (self._puts or self._deletes or self._closing or self._flushers):
                 self._wake.wait(_TOUCH_DELAY_S)  # only touches: let more arrive
             if not self._has_work():
