@@ -11,6 +11,12 @@ use them); it needs the GNU Fortran runtime ``libgfortran.so.5``, which no wheel
 under that name, so on a system without it the wheel's library does not load. It is
 never required: without one, or with ``KVTIER_NO_OPENBLAS=1``, mlx keeps its own BLAS,
 and ``openblas_hint`` says how to get one.
+
+A library built for one CPU family only (the wheel's is built for ``SKYLAKEX``, without
+OpenBLAS's runtime dispatch) loads anywhere but dies of SIGILL at its first AVX-512
+instruction on a CPU without it (AMD Zen before 4, most desktop Intel), taking the
+process with it; such a library is passed over (``runs_here``) before it is loaded
+globally.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ SYSTEM_LIBRARY = "libopenblas.so.0"
 WHEEL = "cmeel-openblas"
 _WHEEL_LIBRARY = "cmeel.prefix/lib/libopenblas.so.0"
 _failures: list[str] = []  # why each candidate did not load, for the hint
+AVX512_CORES = ("SKYLAKEX", "COOPERLAKE", "SAPPHIRERAPIDS")  # OpenBLAS targets whose kernels use AVX-512
 
 
 def wheel_library() -> Path | None:
@@ -59,6 +66,9 @@ def preload_openblas() -> bool:
         return False
     for name in candidates():
         try:
+            if (reason := runs_here(name)) is not None:
+                _failures.append(reason)
+                continue
             ctypes.CDLL(name, mode=ctypes.RTLD_GLOBAL)
             log.info("loaded %s for mlx", name)
             return True
@@ -66,6 +76,31 @@ def preload_openblas() -> bool:
             _failures.append(str(err))
     log.info("no OpenBLAS for mlx: %s", "; ".join(_failures))
     return False
+
+
+def runs_here(name: str) -> str | None:
+    """Why the OpenBLAS ``name`` cannot run on this CPU (built for an AVX-512 core alone,
+    on a CPU whose flags lack ``avx512f``), else None. Loads it locally (its symbols stay
+    out of the global scope) to read its build configuration; OSError when it does not
+    load."""
+    get_config = getattr(ctypes.CDLL(name), "openblas_get_config", None)
+    if get_config is None:
+        return None
+    get_config.restype = ctypes.c_char_p
+    config = (get_config() or b"").decode(errors="replace").split()
+    if "DYNAMIC_ARCH" in config or not set(config) & set(AVX512_CORES) or "avx512f" in cpu_flags():
+        return None
+    core = next(c for c in config if c in AVX512_CORES)
+    return f"{name} is built for {core} only and this CPU has no AVX-512"
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags from /proc/cpuinfo (empty where it cannot be read)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text(encoding="ascii", errors="replace").splitlines()
+    except OSError:
+        return set()
+    return next((set(line.split(":", 1)[1].split()) for line in lines if line.startswith("flags")), set())
 
 
 def openblas_hint() -> str | None:

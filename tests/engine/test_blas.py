@@ -91,9 +91,16 @@ def gfortran() -> bool:
         return False
 
 
+def wheel_runs_here() -> bool:
+    from kvtier.engine.blas import runs_here, wheel_library
+
+    return (wheel := wheel_library()) is not None and runs_here(str(wheel)) is None
+
+
 @pytest.mark.skipif(
-    sys.platform != "linux" or not gfortran(),
-    reason="the OpenBLAS wheel is a Linux dependency; its library needs libgfortran.so.5",
+    sys.platform != "linux" or not gfortran() or not wheel_runs_here(),
+    reason="the OpenBLAS wheel is a Linux dependency; its library needs libgfortran.so.5 and, "
+    "built for AVX-512 CPUs only, a CPU with AVX-512",
 )
 def test_mlx_binds_to_the_wheels_openblas_when_it_is_loaded_first():
     """Loaded globally before mlx, the wheel's cblas_sgemm is the one mlx calls; without
@@ -146,3 +153,25 @@ def test_no_line_when_mlx_keeps_its_own_blas_on_request():
     ask = "from kvtier.engine.blas import openblas_hint; import mlx.core; print(openblas_hint())"
     done = subprocess.run([sys.executable, "-c", ask], capture_output=True, text=True, env=env, check=True)
     assert done.stdout.strip() == "None"
+
+
+WHEEL_ONLY = """
+import os
+from kvtier.engine import blas  # KVTIER_NO_OPENBLAS=1: the import preloads nothing
+os.environ["KVTIER_NO_OPENBLAS"] = "0"
+blas.candidates = lambda: iter([str(blas.wheel_library())])  # as on a system without its own OpenBLAS
+blas.preload_openblas()
+import mlx.core as mx
+mx.eval(mx.matmul(mx.ones((64, 64)), mx.ones((64, 64))))
+"""
+
+
+@pytest.mark.skipif(
+    sys.platform != "linux" or not gfortran(), reason="the OpenBLAS wheel's library loads on Linux only"
+)
+def test_the_wheels_openblas_never_kills_the_first_matmul():
+    """The wheel's library is built for one CPU family (AVX-512): on a CPU without it, it
+    loads, then dies of SIGILL at mlx's first matmul unless it is passed over."""
+    env = {**os.environ, "KVTIER_NO_OPENBLAS": "1"}
+    done = subprocess.run([sys.executable, "-c", WHEEL_ONLY], capture_output=True, text=True, env=env)
+    assert done.returncode == 0, done.stderr
