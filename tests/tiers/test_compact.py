@@ -21,11 +21,13 @@ TOKENS = list(range(8))
 PAGE_BYTES = 32 << 10
 
 # Short writers, one after another, as `kvtier run`s are: each opens the store, writes
-# one page, closes it (committed), and says so.
+# one page, closes it (committed), and says so; until the test leaves the file `stop`.
 _WRITER = f"""
-import hashlib, sys
+import hashlib, itertools, os, sys
 from kvtier.tiers.l3.lmdb_store import DiskTier
-for i in range(int(sys.argv[2])):
+for i in itertools.count():
+    if os.path.exists(sys.argv[2]):
+        break
     with DiskTier(sys.argv[1], 1 << 30) as tier:
         tier.put(hashlib.blake2b(str(i).encode(), digest_size=16).digest(), b"N" * 16, list(range(8)),
                  bytes([i % 251]) * {PAGE_BYTES}, wait=True)
@@ -48,10 +50,12 @@ def test_every_page_a_writer_commits_during_compactions_is_kept(tmp_path: Path) 
     with DiskTier(store, 1 << 30) as tier:  # something to copy: a compaction takes a while
         for i in range(1000, 2500):
             tier.put(key(i), NS, TOKENS, bytes(PAGE_BYTES), wait=True)
-    writes = 60
-    writer = subprocess.Popen([sys.executable, "-c", _WRITER, str(store), str(writes)], stdout=subprocess.PIPE)
+    stop = tmp_path / "stop"
+    writer = subprocess.Popen([sys.executable, "-c", _WRITER, str(store), str(stop)], stdout=subprocess.PIPE)
+    first = int(writer.stdout.readline())  # a write before the first compaction
     compactions = refusals = 0
-    while writer.poll() is None:
+    deadline = time.monotonic() + 120  # the writer runs until three compactions got their turn
+    while compactions < 3 and writer.poll() is None and time.monotonic() < deadline:
         try:
             compact_store(store)
             compactions += 1
@@ -59,11 +63,12 @@ def test_every_page_a_writer_commits_during_compactions_is_kept(tmp_path: Path) 
             assert "is open in another process" in str(err)
             refusals += 1
         time.sleep(0.02)  # the writer's turn: an opener waits for a running compaction
-    assert writer.wait() == 0
-    committed = [int(line) for line in writer.stdout.read().split()]
-    assert committed == list(range(writes))
-    assert compactions >= 3, (compactions, refusals)  # compactions ran between the writes
-    assert stored(store, range(writes)) == committed
+    stop.touch()
+    assert writer.wait(timeout=60) == 0
+    committed = [first, *(int(line) for line in writer.stdout.read().split())]
+    assert compactions == 3, (compactions, refusals)  # compactions ran between the writes
+    assert committed == list(range(len(committed)))
+    assert stored(store, range(len(committed))) == committed
     assert len(stored(store, range(1000, 2500))) == 1500
 
 
