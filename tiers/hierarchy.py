@@ -126,6 +126,7 @@ class TieredStore:
             page_quantizer(geometry, config.codec),
         )
         self.placement.budget = self.budget
+        self.placement.through = config.l3_write_through
         self.snapshots = (
             Snapshots(
                 geometry,
@@ -139,6 +140,8 @@ class TieredStore:
             if geometry.snapshot_nbytes
             else None
         )
+        if self.snapshots is not None:  # a snapshot is written through as its pages are
+            self.snapshots.placement.through = config.l3_write_through
         self.restorer = Restorer(
             geometry,
             self.ns_digest,
@@ -365,7 +368,9 @@ class TieredStore:
         ``cost``: the seconds its recompute takes, for the ``cost`` eviction policy
         (``page_cost`` of its place in its prompt);
         ``parent``: the key of the page before it (``partials.match`` finds it by that;
-        leaf-first eviction keeps a page while one after it stays: ``tiers.lineage``)."""
+        leaf-first eviction keeps a page while one after it stays: ``tiers.lineage``).
+        With ``StoreConfig.l3_write_through`` the page kept is also queued for L3 now
+        (``Placement.write_through``), for the other engines sharing that L3."""
         with self._lock:
             self.admission.seen(key)
             self.lineage.arrives(key, parent)
@@ -374,10 +379,11 @@ class TieredStore:
             page = DevicePage(tuple(tokens), kv, parent)
             if self.placement.make_room(self.l1):
                 self.l1.add(key, page, cost)
-                return True
-            if key in self.l2:
+            elif key in self.l2:
                 return False
-            self.placement.place_below_l1(key, page.tokens, kv, cost)
+            else:
+                self.placement.place_below_l1(key, page.tokens, kv, cost)
+            self.placement.write_through(key, cost)  # with l3_write_through only
             return True
 
     def wants(self, key: PageKey) -> bool:

@@ -17,7 +17,12 @@ Invariants (``tiers.hierarchy`` lists them all):
   copy the caller makes); one the writer then finds stored is not sent and not counted
   again, nor as an L3 insert;
 - a partial page (fewer tokens than a page) lives in L1 only: evicted, it is dropped,
-  and a flush never writes it.
+  and a flush never writes it;
+- write-through (``through``, ``StoreConfig.l3_write_through``): a full page that
+  publish keeps is queued for L3 at once (``write_through``), by ``write_l3`` as a spill
+  is (admission, write budget, queue bound, link ledger), and its entry is marked in L3,
+  so its later spill or flush writes nothing; one refused (admission, budget, a full
+  queue) stays unmarked and is written when it spills, as without write-through.
 
 Not thread-safe by itself: the store calls it under its lock.
 """
@@ -103,6 +108,7 @@ class Placement:
         self.budget: WriteBudget | None = None  # the store's L3 write budget (``StoreConfig.l3_write_budget``)
         self.depth: Callable[[PageKey], int] = lambda key: 0  # pages before a page (the store's ``lineage.depth``)
         self.parent: Callable[[PageKey], bytes | None] = lambda key: None  # the page before it (``lineage.parent``)
+        self.through = False  # write-through: queue each published page for L3 at once (``write_through``)
 
     def make_room(self, tier: Tier) -> bool:
         """Evict the policy's unpinned victims from ``tier`` until one page fits."""
@@ -185,6 +191,23 @@ class Placement:
         if queued:
             self.ledger.record(link, len(data), time.perf_counter() - t0)
         return queued
+
+    def write_through(self, key: PageKey, cost: float) -> None:
+        """With ``through``, queue a page publish just kept (in L1, else in L2) for L3 now,
+        on the link from where it is (``L1->L3``: the device->host copy is made here, on the
+        publisher's thread; ``L2->L3``), its ``cost`` its saving for the write budget; its
+        entry is marked in L3 once queued. Nothing when L3 is known to hold it."""
+        if not self.through or self.disk is None:
+            return
+        known = any(tier.entries[key].in_l3 for tier in (self.l1, self.l2) if key in tier)
+        if key in self.l1:
+            page = self.l1.entries[key]
+            if self.write_l3(key, page.tokens, kv_to_host(page.kv), Link.L1_L3, in_l3=known, saving=cost):
+                self.l1.mark_in_l3(key)
+        elif key in self.l2:
+            entry = self.l2.entries[key]
+            if self.write_l3(key, entry.tokens, self.l2.read(key), Link.L2_L3, in_l3=known, saving=cost):
+                self.l2.mark_in_l3(key)
 
     def flush(self) -> None:
         """Write every full page that lives only in L1 or L2 down to L3 and wait for it."""

@@ -67,6 +67,10 @@ class StoreConfig:
     l3_write_budget: float | None = None
     # The store's clock (seconds), which the write budget fills on: wall time, or a replay's trace time
     clock: Callable[[], float] = time.monotonic
+    # Write-through (``Placement.write_through``): every full page (and snapshot) publish keeps
+    # is queued for L3 at once, not when it spills; for a fleet whose engines share the L3.
+    # Last: positional configs keep their meaning.
+    l3_write_through: bool = False
 
 
 def open_l3_of(config: StoreConfig) -> L3Store:
