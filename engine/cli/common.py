@@ -68,6 +68,14 @@ def usable_store(path: Path | None) -> Path:
     return path
 
 
+def engine_store(args: argparse.Namespace) -> Path | str | None:
+    """The store of ``run`` and ``serve`` (``usable_store``; None with ``--no-offload``).
+    ``--l3-write-through`` is for an L3 that several engines share: it needs ``--store``."""
+    if args.l3_write_through and (args.no_offload or args.store is None):
+        raise UsageError("--l3-write-through needs --store: the L3 that the engines of a fleet share")
+    return None if args.no_offload else usable_store(args.store)
+
+
 def open_store(path: Path | None, readonly: bool = False):
     """The store at ``path`` (it must exist): read-only for reports, writable to manage it."""
     from kvtier.tiers.l3.open import StoreError, open_l3

@@ -160,6 +160,12 @@ def _add_engine_flags(tree: Tree, parser: argparse.ArgumentParser) -> None:
         "saving first; the pages refused are counted (writes_over_budget)",
     )
     parser.add_argument(
+        "--l3-write-through",
+        action="store_true",
+        help="queue each page for L3 when it is published, not when it spills: for engines that share "
+        "the --store (a fleet), which then find each other's pages at once; needs --store",
+    )
+    parser.add_argument(
         "--no-auto-calibrate",
         action="store_true",
         help="use the default cost model on a store without a profile for this model, instead of calibrating first",

@@ -8,7 +8,7 @@ import logging
 import sys
 from pathlib import Path
 
-from .common import UsageError, check_sizes, load_model, usable_store
+from .common import UsageError, check_sizes, engine_store, load_model
 from .output import PRINTER_GRACE_S, Printer, print_summary
 from .session import close_engine, open_engine
 
@@ -64,7 +64,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from ..engine import InputError, check_prompt
     from ..request import SamplingParams
 
-    store_dir = None if args.no_offload else usable_store(args.store)
+    store_dir = engine_store(args)
     check_sizes(args, store_dir)
     loaded = load_model(args.model)
     prompts = read_prompts(args, loaded.tokenizer)

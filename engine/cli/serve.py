@@ -14,7 +14,7 @@ from kvtier.tiers.l3.base import StoreError
 from kvtier.tiers.l3.secret import SECRET_BYTES, read_or_create
 
 from ..interrupts import stop_on_signals
-from .common import UsageError, check_sizes, load_model, pages_kept, usable_store
+from .common import UsageError, check_sizes, engine_store, load_model, pages_kept
 from .encryption import secret_path
 from .session import close_engine, open_engine
 
@@ -26,7 +26,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     keys = api_keys(args)
     shared = {path: _read_text(path, "--shared-prefix") for path in args.shared_prefix}
     sock = listen(args.host, args.port)  # before the model loads: a busy port fails at once
-    store_dir = None if args.no_offload else usable_store(args.store)
+    store_dir = engine_store(args)
     check_sizes(args, store_dir)
     secret = server_secret(args, store_dir)
     loaded = load_model(args.model)

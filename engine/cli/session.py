@@ -39,6 +39,7 @@ def open_engine(args: argparse.Namespace, loaded, store_dir: Path | None, **conf
         label=loaded.label,
         cipher=cipher,
         l3_write_budget=args.l3_write_budget,
+        l3_write_through=args.l3_write_through,
     )
     try:
         return Engine(
