@@ -21,6 +21,11 @@ each request, at its arrival, to:
 An engine's load at a moment is what it was sent and has not finished: a request is
 waiting or prefilling until its first token (its prompt tokens count as not yet
 prefilled until then) and running until it has decoded its answer.
+
+The shared L3 is written back (a page reaches it when an engine spills it) unless the
+config says write-through (``ReplayConfig.l3_write_through``: each page an engine
+publishes is queued for L3 at once, so the others find it at their next request);
+``replay_routes`` can replay each route both ways.
 """
 
 from __future__ import annotations
@@ -163,6 +168,7 @@ def fleet_report(route: str, result: ReplayResult, fleet: Sequence[FleetEngine],
     tokens = [e.prompt_tokens for e in fleet]
     return {
         "route": route,
+        "l3_write_through": result.config.l3_write_through,
         "engines": len(fleet),
         "requests": len(result.ttft_s),
         "prompt_tokens": result.prompt_tokens,
@@ -194,8 +200,11 @@ def replay_routes(
     routes: Sequence[str],
     max_imbalance: int = MAX_IMBALANCE,
     on_request: Callable[[], None] | None = None,
+    write_through: Sequence[bool] = (False,),
 ) -> dict:
-    """The fleet replayed once per route: the report ``kvtier replay --engines --json`` prints."""
+    """The fleet replayed once per route and L3 write mode (``write_through``: write-back,
+    write-through or both, in that order per route): the report ``kvtier replay --engines
+    --json`` prints."""
     return {
         "requests": len(trace),
         "prompt_tokens": sum(r.input_length for r in trace),
@@ -205,23 +214,29 @@ def replay_routes(
         "policy": config.label,
         "max_imbalance": max_imbalance,
         "profile": "calibrated" if profile.calibrated else "defaults",
-        "routes": [replay_fleet(trace, config, profile, engines, r, max_imbalance, on_request) for r in routes],
+        "routes": [
+            replay_fleet(trace, replace(config, l3_write_through=w), profile, engines, r, max_imbalance, on_request)
+            for r in routes
+            for w in write_through
+        ],
     }
 
 
 def format_fleet(report: dict) -> str:
     """The report as a text table: one row per route, with each engine's requests."""
+    labels = [f"{r['route']}+through" if r["l3_write_through"] else r["route"] for r in report["routes"]]
+    width = max([12, *map(len, labels)])
     lines = [
         f"{report['requests']} requests, {report['prompt_tokens']} prompt tokens on {report['engines']} engines "
         f"sharing one L3, eviction {report['policy']}, cost model: {report['profile']}",
         "",
-        f"{'route':<12} {'reused':>7} {'saved s':>9} {'ttft p50':>9} {'p95':>9} {'p99':>9} "
+        f"{'route':<{width}} {'reused':>7} {'saved s':>9} {'ttft p50':>9} {'p95':>9} {'p99':>9} "
         f"{'req max/mean':>12} {'tok max/mean':>12}  requests per engine",
     ]
-    for r in report["routes"]:
+    for r, label in zip(report["routes"], labels):
         per_engine = " ".join(str(e["requests"]) for e in r["per_engine"].values())
         lines.append(
-            f"{r['route']:<12} {r['reused_ratio']:>7.1%} {r['prefill_seconds_saved']:>9.0f} {r['ttft_p50_s']:>9.2f} "
+            f"{label:<{width}} {r['reused_ratio']:>7.1%} {r['prefill_seconds_saved']:>9.0f} {r['ttft_p50_s']:>9.2f} "
             f"{r['ttft_p95_s']:>9.2f} {r['ttft_p99_s']:>9.2f} {r['requests_spread']:>12.2f} "
             f"{r['prompt_tokens_spread']:>12.2f}  {per_engine}"
         )

@@ -72,6 +72,7 @@ class ReplayConfig:
     snapshot_l1_bytes: int = StoreConfig.snapshot_l1_bytes
     snapshot_l2_bytes: int = StoreConfig.snapshot_l2_bytes
     l3_write_budget: float | None = None  # bytes per second of the trace's own time (None: unbudgeted)
+    l3_write_through: bool = False  # each published page queued for L3 at once (a fleet's shared L3)
 
     def snapshot_points(self, profile: Profile) -> Callable[[TraceRequest], list[int]] | None:
         """The pages after which a request keeps a snapshot; None without state layers."""
@@ -215,6 +216,7 @@ class Replay:
             snapshot_l2_bytes=self._snapshot_cap(c.snapshot_l2_bytes),
             l3_write_budget=c.l3_write_budget,
             clock=lambda: self.now,
+            l3_write_through=c.l3_write_through,
         )
 
     def _snapshot_cap(self, cap: int) -> int:

@@ -92,6 +92,12 @@ def add_replay_parser(tree: Tree, sub) -> None:
         help=f"with --engines: comma-separated, each replayed: {','.join(ROUTES)} (default: all)",
     )
     replay.add_argument(
+        "--l3-write-through",
+        action="store_true",
+        help="with --engines: replay each route also with the shared L3 written through (each page queued "
+        "for L3 when published, as `serve --l3-write-through`), beside write-back",
+    )
+    replay.add_argument(
         "--max-imbalance",
         type=non_negative_int,
         metavar="N",
@@ -156,9 +162,10 @@ def _replay_fleet(args: argparse.Namespace, trace, config, profile) -> int:
 
     routes = args.route or list(fr.ROUTES)
     imbalance = fr.MAX_IMBALANCE if args.max_imbalance is None else args.max_imbalance
-    with tqdm(total=len(trace) * len(routes), desc="replaying", unit="req", file=sys.stderr) as bar:
+    modes = (False, True) if args.l3_write_through else (False,)
+    with tqdm(total=len(trace) * len(routes) * len(modes), desc="replaying", unit="req", file=sys.stderr) as bar:
         report = fr.replay_routes(
-            trace, config, profile or Profile.defaults(), args.engines, routes, imbalance, lambda: bar.update()
+            trace, config, profile or Profile.defaults(), args.engines, routes, imbalance, lambda: bar.update(), modes
         )
     print(json.dumps(report) if args.json else fr.format_fleet(report))
     return 0
@@ -170,6 +177,8 @@ def _check_fleet_args(args: argparse.Namespace) -> None:
         for flag, value in (("--route", args.route), ("--max-imbalance", args.max_imbalance)):
             if value is not None:
                 raise UsageError(f"{flag} goes with --engines")
+        if args.l3_write_through:
+            raise UsageError("--l3-write-through goes with --engines (an L3 that several engines share)")
         return
     if args.policy is not None and (len(args.policy) > 1 or args.policy[0] == BELADY):
         raise UsageError("--engines replays one --policy (not belady)")

@@ -3,6 +3,7 @@ traces: engines share one L3, cache-aware routing reuses more than round-robin, 
 load spreads a burst evenly, and every count adds up."""
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -114,6 +115,30 @@ def test_a_page_one_engine_spilled_is_found_by_another(tmp_path):
     assert row["sources"]["L1"] == 0
 
 
+@pytest.mark.parametrize("through", [False, True])
+def test_with_write_through_a_page_another_engine_still_holds_in_l1_is_found_in_l3(tmp_path, through):
+    """Room in every L1 and no L2: nothing spills. Written back, e1 recomputes the prompt
+    e0 served; written through, e1 restores its two pages from the shared L3."""
+    rows = [(0, 1100, [1, 2, 3]), (100, 1100, [1, 2, 3])]
+    trace = tr.read_trace(write_trace(tmp_path, rows))
+    one = replace(config(), l3_write_through=through)
+    row = fr.replay_fleet(trace, one, Profile.defaults(), 2, "round-robin")
+    assert row["l3_write_through"] is through
+    assert row["sources"]["L3"] == (2 * PAGE if through else 0) and row["sources"]["L1"] == 0
+
+
+def test_cli_replay_engines_with_write_through_reports_each_route_both_ways(tmp_path):
+    path = write_trace(tmp_path, conversations(3, 3))
+    args = ("replay", str(path), "--kv-bytes-per-token", str(KV_PER_TOKEN), "--l2-bytes", "0", "--engines", "2")
+    done = kvtier(*args, "--route", "round-robin", "--l3-write-through", "--json")
+    assert done.returncode == 0, done.stderr
+    back, through = json.loads(done.stdout)["routes"]
+    assert (back["l3_write_through"], through["l3_write_through"]) == (False, True)
+    assert through["sources"]["L3"] > back["sources"]["L3"]  # round-robin sends each turn to the other engine
+    text = kvtier(*args, "--route", "round-robin", "--l3-write-through")
+    assert [row.split()[0] for row in text.stdout.splitlines()[-2:]] == ["round-robin", "round-robin+through"]
+
+
 def test_cli_replay_engines_reports_each_route(tmp_path):
     path = write_trace(tmp_path, conversations(3, 3))
     args = ("replay", str(path), "--kv-bytes-per-token", str(KV_PER_TOKEN), "--l2-bytes", "0", "--engines", "2")
@@ -140,6 +165,7 @@ def test_cli_replay_engines_reports_each_route(tmp_path):
         (["--engines", "0"], "--engines"),
         (["--engines", "2", "--policy", "lru,cost"], "one --policy"),
         (["--engines", "2", "--sweep", "l2-bytes=1GiB"], "--sweep does not go with it"),
+        (["--l3-write-through"], "--l3-write-through goes with --engines"),
     ],
 )
 def test_cli_fleet_bad_input_is_one_line_and_exit_2(tmp_path, args, message):
