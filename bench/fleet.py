@@ -22,19 +22,24 @@ only by placement. Each backend keeps OpenBLAS's own thread count (one per core)
 backends busy at once on two cores ran as fast as with one thread each, and a backend
 busy alone, as cache-aware placement often leaves one, prefills faster with both.
 
-The shared L3 gets a page only when a backend spills it (write-back, DESIGN §2): while
-every backend's L1 has room, ``sources`` shows nothing from L3, and a turn sent away
-from its conversation's backend recomputes the history that backend holds. On one
-machine the backends also share its cores, so a prefill is slower while the others
-compute: the backends' admission wait is the queue the router prices, the rest of
-their TTFT is restore, prefill and that sharing. On a machine of few cores that rest
+The backends write the shared L3 through (``serve --l3-write-through``, DESIGN §2): each
+page a backend publishes is queued for L3 at once, so a turn sent away from its
+conversation's backend restores that history from L3 (``sources`` L3) instead of
+recomputing it. ``--write-back`` runs them without it, as a single engine runs: L3 then
+gets a page only when a backend spills it, and while every backend's L1 has room a turn
+sent away recomputes the history that backend holds.
+
+On one machine the backends also share its cores, so a prefill is slower while the
+others compute: the backends' admission wait is the queue the router prices, the rest
+of their TTFT is restore, prefill and that sharing. On a machine of few cores that rest
 is nearly all prefill (``kvtier-tiny`` is 24 float32 layers on mlx's CPU backend, and
 its attention's cost grows with the context), so TTFTs of seconds are the prefill:
 what cache-aware placement saves, and what a turn sent away from its history pays.
 
     python bench/fleet.py [--model M] [--policies cache-aware,round-robin,least-load,single]
                           [--conversations 24] [--turns 5] [--system-words 150] [--ask-words 8]
-                          [--tool-words 30] [--concurrency 3] [--max-tokens 8] [--page-size 32] [--json]
+                          [--tool-words 30] [--concurrency 3] [--max-tokens 8] [--page-size 32]
+                          [--write-back] [--json]
 """
 
 from __future__ import annotations
@@ -114,6 +119,7 @@ def run_policy(policy: str, args, redis_url: str) -> dict:
     for i in range(n):
         port = free_port()
         flags = ["--store", store, "--page-size", str(args.page_size), "--no-auto-calibrate", *model]
+        flags += [] if args.write_back else ["--l3-write-through"]
         cmd = kvtier("serve", "--port", str(port), *flags)
         backends.append(Server(f"backend-{i}", cmd, f"http://127.0.0.1:{port}", None).start())
     front = backends[0]
@@ -159,6 +165,7 @@ def run_policy(policy: str, args, redis_url: str) -> dict:
     computed = sources["recomputed"]
     return {
         "policy": policy,
+        "l3_write_through": not args.write_back,
         "requests": len(replies),
         "wall_s": round(wall, 1),
         "ttft_p50_s": round(percentile(ttfts, 50), 3),
@@ -191,6 +198,7 @@ def main() -> int:
     parser.add_argument("--concurrency", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--page-size", type=int, default=32)
+    parser.add_argument("--write-back", action="store_true", help="backends without --l3-write-through")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     policies = args.policies.split(",")
