@@ -68,7 +68,7 @@ def usable_store(path: Path | None) -> Path:
     return path
 
 
-def engine_store(args: argparse.Namespace) -> Path | str | None:
+def engine_store(args: argparse.Namespace) -> Path | None:
     """The store of ``run`` and ``serve`` (``usable_store``; None with ``--no-offload``).
     ``--l3-write-through`` is for an L3 that several engines share: it needs ``--store``."""
     if args.l3_write_through and (args.no_offload or args.store is None):
