@@ -70,7 +70,8 @@ class PrefixCaches:
         try:
             cache = self.cache_from(head.layers, head.num_pages * size) or make_prompt_cache(self.model)
             self.prefill(cache, request.prompt[head.num_pages * size : plan.first_loaded * size])
-            self.publisher.publish(request, cache, plan.first_loaded)  # computed over stored copies: kept in L1 too
+            # computed over stored copies: kept in L1 too, not written through (they are below)
+            self.publisher.publish(request, cache, plan.first_loaded, through=False)
         finally:  # the loaded pages are pinned even when computing failed: they are released with the others
             tail = self.store.finish(loading.result())
             request.pinned += tail.keys

@@ -94,9 +94,11 @@ class Publisher:
         ready: int,
         chain: KeyChain | None = None,
         tokens: Sequence[int] | None = None,
+        through: bool = True,
     ) -> None:
         """Store pages ``published .. ready`` of a request from its mlx-lm cache: pages of
-        its prompt, or of ``tokens`` (with their ``chain``), the sequence the cache holds."""
+        its prompt, or of ``tokens`` (with their ``chain``), the sequence the cache holds;
+        ``through=False``: none of them written through to L3 now (``TieredStore.publish``)."""
         t0 = time.perf_counter()
         size = self.config.page_size
         keys, parents = (chain.keys, chain.parents) if chain is not None else (request.keys, request.parents)
@@ -113,7 +115,7 @@ class Publisher:
         mx.eval([kv for _, kv in pages])
         for i, kv in pages:
             cost = self.store.page_cost(i)
-            self.store.publish(keys[i], tokens[i * size : (i + 1) * size], kv, cost, parent=parents[i])
+            self.store.publish(keys[i], tokens[i * size : (i + 1) * size], kv, cost, parent=parents[i], through=through)
         self.scheduler.published(request.rid, keys[request.published : ready])
         request.published = ready
         self.totals.store_seconds += time.perf_counter() - t0

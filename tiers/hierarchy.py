@@ -358,7 +358,13 @@ class TieredStore:
     # -- publish -------------------------------------------------------------
 
     def publish(
-        self, key: PageKey, tokens: Sequence[int], kv: mx.array, cost: float = 1.0, parent: bytes | None = None
+        self,
+        key: PageKey,
+        tokens: Sequence[int],
+        kv: mx.array,
+        cost: float = 1.0,
+        parent: bytes | None = None,
+        through: bool = True,
     ) -> bool:
         """Add a computed full page to L1; False if L1 has it, or if L1 has no room and L2
         has it (L3 is not asked: a page it holds is skipped by its writer). A page
@@ -370,7 +376,9 @@ class TieredStore:
         ``parent``: the key of the page before it (``partials.match`` finds it by that;
         leaf-first eviction keeps a page while one after it stays: ``tiers.lineage``).
         With ``StoreConfig.l3_write_through`` the page kept is also queued for L3 now
-        (``Placement.write_through``), for the other engines sharing that L3."""
+        (``Placement.write_through``), for the other engines sharing that L3, unless
+        ``through`` is False: a page computed over a copy a restore found below (before the
+        request's first token; that copy is written back as without write-through)."""
         with self._lock:
             self.admission.seen(key)
             self.lineage.arrives(key, parent)
@@ -383,7 +391,8 @@ class TieredStore:
                 return False
             else:
                 self.placement.place_below_l1(key, page.tokens, kv, cost)
-            self.placement.write_through(key, cost)  # with l3_write_through only
+            if through:
+                self.placement.write_through(key)  # with l3_write_through only
             return True
 
     def wants(self, key: PageKey) -> bool:

@@ -192,22 +192,28 @@ class Placement:
             self.ledger.record(link, len(data), time.perf_counter() - t0)
         return queued
 
-    def write_through(self, key: PageKey, cost: float) -> None:
-        """With ``through``, queue a page publish just kept (in L1, else in L2) for L3 now,
-        on the link from where it is (``L1->L3``: the device->host copy is made here, on the
-        publisher's thread; ``L2->L3``), its ``cost`` its saving for the write budget; its
-        entry is marked in L3 once queued. Nothing when L3 is known to hold it."""
-        if not self.through or self.disk is None:
+    def write_through(self, key: PageKey) -> None:
+        """With ``through``, queue a page publish just kept for L3 now: from L2's host
+        bytes where L2 holds it (``L2->L3``), else from L1 (``L1->L3``: the device->host
+        copy is made here, on the publisher's thread). Once queued, every in-process copy
+        is marked in L3, so none of them is written again. Nothing when L3 is known to hold
+        it, or when admission would refuse it now (a refusal is counted once, when the
+        page spills). Not with a write budget, which ranks pages as they spill
+        (``StoreConfig`` refuses the two together)."""
+        if not self.through or self.disk is None or not self.admission.would_admit(key):
             return
-        known = any(tier.entries[key].in_l3 for tier in (self.l1, self.l2) if key in tier)
-        if key in self.l1:
+        copies = [tier for tier in (self.l1, self.l2) if key in tier]
+        known = any(tier.entries[key].in_l3 for tier in copies)
+        if key in self.l2:
+            tokens, data, link = self.l2.entries[key].tokens, self.l2.read(key), Link.L2_L3
+        elif key in self.l1:
             page = self.l1.entries[key]
-            if self.write_l3(key, page.tokens, kv_to_host(page.kv), Link.L1_L3, in_l3=known, saving=cost):
-                self.l1.mark_in_l3(key)
-        elif key in self.l2:
-            entry = self.l2.entries[key]
-            if self.write_l3(key, entry.tokens, self.l2.read(key), Link.L2_L3, in_l3=known, saving=cost):
-                self.l2.mark_in_l3(key)
+            tokens, data, link = page.tokens, kv_to_host(page.kv), Link.L1_L3
+        else:
+            return
+        if self.write_l3(key, tokens, data, link, in_l3=known):
+            for tier in copies:
+                tier.mark_in_l3(key)
 
     def flush(self) -> None:
         """Write every full page that lives only in L1 or L2 down to L3 and wait for it."""

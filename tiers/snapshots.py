@@ -79,7 +79,7 @@ class Snapshots:
             self.l1.add(key, entry)
         else:
             self.placement.place_below_l1(key, entry.tokens, state, 1.0)
-        self.placement.write_through(key, 1.0)  # with write-through: a page's restore needs its snapshot
+        self.placement.write_through(key)  # with write-through: a page's restore needs its snapshot
         return True
 
     def below(self, pages: Sequence[PageKey]) -> list[PageKey]:

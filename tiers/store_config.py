@@ -72,6 +72,10 @@ class StoreConfig:
     # Last: positional configs keep their meaning.
     l3_write_through: bool = False
 
+    def __post_init__(self) -> None:
+        if self.l3_write_through and self.l3_write_budget is not None:
+            raise ValueError("an L3 written through takes no write budget: the budget ranks pages as they spill")
+
 
 def open_l3_of(config: StoreConfig) -> L3Store:
     """The L3 that ``config.store_dir`` names, opened as a store made with ``config`` opens

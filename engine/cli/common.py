@@ -68,11 +68,22 @@ def usable_store(path: Path | None) -> Path:
     return path
 
 
+# run, serve and replay refuse the two together (``StoreConfig`` does too)
+THROUGH_WITH_BUDGET = (
+    "--l3-write-through and --l3-write-budget exclude each other: the budget ranks pages as they spill"
+)
+
+
 def engine_store(args: argparse.Namespace) -> Path | None:
     """The store of ``run`` and ``serve`` (``usable_store``; None with ``--no-offload``).
-    ``--l3-write-through`` is for an L3 that several engines share: it needs ``--store``."""
+    ``--l3-write-through`` is for an L3 that several engines share: it needs ``--store``,
+    and no ``--l3-write-budget`` (which ranks the pages leaving L2, leaf-first)."""
     if args.l3_write_through and (args.no_offload or args.store is None):
         raise UsageError("--l3-write-through needs --store: the L3 that the engines of a fleet share")
+    if args.l3_write_through and args.l3_write_budget is not None:
+        raise UsageError(
+            "--l3-write-through and --l3-write-budget exclude each other: the budget ranks pages as they spill"
+        )
     return None if args.no_offload else usable_store(args.store)
 
 

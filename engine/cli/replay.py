@@ -23,7 +23,7 @@ from .args import (
     rate_list,
     store_arg,
 )
-from .common import UsageError, load_model, no_data
+from .common import THROUGH_WITH_BUDGET, UsageError, load_model, no_data
 from .tree import Tree
 
 
@@ -190,6 +190,8 @@ def _check_fleet_args(args: argparse.Namespace) -> None:
     ):
         if given:
             raise UsageError(f"--engines replays one configuration: {flag} does not go with it")
+    if args.l3_write_through and args.l3_write_budget[0] is not None:
+        raise UsageError(THROUGH_WITH_BUDGET)
 
 
 def _check_replay_args(args: argparse.Namespace, block_tokens: int) -> None:

@@ -166,6 +166,7 @@ def test_cli_replay_engines_reports_each_route(tmp_path):
         (["--engines", "2", "--policy", "lru,cost"], "one --policy"),
         (["--engines", "2", "--sweep", "l2-bytes=1GiB"], "--sweep does not go with it"),
         (["--l3-write-through"], "--l3-write-through goes with --engines"),
+        (["--engines", "2", "--l3-write-through", "--l3-write-budget", "1GiB/h"], "exclude each other"),
     ],
 )
 def test_cli_fleet_bad_input_is_one_line_and_exit_2(tmp_path, args, message):

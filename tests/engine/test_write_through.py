@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import json
 from contextlib import contextmanager
+from dataclasses import replace
 
 import pytest
 
+from kvtier.costmodel.models import ComputeModel, LinkModel
+from kvtier.costmodel.plan import Profile
 from kvtier.engine.engine import Engine, EngineConfig
 from kvtier.engine.request import SamplingParams
 from kvtier.tiers.hierarchy import StoreConfig
@@ -55,6 +58,25 @@ def test_a_prompt_one_engine_computed_is_restored_from_l3_by_the_other(loaded, t
         assert second.sources()["recomputed"] == len(prompt)  # write-back: A's pages are in its L1 only
 
 
+def test_pages_computed_beside_an_overlapped_restore_are_not_written_through(loaded, tmp_path):
+    """An overlapped plan computes its first pages while the rest load from L3: those pages
+    are below already, so publishing them copies nothing to L3 before the first token."""
+    prompt = text_prompt(loaded, 12 * PAGE + 7, seed=30)
+    with Engine(loaded, EngineConfig(page_size=PAGE, store=StoreConfig(store_dir=tmp_path))) as first:
+        first.generate([prompt], GREEDY)  # closed: every page flushed to L3
+    per_page = 0.05
+    store = StoreConfig(store_dir=tmp_path, throttle={"L3": 1.5 * loaded.geometry(PAGE).nbytes / per_page})
+    with Engine(loaded, EngineConfig(page_size=PAGE, store=replace(store, l3_write_through=True))) as engine:
+        engine.profile = Profile(
+            {**Profile.defaults().links, "L3->L1": LinkModel.of(0.0, 1 << 40)},
+            ComputeModel([0.0, per_page / PAGE, 0.0]),
+        )
+        (request,) = engine.generate([prompt], GREEDY)
+        assert request.plan.overlap_pages > 0 and request.plan.first_loaded > 0
+        assert request.sources()["recomputed"] == len(prompt) - 12 * PAGE + request.plan.first_loaded * PAGE
+        assert engine.store.links["L1->L3"].pages == 0
+
+
 PROMPT = "the system prompt of an agent with tools " * 3  # ~120 tokens: 7 pages of 16
 
 
@@ -96,3 +118,16 @@ def test_write_through_without_a_store_is_one_line_exit_2(tmp_path, argv):
     assert "--l3-write-through needs --store" in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1 and "Traceback" not in done.stderr
     assert not (tmp_path / "store").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("command", [["run", "--prompt", "hi"], ["serve", "--port", "0"]])
+def test_write_through_with_a_write_budget_is_one_line_exit_2(tmp_path, command):
+    store = tmp_path / "store"
+    done = cli.run(
+        on_tiny_model([*command, "--store", str(store), "--l3-write-through", "--l3-write-budget", "1GiB/h"])
+    )
+    assert done.returncode == 2
+    assert "--l3-write-through and --l3-write-budget exclude each other" in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1 and "Traceback" not in done.stderr
+    assert not store.exists()

@@ -1,7 +1,7 @@
 """Write-through (``StoreConfig.l3_write_through``): a page one store publishes, with room
 left in its L1, is in the shared L3 for another store at once, written once, under the
-same admission and write budget as a spill; without it, L3 gets the page only when it
-spills or at a flush (write-back)."""
+same admission as a spill (and never with a write budget); without it, L3 gets the page
+only when it spills or at a flush (write-back)."""
 
 from __future__ import annotations
 
@@ -35,8 +35,9 @@ def where(request, tmp_path):
 
 @contextmanager
 def two_stores(where, through: bool, geometry=GEOMETRY, namespace=NS, **fields) -> Iterator[tuple]:
-    """Store A (write-through or not) and store B over one L3, L1 with room for 8 pages each."""
-    config = StoreConfig(l1_bytes=8 * PAGE, l2_bytes=8 * PAGE, store_dir=where, **fields)
+    """Store A (write-through or not) and store B over one L3, L1 and L2 with room for 8
+    pages each unless ``fields`` say otherwise."""
+    config = StoreConfig(**{"l1_bytes": 8 * PAGE, "l2_bytes": 8 * PAGE, **fields}, store_dir=where)
     shared = open_l3_of(config) if not isinstance(where, str) else None
     a_config = replace(config, l3_write_through=through)
     if shared is not None:
@@ -78,21 +79,45 @@ def test_without_write_through_the_other_store_finds_nothing_until_a_spill(where
         assert a.links[Link.L1_L3].bytes == 0
 
 
+def handed_to_l3(store: TieredStore) -> int:
+    """The page writes a store has queued for L3, from either tier."""
+    return store.links[Link.L1_L3].pages + store.links[Link.L2_L3].pages
+
+
 def test_a_page_written_through_is_not_written_again_by_its_spill_or_flush(tmp_path):
-    with two_stores(tmp_path / "l3", through=True) as (a, _):
-        publish_pages(a)
+    with two_stores(tmp_path / "l3", through=True, l1_bytes=PAGE, l2_bytes=PAGE) as (a, _):
+        publish_pages(a)  # each page written through, then moved down to L2 and out of it
+        assert handed_to_l3(a) == PAGES and a.accounts.view().l2.pages == 1
         a.keeping.flush()  # every page of L1 and L2 to L3: these are known to be there
         a.settle()
-        assert a.links[Link.L1_L3].pages == PAGES and a.links[Link.L2_L3].pages == 0
-        assert a.stats().tiers["L3"].inserts == PAGES
+        assert handed_to_l3(a) == PAGES and a.stats().tiers["L3"].inserts == PAGES
 
 
-def test_the_write_budget_and_admission_hold_a_write_through_as_a_spill(tmp_path):
-    with two_stores(tmp_path / "l3", through=True, l3_write_budget=1.0) as (a, b):  # a byte a second
-        publish_pages(a)  # the bucket holds one page: the first is written, the others refused
-        assert a.stats().tiers["L1"].writes_over_budget == PAGES - 1
-        assert b.locate(KEYS[:PAGES], TOKENS) == [Source.L3]
-    with two_stores(tmp_path / "l3b", through=True, l3_admit="second-use") as (a, b):
+def test_a_page_l2_holds_is_written_through_from_l2_and_marked_in_both_tiers(tmp_path):
+    """Second-use admission leaves the first sightings unwritten; the page seen again,
+    back in L1 beside its L2 copy, is written from L2's host bytes, and neither copy is
+    written again."""
+    with two_stores(tmp_path / "l3", through=True, l1_bytes=PAGE, l3_admit="second-use") as (a, b):
+        for i in range(PAGES):  # unchained pages: L1 evicts each for the next, to L2
+            assert a.publish(KEYS[i], page_tokens(i), KV[i])
+        assert handed_to_l3(a) == 0 and a.admission.rejected == 0  # refused later, once, when they spill
+        assert a.publish(KEYS[0], page_tokens(0), KV[0])  # seen twice: admitted
+        a.settle()
+        assert (a.links[Link.L1_L3].pages, a.links[Link.L2_L3].pages) == (0, 1)
+        assert b.locate(KEYS[:1], TOKENS[:4]) == [Source.L3]
+        a.keeping.flush()  # refuses the pages seen once, and asks nothing of the marked one
+        a.settle()
+        assert handed_to_l3(a) == 1 and a.stats().tiers["L3"].inserts == 1
+        assert a.admission.rejected == PAGES - 1
+
+
+def test_write_through_takes_no_write_budget():
+    with pytest.raises(ValueError, match="no write budget"):
+        StoreConfig(l3_write_through=True, l3_write_budget=1.0)
+
+
+def test_second_use_admission_holds_a_write_through_as_a_spill(tmp_path):
+    with two_stores(tmp_path / "l3", through=True, l3_admit="second-use") as (a, b):
         publish_pages(a)  # seen once: not admitted yet
         assert b.locate(KEYS[:PAGES], TOKENS) == []
 
