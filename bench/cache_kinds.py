@@ -20,6 +20,9 @@ import sys
 from collections import Counter
 from pathlib import Path
 
+import kvtier  # noqa: F401  (loads OpenBLAS, before mlx: mlx binds its BLAS when first imported)
+
+# isort: split
 import mlx_lm.models
 from mlx_lm.models.cache import CacheList, make_prompt_cache
 

@@ -36,10 +36,11 @@ import tempfile
 import time
 from pathlib import Path
 
+import kvtier  # noqa: F401  (loads OpenBLAS, before mlx: mlx binds its BLAS when first imported)
+
+# isort: split
 import mlx.core as mx
 import numpy as np
-
-import kvtier  # noqa: F401  (loads OpenBLAS before mlx, when installed)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the tests' Redis server helper
 

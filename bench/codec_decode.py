@@ -22,10 +22,12 @@ import argparse
 import statistics
 import time
 
+import kvtier  # noqa: F401  (loads OpenBLAS, before mlx: mlx binds its BLAS when first imported)
+
+# isort: split
 import mlx.core as mx
 import numpy as np
 
-import kvtier  # noqa: F401  (loads OpenBLAS before mlx, when installed)
 from kvtier.engine.models.load import load_model
 from kvtier.tiers.page import PageGeometry
 from kvtier.tiers.quant import BITS, GROUP, PageCodec

@@ -80,11 +80,13 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+import kvtier  # noqa: F401  (loads OpenBLAS, before mlx: mlx binds its BLAS when first imported)
+
+# isort: split
 import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
-import kvtier  # noqa: F401  (loads OpenBLAS before mlx, when installed)
 from kvtier.costmodel.calibrate import calibrate
 from kvtier.costmodel.models import ComputeModel, LinkModel
 from kvtier.costmodel.plan import restore_seconds

@@ -22,10 +22,12 @@ import tempfile
 import time
 from pathlib import Path
 
+import kvtier  # noqa: F401  (loads OpenBLAS, before mlx: mlx binds its BLAS when first imported)
+
+# isort: split
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
 
-import kvtier  # noqa: F401  (loads OpenBLAS before mlx, when installed)
 from kvtier.engine.blas import blas_in_use
 from kvtier.engine.cli.args import add_codec_flag
 from kvtier.engine.engine import Engine, EngineConfig

@@ -15,10 +15,12 @@ import json
 import tempfile
 from pathlib import Path
 
+import kvtier  # noqa: F401  (loads OpenBLAS, before mlx: mlx binds its BLAS when first imported)
+
+# isort: split
 import mlx.core as mx
 import numpy as np
 
-import kvtier  # noqa: F401  (loads OpenBLAS before mlx, when installed)
 from kvtier.costmodel.bandwidth import ROUNDS, Memcpy, measure  # noqa: F401  (Memcpy: bench/redis_restore.py)
 from kvtier.engine.blas import blas_in_use
 from kvtier.tiers.page import Namespace, PageGeometry, page_keys

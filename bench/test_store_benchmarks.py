@@ -6,11 +6,13 @@ Pages have the default model's geometry (24 layers, 2 KV heads, head_dim 64,
 128 tokens, float32: 3 MiB). Compare runs with ``--benchmark-compare``.
 """
 
+import kvtier  # noqa: F401  (loads OpenBLAS, before mlx: mlx binds its BLAS when first imported)
+
+# isort: split
 import mlx.core as mx
 import numpy as np
 import pytest
 
-import kvtier  # noqa: F401  (loads OpenBLAS before mlx, when installed)
 from kvtier.tiers.hierarchy import StoreConfig, TieredStore
 from kvtier.tiers.page import Namespace, PageGeometry, page_keys
 

@@ -1,6 +1,7 @@
 """The import graph of the product: every import counted, those inside functions too.
 No cycles, and nothing imports upward (engine -> costmodel -> tiers; inside tiers, the
-L3 backends never import the store above them)."""
+L3 backends never import the store above them). And the bench scripts import kvtier
+(which loads OpenBLAS) before mlx."""
 
 import ast
 from pathlib import Path
@@ -106,3 +107,24 @@ def test_the_server_stands_on_the_engine_never_on_the_cli(graph):
         for name, targets in serve.items()
         if any(t.startswith("kvtier.engine.cli") for t in targets)
     } == {}
+
+
+def top_level_imports(path: Path) -> list[str]:
+    """The modules ``path`` imports at its top level, in order (not inside functions)."""
+    names = []
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Import):
+            names += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            names.append(node.module or "")
+    return names
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "bench").glob("*.py")), ids=lambda p: p.name)
+def test_a_bench_imports_kvtier_before_mlx(path):
+    """mlx binds its BLAS when first imported: a script that imports it before kvtier (which
+    loads OpenBLAS) measures on mlx's reference BLAS, many times slower."""
+    names = top_level_imports(path)
+    first_mlx = next((i for i, n in enumerate(names) if n.split(".")[0] in ("mlx", "mlx_lm")), None)
+    if first_mlx is not None:
+        assert any(n.split(".")[0] == "kvtier" for n in names[:first_mlx]), names[: first_mlx + 1]
