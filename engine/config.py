@@ -25,3 +25,5 @@ class EngineConfig:
     window_s: float = 30.0  # cached tokens per second are measured over this window
     policy: str = DEFAULT_POLICY  # eviction policy of the store's tiers (tiers.policy)
     counters_every_s: float = COUNTERS_EVERY_S  # a serving engine adds its counters to the store this often
+    # with nothing running, requests whose L3 reads are done wait this long for the others' (engine.l3_wait)
+    join_wait_s: float = 0.05

@@ -117,7 +117,7 @@ class Engine:
         self.prefix_caches: PrefixCaches | None = None
         self.l3_wait: L3Wait | None = None
         if self.store is not None:
-            self.l3_wait = L3Wait(self.store, self.scheduler, self.config.page_size)
+            self.l3_wait = L3Wait(self.store, self.scheduler, self.config.page_size, self.config.join_wait_s)
             self.admission = Admission(
                 self.store,
                 self.scheduler,
@@ -230,7 +230,7 @@ class Engine:
         self.scheduler.expire(time.perf_counter())
         if self.store is not None:
             assert self.l3_wait is not None  # built with the store
-            self.l3_wait.poll()
+            self.l3_wait.poll(idle=not self._running)
             for request in self.scheduler.refresh_candidates():
                 self.store.keeping.touch(request.keys)
         while admitted := self.scheduler.admit(len(self._running)):  # again while some were held

@@ -14,7 +14,11 @@ read is abandoned (counted in the store's ``reads_abandoned``; it holds no pin, 
 snapshot ends whenever it completes) and the request is admitted to recompute them, L3
 not asked again. L3 is not asked at all when the plan would not restore from it even
 if it held every page after the resident ones (a slow link). Parked requests are held
-by the scheduler, so they count as pending.
+by the scheduler, so they count as pending. With nothing running, requests whose reads
+are done wait a moment (``EngineConfig.join_wait_s``) for the reads of the others still
+in time: started apart, mlx-lm's ``BatchGenerator`` pads a late request's first prefill
+chunk and the rest of the others' prompts to one length (``bench/engine_overhead.py``
+shows what a burst of unique prompts pays for it).
 """
 
 from __future__ import annotations
@@ -36,9 +40,11 @@ _IDLE_WAIT_S = 0.05  # the longest the idle step loop sleeps between looks at it
 class L3Wait:
     """The parked requests and their reads."""
 
-    def __init__(self, store: TieredStore, scheduler: Scheduler, page_size: int) -> None:
+    def __init__(self, store: TieredStore, scheduler: Scheduler, page_size: int, join_wait_s: float) -> None:
         self.store, self.scheduler, self.page_size = store, scheduler, page_size
+        self.join_wait_s = join_wait_s  # how long finished reads wait for the others when idle
         self._parked: dict[int, Request] = {}
+        self._held_since: float | None = None  # when finished reads began waiting for the others (idle)
 
     def park(self, request: Request, profile: Profile, worth: Callable[[list[Source]], bool]) -> bool:
         """Start reading ``request``'s L3 pages (and a hybrid's snapshots after its last
@@ -74,19 +80,28 @@ class L3Wait:
         points = self.store.restore_points(keys, after, request.parents[resident], nothing_read())
         return resident if points is None else max(points, default=0)
 
-    def poll(self) -> None:
+    def poll(self, idle: bool = False) -> None:
         """Send back to admission the parked requests whose read is done, and those whose
-        deadline has passed (their read abandoned: they recompute)."""
+        deadline has passed (their read abandoned: they recompute). ``idle`` (nothing
+        running): the finished ones wait for the reads still running in time, up to
+        ``join_wait_s``, so that a burst of requests starts as one batch."""
         now = time.perf_counter()
-        for request in list(self._parked.values()):
+        reads = {rid: request.l3_read for rid, request in self._parked.items()}
+        done = {rid for rid, read in reads.items() if read is not None and read.done()}
+        late = {rid for rid, read in reads.items() if rid not in done and read is not None and now >= read.deadline}
+        hold = idle and bool(done) and len(done) + len(late) < len(reads)
+        if hold:
+            self._held_since = now if self._held_since is None else self._held_since
+            hold = now - self._held_since < self.join_wait_s
+        if not hold:
+            self._held_since = None
+        for rid in late if hold else done | late:
+            request = self._parked.pop(rid)
             read = request.l3_read
             assert read is not None, "a parked request without its read"
-            if not read.done():
-                if now < read.deadline:
-                    continue
+            if rid in late:
                 self.store.readers.abandon(read)
                 request.l3_read = nothing_read()
-            del self._parked[request.rid]
             self.scheduler.unpark(request)
 
     def wait(self) -> None:
@@ -96,8 +111,10 @@ class L3Wait:
             return
         now = time.perf_counter()
         deadline = min(r.l3_read.deadline for r in self._parked.values() if r.l3_read is not None)
+        if self._held_since is not None:  # finished reads wait for the others until then
+            deadline = min(deadline, self._held_since + self.join_wait_s)
         with self.scheduler.arrived:
-            if not any(r.l3_read is not None and r.l3_read.done() for r in self._parked.values()):
+            if not all(r.l3_read is not None and r.l3_read.done() for r in self._parked.values()):
                 self.scheduler.arrived.wait(max(0.0, min(deadline - now, _IDLE_WAIT_S)))
 
     def ended(self, request: Request) -> None:
