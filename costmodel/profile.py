@@ -94,7 +94,7 @@ class Profile:
     def summary(self) -> ProfileSummary:
         """Fitted parameters and prediction errors, for stats."""
         links = {
-            name: LinkFit(link.setup_s, link.bytes_per_s / GIB, link.error.summary())
+            name: LinkFit(link.setup_s, link.bytes_per_s / GIB, link.error.summary(), len(link.samples))
             for name, link in self.links.items()
         }
         c0, c1, c2 = self.compute.coef

@@ -42,12 +42,16 @@ class ErrorSummary:
 
 @dataclass(frozen=True)
 class LinkFit:
+    """A link's fit, and how many measured transfers it rests on (``samples``: a fit
+    that rejected them, as ``LinkModel.repaired`` may, still counts them)."""
+
     setup_s: float
     gib_s: float
     error: ErrorSummary
+    samples: int = 0
 
     def to_json(self) -> dict:
-        return {"setup_s": self.setup_s, "gib_s": self.gib_s, "error": self.error.to_json()}
+        return {"setup_s": self.setup_s, "gib_s": self.gib_s, "error": self.error.to_json(), "samples": self.samples}
 
 
 @dataclass(frozen=True)
@@ -83,7 +87,10 @@ class ProfileSummary:
         d = _mapping(d)
         links = {
             str(name): LinkFit(
-                _number(m.get("setup_s")), _number(m.get("gib_s")), ErrorSummary.from_json(m.get("error"))
+                _number(m.get("setup_s")),
+                _number(m.get("gib_s")),
+                ErrorSummary.from_json(m.get("error")),
+                int(_number(m.get("samples"))),
             )
             for name, m in _mapping(d.get("links")).items()
             if isinstance(m, Mapping)
