@@ -20,9 +20,9 @@ Invariants (``tiers.hierarchy`` lists them all):
   and a flush never writes it;
 - write-through (``through``, ``StoreConfig.l3_write_through``): a full page that
   publish keeps is queued for L3 at once (``write_through``), by ``write_l3`` as a spill
-  is (admission, write budget, queue bound, link ledger), and its entry is marked in L3,
-  so its later spill or flush writes nothing; one refused (admission, budget, a full
-  queue) stays unmarked and is written when it spills, as without write-through.
+  is (admission, queue bound, link ledger; never with a write budget), and every copy in
+  L1 and L2 is marked in L3, so its later spill or flush writes nothing; one refused (a
+  full queue) stays unmarked and is written when it spills, as without write-through.
 
 Not thread-safe by itself: the store calls it under its lock.
 """

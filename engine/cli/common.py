@@ -81,9 +81,7 @@ def engine_store(args: argparse.Namespace) -> Path | None:
     if args.l3_write_through and (args.no_offload or args.store is None):
         raise UsageError("--l3-write-through needs --store: the L3 that the engines of a fleet share")
     if args.l3_write_through and args.l3_write_budget is not None:
-        raise UsageError(
-            "--l3-write-through and --l3-write-budget exclude each other: the budget ranks pages as they spill"
-        )
+        raise UsageError(THROUGH_WITH_BUDGET)
     return None if args.no_offload else usable_store(args.store)
 
 
