@@ -98,6 +98,7 @@ class Request:
     t_admit: float | None = None  # when it joined the batch
     t_first_token: float | None = None
     t_done: float | None = None
+    abandoned: bool = False  # its stream was ended before the request (``abandon``)
     _tokens: queue.Queue = field(default_factory=queue.Queue, repr=False)
     _cancel: threading.Event = field(default_factory=threading.Event, repr=False)
 
@@ -110,6 +111,16 @@ class Request:
         """Ask the engine to end this request at its next step (from any thread); a
         request that already ended is left as it is."""
         self._cancel.set()
+
+    def abandon(self) -> None:
+        """``cancel``, and end its stream now rather than when the engine ends the request
+        (from any thread): for a server shutting down, whose clients must hear the end
+        within the drain timeout although one engine step (a prefill chunk) can take
+        longer. Tokens generated after this are not streamed; the engine still ends the
+        request once, at its next step."""
+        self.abandoned = True
+        self.cancel()
+        self._tokens.put(None)
 
     @property
     def cancelled(self) -> bool:

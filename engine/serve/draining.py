@@ -13,8 +13,9 @@ import uvicorn
 from .app import KVTierServer
 from .slow_clients import HEAD_TIMEOUT_S, KEEP_ALIVE_S, HeadTimeoutProtocol
 
-# After the drain timeout the requests left are cancelled and end at the engine's next
-# step; uvicorn kills what is still open this much later (it logs each as a traceback).
+# After the drain timeout the answers left end at once (``Serving.cancel_live``; the engine
+# ends their requests at its next step); uvicorn kills what is still open this much later
+# (it logs each as a traceback).
 # uvicorn takes whole seconds: its backstop is rounded up, never earlier than this.
 _DRAIN_GRACE_S = 10.0
 

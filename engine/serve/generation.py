@@ -107,7 +107,7 @@ class Generation:
         """The outcome once ``deltas`` is exhausted; an engine failure is a 500."""
         if self.text.stop_string is not None:
             reason = "stop"
-        elif self.request.finish_reason in ("stop", "length"):
+        elif self.request.finish_reason in ("stop", "length") and not self.request.abandoned:
             reason = self.request.finish_reason
         elif self.request.finish_reason == "error":
             raise APIError(500, f"generation failed: {self.request.error}", "server_error")

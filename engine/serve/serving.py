@@ -60,10 +60,11 @@ class Serving:
         return {"waiting": waiting, "running": live - waiting}
 
     def cancel_live(self) -> None:
-        """Cancel every request in flight (from any thread): each ends at the engine's next
-        step, a stream with an error event, a plain request with a 503."""
+        """Cancel every request in flight (from any thread): each answer ends now, a stream
+        with an error event, a plain request with a 503, without waiting for the engine's
+        step in progress (``Request.abandon``); the engine ends them at its next step."""
         for request in list(self.live.values()):
-            request.cancel()
+            request.abandon()
 
     async def read(self, http: HTTPRequest) -> bytes:
         """The body, refused with 413 as soon as it passes the limit, and with 408 when it
