@@ -29,6 +29,7 @@ from prometheus_client.parser import text_string_to_metric_families
 import kvtier
 from kvtier.engine.models.defaults import packaged_gguf
 
+from . import cli
 from .readme_blocks import BIN, CHECKOUT, README, Block, Shell, after, block, blocks, normalized, readme_env
 from .redis_servers import free_port, needs_redis
 
@@ -378,7 +379,9 @@ def _synopses(text: str) -> dict[str, set[str]]:
 
 
 def _help(command: str) -> str:
-    done = subprocess.run([str(BIN / "kvtier"), *command.split(), "-h"], capture_output=True, text=True, timeout=60)
+    """``kvtier COMMAND -h``, in this process: the parser is the installed command's
+    (``--version`` below checks the installed script itself)."""
+    done = cli.run([*command.split(), "-h"])
     assert done.returncode == 0, done.stderr
     return done.stdout
 
