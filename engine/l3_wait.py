@@ -63,7 +63,7 @@ class L3Wait:
         done = start * self.page_size
         deadline = time.perf_counter() + profile.compute.predict(len(request.prompt) - done, done)
         states = request.keys[start : resident + len(pages)]  # a hybrid's snapshots that could restore more
-        read = self.store.read_ahead(pages, deadline, self._wake, states)
+        read = self.store.read_ahead(pages, deadline, self._wake, states, first=resident)
         if read is None:
             return False
         request.l3_read = read

@@ -282,20 +282,29 @@ class TieredStore:
         deadline: float,
         done: Callable[[], None] = lambda: None,
         states: Sequence[PageKey] = (),
+        first: int = 0,
     ) -> AheadRead | None:
         """Start reading the L3 records of ``keys`` on a reader thread (``done()`` once it
         completes), and of a hybrid model's snapshots after the pages ``states`` that L1
         and L2 lack; None without L3, or with nothing to read. A restore given the read
         once it is done asks L3 nothing (``restore_points`` and ``finish`` neither);
         ``deadline`` (perf_counter): when its caller stops waiting (``readers.abandon``,
-        counted in ``reads_abandoned``; else ``readers.end``)."""
+        counted in ``reads_abandoned``; else ``readers.end``). ``first``: the index of
+        ``keys[0]`` in its prompt's pages: of a sliding-window model's records, only those
+        the restore of the run found reads whole (``PageGeometry.window_pages``) are read
+        whole, the others' global rows alone."""
         disk = self.disk
         with self._lock:
             below = self.snapshots.below(states) if self.snapshots is not None else []
         if disk is None or self._closing.is_set() or not (keys or below):
             return None
-        nbytes = self.geometry.snapshot_nbytes
-        return self.readers.start(disk, keys, self.geometry.nbytes, deadline, done, below, nbytes)
+        nbytes, window_pages = self.geometry.snapshot_nbytes, self.geometry.window_pages
+
+        def whole(found: int) -> list[int]:
+            return [i - first for i in window_pages(first + found) if i >= first]
+
+        window = whole if self.geometry.window is not None else None
+        return self.readers.start(disk, keys, self.geometry.nbytes, deadline, done, below, nbytes, window)
 
     def finish(
         self, pending: PendingRestore, then: PartialMatch | None = None, read: AheadRead | None = None

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import ExitStack
 from dataclasses import dataclass, field
@@ -92,22 +92,29 @@ class Readers:
         done: Callable[[], None],
         states: Sequence[PageKey] = (),
         state_nbytes: int = 0,
+        whole: Callable[[int], Collection[int]] | None = None,
     ) -> AheadRead:
         """Read the run of ``keys`` and each of ``states`` (snapshot keys, of
-        ``state_nbytes``) on a reader thread; ``done()`` is called when it completes."""
+        ``state_nbytes``) on a reader thread; ``done()`` is called when it completes.
+        ``whole``: which of a run's records are read whole (``Snapshot.read_ahead``)."""
         read = AheadRead(list(keys), deadline, list(states))
         with self._lock:
             self._in_flight.add(read)
-        read.future = self._pool.submit(self._read, disk, read, raw_nbytes, state_nbytes)
+        read.future = self._pool.submit(self._read, disk, read, raw_nbytes, state_nbytes, whole)
         read.future.add_done_callback(lambda _: self._completed(read, done))
         return read
 
     def _read(
-        self, disk: L3Store, read: AheadRead, raw_nbytes: int, state_nbytes: int
+        self,
+        disk: L3Store,
+        read: AheadRead,
+        raw_nbytes: int,
+        state_nbytes: int,
+        whole: Callable[[int], Collection[int]] | None,
     ) -> tuple[list[PageKey], list[PageKey]]:
         t0 = time.perf_counter()
         snapshot = read.snapshot = read.stack.enter_context(disk.snapshot())
-        pages, nbytes = snapshot.read_ahead(read.keys, raw_nbytes)
+        pages, nbytes = snapshot.read_ahead(read.keys, raw_nbytes, whole=whole)
         states, more = snapshot.read_ahead(read.states, state_nbytes, run=False) if read.states else ([], 0)
         snapshot.ahead_s = self.throttle.wait("L3", nbytes + more, time.perf_counter() - t0) if nbytes + more else 0.0
         return read.keys[: len(pages)], [PageKey(key) for key in states]  # pages: a leading run

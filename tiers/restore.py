@@ -129,6 +129,7 @@ class PendingRestore:
     host_s: float  # decoding and checking L3 pages, waiting out an L3 throttle
     snapshot: ExitStack  # holds the L3 snapshot open until finish
     parents: list[bytes]  # the key before each page of the run, and after its last
+    l3: Snapshot | None = None  # that snapshot, when the run asked L3
 
 
 class Restorer:
@@ -191,6 +192,8 @@ class Restorer:
             pages = self._plan(keys, tokens, snapshot, parents, first)
             snap = opened[0] if opened else None
             try:
+                if snap is not None and self.geometry.window is not None:  # their window rows are joined
+                    snap.complete([pages[i].key for i in self.geometry.window_pages(len(pages)) if pages[i].raw_l3])
                 t1 = time.perf_counter()
                 read_s = snap.read_s if snap is not None else 0.0  # a remote L3's round trips, inside _plan
                 pages = self.decode_compressed(pages)
@@ -201,7 +204,7 @@ class Restorer:
             except BaseException:
                 self.pins.release([p.key for p in pages])
                 raise
-            return PendingRestore(pages, digests, t1 - t0 - read_s, host_s, stack.pop_all(), parents[first:])
+            return PendingRestore(pages, digests, t1 - t0 - read_s, host_s, stack.pop_all(), parents[first:], snap)
 
     def finish(self, pending: PendingRestore) -> RestoredPrefix:
         """Join a begun restore's pages into per-layer device arrays and end its snapshot;
@@ -219,7 +222,7 @@ class Restorer:
             digests = [a if a is not None else b for a, b in zip(pending.digests, joined.digests)]
             bad = self._first_bad(pages, digests)
             if bad < len(pages) and self.geometry.window is not None:
-                good, layers = self._window_prefix(pages, joined.layers, bad)
+                good, layers = self._window_prefix(pages, joined.layers, bad, pending.l3)
             else:
                 good = self._cut(pages, bad)
                 kept = len(good) * self.geometry.page_size
@@ -238,17 +241,22 @@ class Restorer:
             self._keep_in_l1([p for i, p in enumerate(good) if i in window or not p.raw_l3])
             return RestoredPrefix([p.key for p in good], [p.source for p in good], layers)
 
-    def _window_prefix(self, pages: list[_Page], layers: list, bad: int) -> tuple[list[_Page], list]:
+    def _window_prefix(
+        self, pages: list[_Page], layers: list, bad: int, l3: Snapshot | None
+    ) -> tuple[list[_Page], list]:
         """A window model's restore cut short at page ``bad``: the pages before it, with
         the window rows that shorter prefix's window sees, joined now (the restore
-        joined the last pages' only) and checked where a raw L3 page's were not read;
-        one failing its check cuts the prefix again, before it."""
+        joined the last pages' only; ``l3`` reads those a read ahead left out) and
+        checked where a raw L3 page's were not read; one failing its check cuts the
+        prefix again, before it."""
         g, split = self.geometry, self.geometry.global_rows
         read = set(g.window_pages(len(pages)))  # window rows joined, and checked, already
         rows = replace(g, num_layers=g.num_layers - split, kinds=())
         n = bad
         while n:
             seen = g.window_pages(n)
+            if l3 is not None:
+                l3.complete([pages[i].key for i in seen if pages[i].raw_l3])
             hash_now = [pages[i].raw_l3 and i not in read for i in seen]
             window = join_pages([pages[i].host[split:] for i in seen], rows, hash_now, self.limits)
             failed = [i for i, d in zip(seen, window.digests) if d is not None and not self._window_ok(pages[i], d)]

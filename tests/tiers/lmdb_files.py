@@ -54,6 +54,16 @@ def damage_last_byte(path: Path, keys: Iterable[bytes]) -> None:
             txn.put(key, bytes(value), db=pages)
 
 
+def damage_first_payload_byte(path: Path, keys: Iterable[bytes]) -> None:
+    """Flip the first payload byte of each record ``keys`` names in the closed store at
+    ``path`` (of a page, its first layer's rows: a global row's)."""
+    with raw_env(path) as (env, pages, _), env.begin(write=True) as txn:
+        for key in keys:
+            value = bytearray(txn.get(key, db=pages))
+            value[4 + int.from_bytes(value[:4], "little")] ^= 0xFF  # past the u32 header length and the header
+            txn.put(key, bytes(value), db=pages)
+
+
 @contextlib.contextmanager
 def write_lock(path: Path) -> Iterator[None]:
     """Another process holds the store's write transaction open until the block ends:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Collection, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import TypeVar
@@ -38,7 +38,7 @@ from ..counters import TierStats
 from .check import RecordCheck
 from .cipher import RecordCipher
 from .failures import FailureLog
-from .record import CODECS, Quantize, StoredRecord, encode_record, token_bytes
+from .record import CODECS, Quantize, StoredRecord, encode_record, first_segment_end, token_bytes
 from .tables import SideTables
 from .writer import Batch, PendingPut, Writer
 
@@ -75,31 +75,62 @@ class Snapshot(ABC):
         self.ahead_s = 0.0  # seconds ``read_ahead`` took (on a reader thread, before the restore)
         self._ahead: dict[bytes, memoryview | bytes] = {}
         self._only_ahead = False  # read ahead: a key it did not find is a miss, not asked again
+        # values read ahead in part: key -> (the stored value, its copy, bytes copied)
+        self._partial: dict[bytes, tuple[memoryview | bytes, memoryview, int]] = {}
 
-    def read_ahead(self, keys: Sequence[bytes], raw_nbytes: int, run: bool = True) -> tuple[list[bytes], int]:
+    def read_ahead(
+        self,
+        keys: Sequence[bytes],
+        raw_nbytes: int,
+        run: bool = True,
+        whole: Callable[[int], Collection[int]] | None = None,
+    ) -> tuple[list[bytes], int]:
         """Read the values of ``keys`` in order, up to the first absent one (``run``), or
         each that is stored (not ``run``: a hybrid model's snapshots, any page of a
         prefix may have one), and keep them for ``find``, which then reads nothing
         (``tiers.l3_reads``: a reader thread does this before a restore); (the keys
-        found, their bytes). Counts nothing: ``find`` counts the lookups the restore
-        makes."""
+        found, the bytes read). Counts nothing: ``find`` counts the lookups the restore
+        makes.
+
+        ``whole(n)``: of a run of ``n`` values found, the indices a restore reads whole
+        (None: all). A backend that copies what it reads ahead (``copies``) reads the
+        others' first segment only, the global rows of a sliding-window model's page
+        (``record.first_segment_end``), since a restore of the run reads their window rows
+        never; ``complete`` reads the rest of those a shorter restore does read."""
         self.expect(keys, raw_nbytes)
-        found, nbytes = [], 0
+        values: list[tuple[bytes, memoryview | bytes]] = []
         for key in keys:
             value = None if self.store.check.doomed(key) else self._value(key)
             if value is None and run:
                 break
             if value is not None:
-                self._ahead[key] = self._owned(value)
-                found.append(key)
-                nbytes += len(value)
+                values.append((key, value))
+        read_whole = None if whole is None or not self.copies else set(whole(len(values)))
+        nbytes = 0
+        for i, (key, value) in enumerate(values):
+            upto = None if read_whole is None or i in read_whole else first_segment_end(value)
+            held = self._ahead[key] = self._owned(value, upto)
+            if upto is not None:
+                self._partial[key] = (value, memoryview(held), upto)
+            nbytes += len(value) if upto is None else upto
         self.read_s = 0.0  # spent here, not by the restore: see ahead_s
         self._only_ahead = True
-        return found, nbytes
+        return [key for key, _ in values], nbytes
 
-    def _owned(self, value: memoryview | bytes) -> memoryview | bytes:
+    def complete(self, keys: Collection[bytes]) -> None:
+        """Read the rest of each of ``keys`` that ``read_ahead`` read in part (a restore
+        shorter than the run read ahead reads other pages' window rows)."""
+        for key in keys:
+            if (part := self._partial.pop(bytes(key), None)) is not None:
+                value, held, upto = part
+                held[upto:] = memoryview(value)[upto:]
+
+    copies = False  # whether ``_owned`` copies a value (then it may read one in part)
+
+    def _owned(self, value: memoryview | bytes, upto: int | None = None) -> memoryview | bytes:
         """A value read ahead as the restore will find it: bytes this snapshot holds in
-        host memory (a backend whose values are views of something slower copies them)."""
+        host memory (a backend whose values are views of something slower copies them,
+        and with ``upto`` only their first ``upto`` bytes)."""
         return value
 
     def expect(self, keys: Sequence[bytes], raw_nbytes: int) -> None:  # noqa: B027 (a no-op unless a backend batches)
@@ -121,7 +152,9 @@ class Snapshot(ABC):
             value = self._value(key)
         if value is None:
             return None
-        return self.store.check.found(key, value, namespace_digest, tokens, raw_nbytes)
+        part = self._partial.get(bytes(key))
+        stored = part[0] if part is not None else None
+        return self.store.check.found(key, value, namespace_digest, tokens, raw_nbytes, stored)
 
 
 _Store = TypeVar("_Store", bound="L3Store")  # a backend, as its own class

@@ -55,14 +55,21 @@ class RecordCheck:
         return self._writer.doomed(key)
 
     def found(
-        self, key: bytes, value: memoryview | bytes, namespace_digest: bytes, tokens: Sequence[int], raw_nbytes: int
+        self,
+        key: bytes,
+        value: memoryview | bytes,
+        namespace_digest: bytes,
+        tokens: Sequence[int],
+        raw_nbytes: int,
+        stored: memoryview | bytes | None = None,
     ) -> StoredRecord | None:
         """The record ``value`` holds if its header matches this page, else None (a bad
-        header is rejected)."""
+        header is rejected). ``stored``: the value as stored, when ``value`` is a copy
+        read in part (``checked_record``)."""
         try:
-            return checked_record(key, value, namespace_digest, tokens, raw_nbytes, self._cipher is not None)
+            return checked_record(key, value, namespace_digest, tokens, raw_nbytes, self._cipher is not None, stored)
         except CorruptRecord as exc:
-            self.reject(key, value, str(exc))
+            self.reject(key, value if stored is None else stored, str(exc))
             return None
 
     def verified(self, record: StoredRecord, out: np.ndarray | None = None) -> memoryview | np.ndarray | bytes | None:

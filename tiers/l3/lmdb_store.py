@@ -65,7 +65,9 @@ class _LmdbSnapshot(Snapshot):
             self.store.failures.report("read", exc)
             return None
 
-    def _owned(self, value: memoryview | bytes) -> memoryview:
+    copies = True
+
+    def _owned(self, value: memoryview | bytes, upto: int | None = None) -> memoryview:
         """A copy of a record read ahead, made on the reader thread (``tiers.l3_reads``).
 
         Why: a value LMDB hands out is a view of its memory map, and finding it touched
@@ -75,13 +77,14 @@ class _LmdbSnapshot(Snapshot):
         byte here instead (numpy copies without holding the GIL, so a hung disk stalls
         this reader alone), and the restore reads only host memory. It lands at the
         view's offset modulo 4 KiB, where the map put it (records start where L2 slots
-        do: ``tiers.join``)."""
+        do: ``tiers.join``). With ``upto`` only the first ``upto`` bytes are copied (and
+        touched); the rest of the copy's memory is left untouched until ``complete``."""
         src = np.frombuffer(value, np.uint8)
         at = src.ctypes.data % _PAGE_ALIGN
         room = np.empty(len(src) + _PAGE_ALIGN, np.uint8)
         start = (at - room.ctypes.data) % _PAGE_ALIGN
         held = room[start : start + len(src)]
-        np.copyto(held, src)
+        np.copyto(held[:upto], src[:upto])
         return held.data
 
 

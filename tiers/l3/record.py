@@ -132,6 +132,20 @@ class RecordHeader:
         return cls(*values, segments, *sealing), end
 
 
+def first_segment_end(value: memoryview | bytes) -> int | None:
+    """Where the first segment of a stored raw record of several segments ends (its header
+    and the page's global rows: ``tiers.page.PageGeometry.segments``), counted from the
+    record's start; None for a record read whole (one segment, compressed, quantized or
+    encrypted) or one whose header does not parse (its check rejects it)."""
+    try:
+        header, offset = RecordHeader.unpack(value)
+    except CorruptRecord:
+        return None
+    if len(header.segments) < 2 or header.codec != "raw" or header.nonce:
+        return None
+    return offset + header.segments[0][0]
+
+
 @dataclass
 class StoredRecord:
     """A page record found in a snapshot: header checked, payload not yet verified."""
@@ -207,15 +221,19 @@ def checked_record(
     tokens: Sequence[int],
     raw_nbytes: int,
     encrypted: bool = False,
+    stored: memoryview | bytes | None = None,
 ) -> StoredRecord:
     """The record of a stored value whose header matches this page (``encrypted``: the
-    reader holds a key); CorruptRecord otherwise."""
+    reader holds a key); CorruptRecord otherwise. ``stored``: the value as the backend
+    holds it, when ``value`` is a copy of it read in part (``Snapshot.read_ahead``): the
+    record's ``value`` then, so that a rejection names the stored value."""
     value, own = memoryview(value), token_bytes(tokens)
     header, offset = RecordHeader.unpack(value)
     check_header(header, bytes(key), namespace, own, raw_nbytes, encrypted)
     if header.codec == "raw" and len(value) - offset - (TAG_BYTES if header.nonce else 0) != raw_nbytes:
         raise CorruptRecord("raw payload length differs from the raw length")
-    return StoredRecord(bytes(key), header, value, value[offset:], own)
+    whole = value if stored is None else memoryview(stored)
+    return StoredRecord(bytes(key), header, whole, value[offset:], own)
 
 
 def encode_record(
