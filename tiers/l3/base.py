@@ -152,9 +152,7 @@ class Snapshot(ABC):
             value = self._value(key)
         if value is None:
             return None
-        part = self._partial.get(bytes(key))
-        stored = part[0] if part is not None else None
-        return self.store.check.found(key, value, namespace_digest, tokens, raw_nbytes, stored)
+        return self.store.check.found(key, value, namespace_digest, tokens, raw_nbytes)
 
 
 _Store = TypeVar("_Store", bound="L3Store")  # a backend, as its own class
@@ -218,7 +216,8 @@ class L3Store(ABC):
 
     @abstractmethod
     def _fingerprint(self, value: memoryview | bytes) -> object:
-        """What identifies a bad value, so its delete spares a rewritten record."""
+        """What identifies a bad value, so its delete spares a rewritten record: a digest
+        of its ``record.fingerprinted`` part."""
 
     @abstractmethod
     def _commit(self, batch: Batch) -> None:

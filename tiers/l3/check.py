@@ -55,21 +55,14 @@ class RecordCheck:
         return self._writer.doomed(key)
 
     def found(
-        self,
-        key: bytes,
-        value: memoryview | bytes,
-        namespace_digest: bytes,
-        tokens: Sequence[int],
-        raw_nbytes: int,
-        stored: memoryview | bytes | None = None,
+        self, key: bytes, value: memoryview | bytes, namespace_digest: bytes, tokens: Sequence[int], raw_nbytes: int
     ) -> StoredRecord | None:
         """The record ``value`` holds if its header matches this page, else None (a bad
-        header is rejected). ``stored``: the value as stored, when ``value`` is a copy
-        read in part (``checked_record``)."""
+        header is rejected)."""
         try:
-            return checked_record(key, value, namespace_digest, tokens, raw_nbytes, self._cipher is not None, stored)
+            return checked_record(key, value, namespace_digest, tokens, raw_nbytes, self._cipher is not None)
         except CorruptRecord as exc:
-            self.reject(key, value if stored is None else stored, str(exc))
+            self.reject(key, value, str(exc))
             return None
 
     def verified(self, record: StoredRecord, out: np.ndarray | None = None) -> memoryview | np.ndarray | bytes | None:
@@ -107,7 +100,8 @@ class RecordCheck:
 
     def reject(self, key: bytes, value: memoryview | bytes, reason: str) -> None:
         """A read found ``value`` of ``key`` bad: count it and queue its delete (spared if
-        the record is rewritten meanwhile: the delete names this value's fingerprint)."""
+        the record is rewritten meanwhile: the delete names this value's fingerprint, of
+        its ``record.fingerprinted`` part, which a value read in part holds)."""
         log.warning("L3 record %s rejected (%s); deleting it", bytes(key).hex(), reason)
         fingerprint = self._fingerprint(value)
         self._count(checksum_failures=1)

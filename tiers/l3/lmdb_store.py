@@ -26,7 +26,6 @@ from pathlib import Path
 
 import lmdb
 import numpy as np
-from xxhash import xxh3_64_intdigest
 
 from ..policy import L3_ORDERS
 from ..text import format_bytes
@@ -38,7 +37,7 @@ from .lmdb_lock import EnvUsers, StoreLock, remove_partial_copies
 from .lmdb_open import open_readonly, open_writable, read_only_store, writable_directory
 from .lmdb_space import DEFAULT_CAPACITY
 from .lmdb_tables import LmdbTables
-from .lmdb_txn import Census, Outcome
+from .lmdb_txn import Census, Outcome, record_fingerprint
 from .writer import Batch
 
 log = logging.getLogger(__name__)
@@ -227,7 +226,7 @@ class DiskTier(L3Store):
                     txn.abort()
 
     def _fingerprint(self, value: memoryview | bytes) -> int:
-        return xxh3_64_intdigest(value)
+        return record_fingerprint(value)
 
     def _never_fits(self, raw_nbytes: int) -> bool:
         return self._codec == "raw" and (self._record_bytes or raw_nbytes) > self._capacity

@@ -23,7 +23,7 @@ from xxhash import xxh3_64_intdigest
 
 from .lmdb_chain import Chain
 from .lmdb_meta import STATE_FIELDS, MetaTables, StoreState, ns_row
-from .record import RecordHeader, header_or_none
+from .record import RecordHeader, fingerprinted, header_or_none
 from .tables import DamageLog, is_namespace_row, unpacked
 from .writer import Batch
 
@@ -33,6 +33,12 @@ if TYPE_CHECKING:
     from lmdb import _Database as Database
 
 _LEN, _SEQ = struct.Struct("<I"), struct.Struct(">Q")
+
+
+def record_fingerprint(value: memoryview | bytes) -> int:
+    """An LMDB record's fingerprint (``L3Store._fingerprint``): xxh3_64 of its
+    ``record.fingerprinted`` part, the same at a reject and at the delete it queues."""
+    return xxh3_64_intdigest(fingerprinted(value))
 
 
 @dataclass
@@ -147,7 +153,7 @@ class PageTables:
             state = self.load_state(txn)
             for key, fingerprint in batch.deletes.items():
                 stored = txn.get(key, db=self.dbs.pages)
-                if stored is not None and xxh3_64_intdigest(stored) == fingerprint:
+                if stored is not None and record_fingerprint(stored) == fingerprint:
                     self.remove(txn, state, key, stored)  # unless rewritten meanwhile
             for key in batch.touches:
                 if (stamp := txn.get(key, db=self.dbs.lru)) is not None:

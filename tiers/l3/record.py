@@ -146,6 +146,14 @@ def first_segment_end(value: memoryview | bytes) -> int | None:
     return offset + header.segments[0][0]
 
 
+def fingerprinted(value: memoryview | bytes) -> memoryview:
+    """The part of a stored value that names it for a delete-if-unchanged (each backend's
+    fingerprint digests it): a raw record of several segments up to the end of its
+    first, what every reader of it holds (a read ahead may hold no more:
+    ``first_segment_end``); any other value whole."""
+    return memoryview(value)[: first_segment_end(value) or len(value)]
+
+
 @dataclass
 class StoredRecord:
     """A page record found in a snapshot: header checked, payload not yet verified."""
@@ -221,19 +229,15 @@ def checked_record(
     tokens: Sequence[int],
     raw_nbytes: int,
     encrypted: bool = False,
-    stored: memoryview | bytes | None = None,
 ) -> StoredRecord:
     """The record of a stored value whose header matches this page (``encrypted``: the
-    reader holds a key); CorruptRecord otherwise. ``stored``: the value as the backend
-    holds it, when ``value`` is a copy of it read in part (``Snapshot.read_ahead``): the
-    record's ``value`` then, so that a rejection names the stored value."""
+    reader holds a key); CorruptRecord otherwise."""
     value, own = memoryview(value), token_bytes(tokens)
     header, offset = RecordHeader.unpack(value)
     check_header(header, bytes(key), namespace, own, raw_nbytes, encrypted)
     if header.codec == "raw" and len(value) - offset - (TAG_BYTES if header.nonce else 0) != raw_nbytes:
         raise CorruptRecord("raw payload length differs from the raw length")
-    whole = value if stored is None else memoryview(stored)
-    return StoredRecord(bytes(key), header, whole, value[offset:], own)
+    return StoredRecord(bytes(key), header, value, value[offset:], own)
 
 
 def encode_record(

@@ -14,9 +14,13 @@ What differs from LMDB, and why:
   this process opened the store. Open warns when there is no cap or the policy never evicts.
 - Reads are copies into host memory, fetched in a few pipelined ``MGET`` s per restore
   (``Snapshot.expect``): a raw page is then joined from those bytes, as from LMDB's map.
+  A sliding-window model's read ahead fetches with ``GETRANGE`` only what the restore
+  joins: the global rows of most pages, whole records for the last ones
+  (``tiers.l3.redis_snapshot``).
 - Writes are ``SET NX`` (write-once) from the writer thread, after one pipelined
   ``EXISTS`` per batch so that a page the server holds is not sent again; deletes of rejected records
-  are a server-side compare-and-delete on the value's SHA-1, so a rewritten record survives.
+  are a server-side compare-and-delete on the SHA-1 of the value's ``record.fingerprinted``
+  part, so a rewritten record survives.
 - Leaf-first is the server's eviction helped, not enforced: the same pipeline ``TOUCH``es
   the page before each page written (``put(parent=...)``), so under an LRU or LFU
   ``maxmemory-policy`` a page is used at least as recently, and at least as often, as
@@ -51,7 +55,8 @@ from redis.retry import Retry
 from ..text import format_bytes, one_line
 from .base import L3Store, ReadThrough, Snapshot, StoreError, StoreUnreachable
 from .cipher import RecordCipher
-from .record import FORMAT_VERSION
+from .record import FORMAT_VERSION, fingerprinted
+from .redis_snapshot import BATCH_BYTES, HEAD, RedisSnapshot
 from .redis_tables import RedisTables, counter_number
 from .tables import DamageLog
 from .writer import Batch, PendingPut
@@ -60,12 +65,13 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 _TIMEOUT_S = 0.5  # connect and socket timeout, unless the URL sets them
-_BATCH_BYTES = 32 << 20  # a restore's MGET carries at most about this many bytes
 _MAX_BACKOFF_S = 5.0
 _warned: set[str] = set()  # servers already warned about their eviction settings (once a process)
-# Delete a key only while it still holds the bad value a read saw (by its SHA-1).
+# Delete a key only while it still holds the bad value a read saw: ARGV are how many leading
+# bytes its fingerprint covers (``record.fingerprinted``) and their SHA-1.
 _DELETE_IF_SAME = (
-    "if redis.sha1hex(redis.call('GET', KEYS[1]) or '') == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
+    "local head = redis.call('GETRANGE', KEYS[1], 0, tonumber(ARGV[1]) - 1) "
+    "if redis.sha1hex(head) == ARGV[2] then return redis.call('DEL', KEYS[1]) end return 0"
 )
 
 
@@ -116,33 +122,6 @@ def _total(reply: object, field: str) -> int:
     if isinstance(reply, dict):
         return sum(_total(node, field) for node in reply.values() if isinstance(node, dict))
     return 0
-
-
-class _RedisSnapshot(Snapshot):
-    """Lookups answered from batched reads: each value is read once, in an MGET of the
-    expected keys that follow it, and kept (host memory) until the snapshot ends."""
-
-    def __init__(self, tier: RedisTier) -> None:
-        super().__init__(tier)
-        self.store: RedisTier = tier
-        self._expected: dict[bytes, int] = {}
-        self._order: list[bytes] = []
-        self._window = 1
-        self._values: dict[bytes, bytes | None] = {}
-
-    def expect(self, keys: Sequence[bytes], raw_nbytes: int) -> None:
-        self._order = list(keys)
-        self._expected = {key: i for i, key in enumerate(self._order)}
-        self._window = max(1, _BATCH_BYTES // max(1, raw_nbytes))
-
-    def _value(self, key: bytes) -> bytes | None:
-        if key not in self._values:
-            i = self._expected.get(key)
-            batch = [key] if i is None else self._order[i : i + self._window]
-            t0 = time.perf_counter()
-            self._values.update(zip(batch, self.store.mget(batch)))
-            self.read_s += time.perf_counter() - t0
-        return self._values.get(key)
 
 
 class RedisTier(L3Store):
@@ -271,6 +250,24 @@ class RedisTier(L3Store):
         # is sync and sends bytes
         return self._call("read", lambda: cast("list[bytes | None]", mget(names)), [None] * len(keys))
 
+    def ranges(self, spans: Sequence[tuple[bytes, int, int | None]], raw_nbytes: int) -> list[bytes]:
+        """Bytes ``[start, end)`` (``end`` None: to the end) of each key's value, b"" where
+        absent, in pipelined rounds of about ``BATCH_BYTES`` (values of ``raw_nbytes``);
+        every b"" when the server fails them."""
+        per = max(1, BATCH_BYTES // max(1, raw_nbytes, HEAD))
+        out: list[bytes] = []
+        for first in range(0, len(spans), per):
+            batch = spans[first : first + per]
+
+            def ask(batch: Sequence[tuple[bytes, int, int | None]] = batch) -> list:
+                pipe = self._client.pipeline(transaction=False)
+                for key, start, end in batch:
+                    pipe.getrange(self._page(key), start, -1 if end is None else end - 1)
+                return pipe.execute()
+
+            out += self._call("read", ask, [b""] * len(batch))
+        return out
+
     def _exists(self, key: bytes) -> bool:
         return bool(self._call("lookup", lambda: self._client.exists(self._page(key)), 0))
 
@@ -293,13 +290,14 @@ class RedisTier(L3Store):
 
     @contextmanager
     def snapshot(self) -> Iterator[Snapshot]:
-        yield _RedisSnapshot(self)
+        yield RedisSnapshot(self, self)
 
     def _fingerprint(self, value: memoryview | bytes) -> str:
-        return hashlib.sha1(value).hexdigest()
+        part = fingerprinted(value)
+        return f"{len(part)}:{hashlib.sha1(part).hexdigest()}"
 
     def read_through(self, keys: Sequence[bytes]) -> ReadThrough:
-        window = max(1, _BATCH_BYTES // (1 << 20))
+        window = max(1, BATCH_BYTES // (1 << 20))
         parts = [
             ReadThrough.of([v for v in self.mget(list(keys[i : i + window])) if v is not None])
             for i in range(0, len(keys), window)
@@ -310,8 +308,8 @@ class RedisTier(L3Store):
 
     def _commit(self, batch: Batch) -> None:
         for key, fingerprint in batch.deletes.items():
-            sha1 = str(fingerprint)  # this backend's fingerprints are SHA-1 hex digests (_fingerprint)
-            self._call("delete", partial(self._delete_if_same, keys=[self._page(key)], args=[sha1]), 0)
+            length, sha1 = str(fingerprint).split(":")  # this backend's fingerprints (_fingerprint)
+            self._call("delete", partial(self._delete_if_same, keys=[self._page(key)], args=[length, sha1]), 0)
         puts = self._absent(batch.puts)
         if not puts:
             return
