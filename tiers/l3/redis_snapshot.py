@@ -21,7 +21,7 @@ class RedisReads(Protocol):
 
     def mget(self, keys: list[bytes]) -> list[bytes | None]: ...
 
-    def ranges(self, spans: Sequence[tuple[bytes, int, int | None]], raw_nbytes: int) -> list[bytes]: ...
+    def ranges(self, spans: Sequence[tuple[bytes, int, int | None]], span_nbytes: int) -> list[bytes]: ...
 
 
 class RedisSnapshot(Snapshot):
@@ -63,7 +63,7 @@ class RedisSnapshot(Snapshot):
         crosses the network is what a restore of the run joins."""
         if whole is None or not run:
             return super().read_ahead(keys, raw_nbytes, run)
-        heads = self.reads.ranges([(key, 0, HEAD) for key in keys], raw_nbytes)
+        heads = self.reads.ranges([(key, 0, HEAD) for key in keys], HEAD)
         found: list[tuple[bytes, bytes]] = []
         for key, head in zip(keys, heads):
             if not head or self.store.check.doomed(key):

@@ -250,11 +250,11 @@ class RedisTier(L3Store):
         # is sync and sends bytes
         return self._call("read", lambda: cast("list[bytes | None]", mget(names)), [None] * len(keys))
 
-    def ranges(self, spans: Sequence[tuple[bytes, int, int | None]], raw_nbytes: int) -> list[bytes]:
+    def ranges(self, spans: Sequence[tuple[bytes, int, int | None]], span_nbytes: int) -> list[bytes]:
         """Bytes ``[start, end)`` (``end`` None: to the end) of each key's value, b"" where
-        absent, in pipelined rounds of about ``BATCH_BYTES`` (values of ``raw_nbytes``);
-        every b"" when the server fails them."""
-        per = max(1, BATCH_BYTES // max(1, raw_nbytes, HEAD))
+        absent, in pipelined rounds of about ``BATCH_BYTES`` (spans of at most ``span_nbytes``
+        each); every b"" when the server fails them."""
+        per = max(1, BATCH_BYTES // max(1, span_nbytes, HEAD))
         out: list[bytes] = []
         for first in range(0, len(spans), per):
             batch = spans[first : first + per]
