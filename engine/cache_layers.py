@@ -28,6 +28,7 @@ import math
 import mlx.core as mx
 from mlx_lm.models.cache import CacheList, RotatingKVCache, make_prompt_cache
 
+from kvtier.tiers import page_rows
 from kvtier.tiers.page import PageGeometry
 
 
@@ -50,15 +51,17 @@ def _held(c) -> tuple[mx.array, mx.array, int]:
 
 def page_kv(caches: list, geometry: PageGeometry, start: int, end: int) -> mx.array | None:
     """Tokens ``start..end`` of a one-sequence mlx-lm cache in page layout
-    (rows, 2, kv_heads, tokens, head_dim), a new array; None when a window layer no
-    longer holds them."""
+    (``tiers.page_rows``), a new array; None when a window layer no longer holds them."""
     rows, flat = [], leaves(caches)
     for layer in geometry.rows:
         keys, values, first = _held(flat[layer])
         if start < first:
             return None
         rows.append(mx.stack([keys[0, :, start - first : end - first], values[0, :, start - first : end - first]]))
-    return mx.stack(rows)
+    if geometry.uniform:
+        return mx.stack(rows)
+    split = geometry.global_rows  # two row shapes: each segment stacked apart
+    return page_rows.joined([mx.stack(rows[:split]), mx.stack(rows[split:])], geometry)
 
 
 def snapshot(caches: list, geometry: PageGeometry) -> mx.array:
@@ -102,7 +105,7 @@ def cache_from(
 
 
 def append_rows(cache: list, geometry: PageGeometry, kv: mx.array) -> None:
-    """Append ``kv`` (page layout: rows, 2, kv_heads, tokens, head_dim) to each layer."""
+    """Append ``kv`` (a page's layout of some tokens, ``tiers.page_rows``) to each layer."""
     flat = leaves(cache)
-    for row, layer in enumerate(geometry.rows):
-        flat[layer].update_and_fetch(kv[row, 0][None], kv[row, 1][None])
+    for (keys, values), layer in zip(page_rows.rows(kv, geometry), geometry.rows):
+        flat[layer].update_and_fetch(keys, values)

@@ -157,7 +157,7 @@ class TieredStore:
         )
         self._lock = threading.RLock()
         hybrid = self.snapshots is not None
-        self.partials = PartialPages(self.l1, self.placement, geometry.page_size, hybrid, self._lock)
+        self.partials = PartialPages(self.l1, self.placement, geometry, hybrid, self._lock)
         self.residency = Residency(self._lock, self.l1, self.l2, geometry.page_size)  # who holds which page, as changes
         self.lineage = leaf_first(self.residency, self.l1, self.l2)  # which page follows which: evict leaves first
         self.placement.depth = self.lineage.depth  # the write budget ranks a shallower page first

@@ -203,6 +203,13 @@ class PageGeometry:
     segment of every page, the window segment only of the pages a window still sees
     (``window_pages``).
 
+    Each segment has one row shape: ``num_kv_heads`` heads of ``head_dim`` for the
+    global rows, and for the window rows ``window_kv_heads`` of ``window_head_dim``
+    where a model's window layers differ (Gemma 4: 0, as the global rows). A page of
+    two row shapes is one flat array (``shape``: its values), each segment a
+    ``(rows, 2, kv_heads, tokens, head_dim)`` view of its part (``segment_shapes``,
+    ``part``), so every tier still holds one contiguous buffer a page.
+
     Every window layer has the same window and keep. Layers of kind ``"state"`` are
     no rows of a page: their state after a page is a snapshot (``snapshot_nbytes``
     bytes, the layers' arrays in model order), stored apart under ``snapshot_key``.
@@ -214,11 +221,17 @@ class PageGeometry:
     page_size: int
     dtype: str
     kinds: tuple[LayerKind, ...] = ()
+    window_kv_heads: int = 0  # the window rows' shape where it is not the global rows' (0: the same)
+    window_head_dim: int = 0
 
     def __post_init__(self) -> None:
         windows = {(k.window, k.keep) for k in self.kinds if k.name == "window"}
         if len(windows) > 1 or len(self.rows) != self.num_layers:
             raise ValueError(f"one window and keep for every window layer, one kind per layer: {self.kinds}")
+        if (self.window_kv_heads or self.window_head_dim) and (
+            self.window is None or not self.global_rows or not self.window_kv_heads or not self.window_head_dim
+        ):
+            raise ValueError("a window row shape of its own needs global and window rows, and both its sizes")
 
     @property
     def rows(self) -> tuple[int, ...]:
@@ -242,8 +255,39 @@ class PageGeometry:
         has window layers, else () (one segment, the whole page)."""
         if self.window is None:
             return ()
-        row = self.nbytes // self.num_layers
-        return (self.global_rows * row, (self.num_layers - self.global_rows) * row)
+        return tuple(math.prod(shape) * self.storage_dtype.itemsize for shape in self.segment_shapes())
+
+    @property
+    def uniform(self) -> bool:
+        """Whether every row has one shape (a page is then one 5-d array, ``shape``)."""
+        return not self.window_kv_heads
+
+    def segment_shapes(self, tokens: int = 0) -> tuple[tuple[int, int, int, int, int], ...]:
+        """Each segment's ``(rows, 2, kv_heads, tokens, head_dim)`` (``tokens`` 0: a
+        page's); one segment, the whole page, without window layers."""
+        n = tokens or self.page_size
+        if self.window is None:
+            return ((self.num_layers, 2, self.num_kv_heads, n, self.head_dim),)
+        heads, dim = (
+            (self.window_kv_heads, self.window_head_dim) if self.window_kv_heads else (self.num_kv_heads, self.head_dim)
+        )
+        return (
+            (self.global_rows, 2, self.num_kv_heads, n, self.head_dim),
+            (self.num_layers - self.global_rows, 2, heads, n, dim),
+        )
+
+    def part(self, segment: int) -> PageGeometry:
+        """The uniform geometry of one segment's rows alone (all of kind global): what
+        joining that segment of pages needs."""
+        rows, _, heads, _, dim = self.segment_shapes()[segment]
+        return PageGeometry(rows, heads, dim, self.page_size, self.dtype)
+
+    def segment_array(self, page: np.ndarray, segment: int) -> np.ndarray:
+        """Segment ``segment`` of a page's array (either ``shape``, in the storage
+        dtype) as its ``(rows, 2, kv_heads, tokens, head_dim)`` view."""
+        shapes, flat = self.segment_shapes(), page.reshape(-1)
+        start = sum(math.prod(s) for s in shapes[:segment])
+        return flat[start : start + math.prod(shapes[segment])].reshape(shapes[segment])
 
     def window_pages(self, pages: int) -> list[int]:
         """The pages of a ``pages``-page prefix whose window rows its restore reads: those
@@ -270,8 +314,12 @@ class PageGeometry:
         return ",".join(k.describe() for k in self.kinds) if any(k.name != "kv" for k in self.kinds) else ""
 
     @cached_property  # on every restore's path; the geometry is frozen
-    def shape(self) -> tuple[int, int, int, int, int]:
-        return (self.num_layers, 2, self.num_kv_heads, self.page_size, self.head_dim)
+    def shape(self) -> tuple[int, ...]:
+        """A page's array in every tier: ``(layers, 2, kv_heads, page_size, head_dim)``,
+        or its values flat when its segments differ in row shape (``uniform``)."""
+        if self.uniform:
+            return (self.num_layers, 2, self.num_kv_heads, self.page_size, self.head_dim)
+        return (sum(math.prod(shape) for shape in self.segment_shapes()),)
 
     @cached_property
     def storage_dtype(self) -> np.dtype:

@@ -20,7 +20,8 @@ from collections.abc import Sequence
 
 import mlx.core as mx
 
-from .page import partial_key, shared_start
+from .page import PageGeometry, partial_key, shared_start
+from .page_rows import first_tokens
 from .placement import Placement
 from .policy import PageCost
 from .restore import PartialMatch
@@ -29,15 +30,15 @@ from .tier import DevicePage, DeviceTier
 
 class PartialPages:
     def __init__(
-        self, l1: DeviceTier, placement: Placement, page_size: int, with_state: bool, lock: threading.RLock
+        self, l1: DeviceTier, placement: Placement, geometry: PageGeometry, with_state: bool, lock: threading.RLock
     ) -> None:
-        self.l1, self.placement, self.page_size = l1, placement, page_size
+        self.l1, self.placement, self.geometry, self.page_size = l1, placement, geometry, geometry.page_size
         self.with_state = with_state  # a hybrid model's: reused only whole, with their state
         self._lock = lock
         self.page_cost = PageCost()  # the store's (``TieredStore.page_cost``)
 
     def publish(self, parent: bytes, tokens: Sequence[int], kv: mx.array, state: mx.array | None = None) -> bool:
-        """Keep a partial page (``kv``: its tokens along axis 3; a hybrid model's ``state``
+        """Keep a partial page (``kv``: a page's layout of its tokens; a hybrid model's ``state``
         after them) in L1 after the page keyed ``parent``, weighed by the eviction
         policy as the fraction of a first page's recompute it saves (its depth is not
         known here). False if already there or if L1 has no room."""
@@ -68,7 +69,7 @@ class PartialPages:
             self.l1.counters = self.l1.counters.plus(hit_tokens=shared)
             found = self.l1.get(best)  # marked most recently used
             assert found is not None, "following() lists pages in L1 (under the same lock)"
-            return PartialMatch(best, found.kv[:, :, :, :shared], found.parent, found.state)
+            return PartialMatch(best, first_tokens(found.kv, self.geometry, shared), shared, found.parent, found.state)
 
     def shared(self, parent: bytes, tokens: Sequence[int]) -> int:
         """How many of ``tokens`` the L1 page after ``parent`` that shares most of them

@@ -20,7 +20,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, ExitStack, nullcontext
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
@@ -57,13 +57,10 @@ class PartialMatch:
     """The start of an L1 page that a prompt shares (``TieredStore.partials``)."""
 
     key: PageKey
-    kv: mx.array  # (layers, 2, kv_heads, tokens, head_dim): the shared tokens only
+    kv: mx.array  # the shared tokens only, in a page's layout (``tiers.page_rows``)
+    num_tokens: int
     parent: bytes | None = None  # the key of the page before it
     state: mx.array | None = None  # a hybrid model's state after them (the whole page is shared)
-
-    @property
-    def num_tokens(self) -> int:
-        return self.kv.shape[3]
 
 
 @dataclass
@@ -251,14 +248,14 @@ class Restorer:
         prefix again, before it."""
         g, split = self.geometry, self.geometry.global_rows
         read = set(g.window_pages(len(pages)))  # window rows joined, and checked, already
-        rows = replace(g, num_layers=g.num_layers - split, kinds=())
         n = bad
         while n:
             seen = g.window_pages(n)
             if l3 is not None:
                 l3.complete([pages[i].key for i in seen if pages[i].raw_l3])
             hash_now = [pages[i].raw_l3 and i not in read for i in seen]
-            window = join_pages([pages[i].host[split:] for i in seen], rows, hash_now, self.limits)
+            hosts = [g.segment_array(pages[i].host, 1) for i in seen]
+            window = join_pages(hosts, g.part(1), hash_now, self.limits)
             failed = [i for i, d in zip(seen, window.digests) if d is not None and not self._window_ok(pages[i], d)]
             if not failed:
                 kept = n * g.page_size
@@ -318,15 +315,16 @@ class Restorer:
         """A window model's join: the global rows of every page, the window rows of the
         pages its window sees (``PageGeometry.window_pages``), each segment hashed apart;
         a page's digest is then a pair (global, window or None when not read)."""
-        g, split = self.geometry, self.geometry.global_rows
+        g = self.geometry
         seen = g.window_pages(len(hosts))
         parts = []
-        for rows, which in ((slice(0, split), range(len(hosts))), (slice(split, g.num_layers), seen)):
-            n = rows.stop - rows.start
-            part = replace(g, num_layers=n, kinds=())
+        for segment, which in enumerate((range(len(hosts)), seen)):
+            part = g.part(segment)
             parts.append(
-                join_pages([hosts[i][rows] for i in which], part, [hash_now[i] for i in which], self.limits)
-                if n
+                join_pages(
+                    [g.segment_array(hosts[i], segment) for i in which], part, [hash_now[i] for i in which], self.limits
+                )
+                if part.num_layers
                 else Joined([], [None] * len(which))
             )
         window_digest = dict(zip(seen, parts[1].digests))

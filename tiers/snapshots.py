@@ -30,6 +30,7 @@ from .l3.base import L3Store
 from .l3_reads import AheadRead
 from .links import Link, LinkLedger
 from .page import PageGeometry, PageKey, Source, snapshot_key
+from .page_rows import rows as page_rows
 from .placement import Pins, Placement
 from .policy import L3Admission, make_policy
 from .restore import PartialMatch, RestoredPrefix
@@ -155,7 +156,7 @@ class Snapshots:
         whole or not at all."""
         n = len(restored.keys)
         if then is not None and then.state is not None and then.parent == after:
-            rows = [(then.kv[r, 0][None], then.kv[r, 1][None]) for r in range(self.geometry.num_layers)]
+            rows = page_rows(then.kv, self.geometry)
             layers = (
                 [
                     (mx.concatenate([k, pk], axis=2), mx.concatenate([v, pv], axis=2))

@@ -25,7 +25,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         check_plot_path(args.plot)
     store_dir = usable_store(args.store)
     loaded = load_model(args.model)
-    geometry = page_geometry(loaded, args.page_size)
+    geometry = page_geometry(loaded, args.page_size, args.codecs)
     rounds = args.rounds or (bandwidth.QUICK_ROUNDS if args.quick else bandwidth.ROUNDS)
     pages = bandwidth.QUICK_PAGE_COUNTS if args.quick else bandwidth.PAGE_COUNTS
     with tqdm(total=bandwidth.steps(rounds, args.quick), desc="measuring", unit="step", file=sys.stderr) as bar:

@@ -71,7 +71,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     loaded = load_model(args.model)
     profile = calibrate_into(
         loaded,
-        page_geometry(loaded, args.page_size),
+        page_geometry(loaded, args.page_size, (args.codec, args.l2_codec)),
         store_dir,
         args.quick,
         "calibrating (quick)" if args.quick else "calibrating",

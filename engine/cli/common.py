@@ -7,6 +7,7 @@ import logging
 import os
 import shutil
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -174,11 +175,17 @@ class ProgressBar:
             self.bar.close()
 
 
-def page_geometry(loaded, page_size: int):
-    """The model's page geometry; a model kvtier cannot use is the user's error."""
+def page_geometry(loaded, page_size: int, codecs: Sequence[str] = ()):
+    """The model's page geometry; a model kvtier cannot use, or a page codec (of
+    ``codecs``) that cannot encode its pages, is the user's error, before any work."""
+    from kvtier.tiers.quant import PageCodec
+
     from ..models.load import ModelError
 
     try:
-        return loaded.geometry(page_size)
+        geometry = loaded.geometry(page_size)
+        for codec in codecs:
+            PageCodec.of(geometry, codec)
+        return geometry
     except (ModelError, ValueError) as err:
         raise UsageError(str(err)) from None

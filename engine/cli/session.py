@@ -24,7 +24,7 @@ def open_engine(args: argparse.Namespace, loaded, store_dir: Path | None, **conf
     from ..engine import Engine, EngineConfig
     from ..models.load import ModelError
 
-    geometry = page_geometry(loaded, args.page_size)
+    geometry = page_geometry(loaded, args.page_size, (args.codec, args.l2_codec))
     cipher = record_cipher(args, store_dir)
     if store_dir is not None and not (args.no_auto_calibrate or os.environ.get("KVTIER_NO_AUTO_CALIBRATE")):
         calibrate_on_first_use(loaded, geometry, store_dir, args.codec, args.l2_codec)

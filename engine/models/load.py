@@ -70,24 +70,21 @@ class LoadedModel:
                 "kvtier cannot serve a model of ArraysCache layers only: "
                 "a snapshot is keyed by the attention pages before it, and this model has none"
             )
-        shapes = sorted({(c.state[0].shape[1], c.state[0].shape[3], c.state[1].shape[3]) for c in attention})
-        if len(shapes) > 1:
-            described = ", ".join(f"{h} KV heads of {k}" + (f"/{v}" if v != k else "") for h, k, v in shapes)
-            raise ModelError(f"kvtier cannot page attention layers of different shapes in one model ({described})")
-        ((heads, key_dim, value_dim),) = shapes
-        if key_dim != value_dim:
-            raise ModelError(
-                f"kvtier cannot page {type(attention[0]).__name__} layers whose keys and values differ "
-                f"in head dimension ({key_dim} and {value_dim})"
-            )
+        global_shape, window_shape = (_row_shape([c for c, k in zip(cache, kinds) if k.name == n]) for n in GROUPS)
+        heads, head_dim = global_shape or window_shape or (0, 0)
+        window_heads, window_dim = 0, 0  # the window rows' shape where it differs from the global rows'
+        if global_shape and window_shape and window_shape != global_shape:
+            window_heads, window_dim = window_shape
         try:
             return PageGeometry(
                 num_layers=len(attention),
                 num_kv_heads=heads,
-                head_dim=key_dim,
+                head_dim=head_dim,
                 page_size=page_size,
                 dtype=str(attention[0].state[0].dtype).removeprefix("mlx.core."),
                 kinds=kinds if any(k.name != "kv" for k in kinds) else (),
+                window_kv_heads=window_heads,
+                window_head_dim=window_dim,
             )
         except ValueError as err:
             raise ModelError(f"kvtier cannot page this model's layers: {err}") from None
@@ -112,6 +109,27 @@ class LoadedModel:
         """Where this model's cost profile lives in a store (tenants share it): one per
         lossy codec (``codecs``), whose decode the profile's ``L3->L2`` measured."""
         return profile_key(self.namespace(geometry, codecs=codecs).digest())
+
+
+GROUPS = ("kv", "window")  # the kinds of a page's two segments, each of one row shape (``PageGeometry``)
+
+
+def _row_shape(caches: list) -> tuple[int, int] | None:
+    """(KV heads, head dim) of one segment's attention layers (None: it has none);
+    ModelError when they differ, or when keys and values differ in head dimension."""
+    shapes = sorted({(c.state[0].shape[1], c.state[0].shape[3], c.state[1].shape[3]) for c in caches})
+    if len(shapes) > 1:
+        described = ", ".join(f"{h} KV heads of {k}" + (f"/{v}" if v != k else "") for h, k, v in shapes)
+        raise ModelError(f"kvtier cannot page attention layers of one kind with different shapes ({described})")
+    if not shapes:
+        return None
+    ((heads, key_dim, value_dim),) = shapes
+    if key_dim != value_dim:
+        raise ModelError(
+            f"kvtier cannot page {type(caches[0]).__name__} layers whose keys and values differ "
+            f"in head dimension ({key_dim} and {value_dim})"
+        )
+    return heads, key_dim
 
 
 def layer_kind(cache: object) -> LayerKind:

@@ -7,6 +7,9 @@ so that outputs depend on the context. Sizes are tiny so each test runs in secon
 
 - ``gemma3_text``: sliding-window layers (``RotatingKVCache``, window 32) with a global
   layer every second layer (``KVCache``);
+- ``gemma4_text``: Gemma 4's layout: window layers of 32-wide heads, global layers
+  of two 64-wide heads whose keys are their values (``attention_k_eq_v``), and the
+  last layers sharing earlier layers' KV (no cache of their own);
 - ``lfm2``: a recurrent hybrid, short-convolution layers (``ArraysCache``: one state
   array of the last ``conv_L_cache - 1`` inputs) between attention layers;
 - ``falcon_h1``: a ``CacheList`` (Mamba-2 state and KV) per layer;
@@ -49,6 +52,25 @@ CONFIGS = {
         "num_key_value_heads": 1,
         "head_dim": 32,
         "query_pre_attn_scalar": 32,
+        "sliding_window": 32,
+        "sliding_window_pattern": 2,
+        "vocab_size": _VOCAB,
+    },
+    "gemma4_text": {
+        "model_type": "gemma4_text",
+        "hidden_size": 64,
+        "num_hidden_layers": 6,
+        "intermediate_size": 128,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "num_global_key_value_heads": 2,
+        "attention_k_eq_v": True,
+        "head_dim": 32,
+        "global_head_dim": 64,
+        "num_kv_shared_layers": 2,
+        "hidden_size_per_layer_input": 16,
+        "vocab_size_per_layer_input": _VOCAB,
+        "use_double_wide_mlp": False,
         "sliding_window": 32,
         "sliding_window_pattern": 2,
         "vocab_size": _VOCAB,

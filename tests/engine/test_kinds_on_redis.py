@@ -23,7 +23,7 @@ PAGE = 16
 GREEDY = SamplingParams(max_tokens=8)
 
 
-@pytest.mark.parametrize("architecture", ["gemma3_text", "lfm2", "recurrent_gemma", "falcon_h1"])
+@pytest.mark.parametrize("architecture", ["gemma3_text", "gemma4_text", "lfm2", "recurrent_gemma", "falcon_h1"])
 def test_restored_from_redis_after_a_restart(redis_server, tmp_path, architecture):  # noqa: F811
     loaded = load_model(str(write_model(tmp_path / architecture, architecture)))
     prompt = text_prompt(loaded, 150, seed=11)

@@ -1,7 +1,11 @@
 """Sliding-window models (mlx-lm ``RotatingKVCache`` layers beside global ones): restored
-from every tier with mlx-lm's own greedy output, and only the window read for them."""
+from every tier with mlx-lm's own greedy output, and only the window read for them; a
+Gemma 3 layout (one row shape) and a Gemma 4 one (window and global rows of different
+shapes, so a page is flat: ``PageGeometry.uniform``)."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 from mlx_lm.models.cache import ChunkedKVCache, RotatingKVCache
@@ -13,6 +17,7 @@ from kvtier.tiers.hierarchy import StoreConfig
 from kvtier.tiers.links import Link
 from kvtier.tiers.page import reusable_pages
 
+from .. import cli
 from ..tiers.lmdb_files import damage_last_byte
 from .conftest import mlx_lm_greedy, shared_start_after_restart, stored_once, text_prompt
 from .kind_models import CONFIGS, restoring_wins, write_model
@@ -22,9 +27,9 @@ WINDOW = CONFIGS["gemma3_text"]["sliding_window"]
 GREEDY = SamplingParams(max_tokens=8)
 
 
-@pytest.fixture(scope="module")
-def gemma(tmp_path_factory):
-    return load_model(str(write_model(tmp_path_factory.mktemp("models") / "gemma3_text", "gemma3_text")))
+@pytest.fixture(scope="module", params=["gemma3_text", "gemma4_text"])
+def gemma(tmp_path_factory, request):
+    return load_model(str(write_model(tmp_path_factory.mktemp("models") / request.param, request.param)))
 
 
 def make_engine(loaded, store_dir, l1_bytes: int = 1 << 26, step: int = 2048, answers: bool = False) -> Engine:
@@ -42,11 +47,8 @@ def window_read_bytes(engine: Engine, pages: int) -> int:
     """Raw bytes a restore of ``pages`` pages reads: every page's global rows, and the
     window rows of the last pages only, those that hold the window's tokens (the
     prefix ends on a page boundary)."""
-    g = engine.geometry
-    row = 2 * g.num_kv_heads * PAGE * g.head_dim * 4  # float32 K and V of one layer
-    window_layers = sum(k.name == "window" for k in g.kinds)
-    window_pages = min(pages, WINDOW // PAGE)
-    return pages * (g.num_layers - window_layers) * row + window_pages * window_layers * row
+    global_rows, window_rows = engine.geometry.segments
+    return pages * global_rows + min(pages, WINDOW // PAGE) * window_rows
 
 
 @pytest.mark.parametrize("step", [8, 2048])  # prefill chunks within a page, and the whole prompt at once
@@ -56,6 +58,7 @@ def test_window_model_restored_from_l1_and_lmdb_equals_mlx_lm(gemma, tmp_path, s
     pages = reusable_pages(len(prompt), PAGE)
     engine = make_engine(gemma, tmp_path, step=step)
     assert engine.geometry.window is not None and engine.namespace.layers  # the kinds are in the namespace
+    assert engine.geometry.uniform == (gemma.path.name == "gemma3_text")  # Gemma 4's pages are flat
     cold, warm = run_one(engine, prompt), run_one(engine, prompt)
     engine.close()
     assert cold.output == expected and cold.sources()["recomputed"] == len(prompt)
@@ -145,3 +148,21 @@ def test_a_window_restore_cut_short_by_a_bad_page_restores_up_to_it(gemma, tmp_p
     assert restored.output == expected and failures == len(damaged)
     tokens = restored_pages * PAGE
     assert restored.sources() == {"L1": 0, "L2": 0, "L3": tokens, "recomputed": len(prompt) - tokens}
+
+
+def test_a_quantizing_codec_is_refused_before_any_work_on_pages_of_two_row_shapes(gemma, tmp_path):
+    """The quantizing codecs group each row's K and V of one shape; a Gemma 4 page
+    stays raw, and asking for q8 is one line before calibration or a model run."""
+    calibrating = {k: v for k, v in os.environ.items() if k != "KVTIER_NO_AUTO_CALIBRATE"}  # a store's first use
+    done = cli.run(
+        ["run", "--model", gemma.path, "--page-size", PAGE, "--store", tmp_path, "--l3-codec", "q8", "--prompt", "hi"],
+        env=calibrating,
+    )
+    if gemma.path.name == "gemma3_text":
+        assert done.returncode == 0, done.stderr
+        return
+    assert done.returncode == 2 and not done.stdout and not list(tmp_path.iterdir())
+    assert (
+        done.stderr
+        == "kvtier: error: the q8 codec needs one row shape in a page; this model's window rows have their own\n"
+    )

@@ -1,0 +1,67 @@
+"""Pages whose window rows have a shape of their own (Gemma 4): one flat array a page,
+each segment a 5-d view of its part, read and made row by row through ``page_rows``."""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from kvtier.tiers import page_rows
+from kvtier.tiers.page import GLOBAL, LayerKind, PageGeometry
+
+WINDOW = LayerKind("window", window=8)
+KINDS = (WINDOW, GLOBAL, WINDOW, GLOBAL, WINDOW)  # rows: the 2 global layers, then the 3 window layers
+TWO_SHAPES = PageGeometry(5, 2, 8, 4, "float32", KINDS, window_kv_heads=1, window_head_dim=4)
+ONE_SHAPE = PageGeometry(5, 2, 8, 4, "float32", KINDS)
+
+
+def segment_values(geometry: PageGeometry, tokens: int = 0) -> list[np.ndarray]:
+    """Each segment's array, every value distinct across the page."""
+    out, at = [], 0
+    for shape in geometry.segment_shapes(tokens):
+        out.append(np.arange(at, at + math.prod(shape), dtype=np.float32).reshape(shape))
+        at += math.prod(shape)
+    return out
+
+
+def test_a_page_of_two_row_shapes_is_flat_and_sized_by_its_segments():
+    g = TWO_SHAPES
+    global_bytes, window_bytes = 2 * 2 * 2 * 4 * 8 * 4, 3 * 2 * 1 * 4 * 4 * 4  # rows, K/V, heads, tokens, dim, float32
+    assert not g.uniform and g.segments == (global_bytes, window_bytes)
+    assert g.shape == ((global_bytes + window_bytes) // 4,) and g.nbytes == global_bytes + window_bytes
+    assert g.part(0) == PageGeometry(2, 2, 8, 4, "float32") and g.part(1) == PageGeometry(3, 1, 4, 4, "float32")
+    assert ONE_SHAPE.uniform and ONE_SHAPE.shape == (5, 2, 2, 4, 8) and len(set(ONE_SHAPE.segment_shapes())) == 2
+
+
+@pytest.mark.parametrize("geometry", [TWO_SHAPES, ONE_SHAPE], ids=["two shapes", "one shape"])
+def test_segments_are_views_of_a_pages_array(geometry):
+    parts = segment_values(geometry)
+    page = np.concatenate([p.reshape(-1) for p in parts]).reshape(geometry.shape)
+    for i, part in enumerate(parts):
+        view = geometry.segment_array(page, i)
+        assert np.shares_memory(view, page) and np.array_equal(view, part)
+
+
+@pytest.mark.parametrize("geometry", [TWO_SHAPES, ONE_SHAPE], ids=["two shapes", "one shape"])
+def test_a_device_page_row_by_row_and_cut_to_its_first_tokens(geometry):
+    parts = [mx.array(p) for p in segment_values(geometry)]
+    kv = page_rows.joined(parts, geometry)
+    assert kv.shape == geometry.shape and page_rows.num_tokens(kv, geometry) == geometry.page_size
+    expected = [(part[r, 0][None], part[r, 1][None]) for part in parts for r in range(part.shape[0])]
+    assert len(page_rows.rows(kv, geometry)) == geometry.num_layers
+    for (k, v), (ek, ev) in zip(page_rows.rows(kv, geometry), expected):
+        assert mx.array_equal(k, ek) and mx.array_equal(v, ev)
+    cut = page_rows.first_tokens(kv, geometry, 3)
+    assert page_rows.num_tokens(cut, geometry) == 3
+    for (k, v), (ek, ev) in zip(page_rows.rows(cut, geometry), expected):
+        assert mx.array_equal(k, ek[:, :, :3]) and mx.array_equal(v, ev[:, :, :3])
+
+
+def test_a_window_row_shape_needs_global_and_window_rows():
+    with pytest.raises(ValueError, match="window row shape of its own"):
+        PageGeometry(2, 2, 8, 4, "float32", window_kv_heads=1, window_head_dim=4)  # no window layer
+    with pytest.raises(ValueError, match="window row shape of its own"):
+        PageGeometry(2, 2, 8, 4, "float32", (WINDOW, GLOBAL), window_kv_heads=1)  # no head dim
