@@ -52,16 +52,17 @@ def _held(c) -> tuple[mx.array, mx.array, int]:
 def page_kv(caches: list, geometry: PageGeometry, start: int, end: int) -> mx.array | None:
     """Tokens ``start..end`` of a one-sequence mlx-lm cache in page layout
     (``tiers.page_rows``), a new array; None when a window layer no longer holds them."""
-    rows, flat = [], leaves(caches)
+    held, flat = [], leaves(caches)
     for layer in geometry.rows:
         keys, values, first = _held(flat[layer])
         if start < first:
             return None
-        rows.append(mx.stack([keys[0, :, start - first : end - first], values[0, :, start - first : end - first]]))
-    if geometry.uniform:
-        return mx.stack(rows)
-    split = geometry.global_rows  # two row shapes: each segment stacked apart
-    return page_rows.joined([mx.stack(rows[:split]), mx.stack(rows[split:])], geometry)
+        held.append((keys[0, :, start - first : end - first], values[0, :, start - first : end - first]))
+    parts, at = [], 0
+    for shape in page_rows.shapes(geometry):  # the page's, or each segment's of its own row shape
+        parts.append(mx.stack([page_rows.row(k, v, shape) for k, v in held[at : at + shape.num_layers]]))
+        at += shape.num_layers
+    return page_rows.joined(parts, geometry)
 
 
 def snapshot(caches: list, geometry: PageGeometry) -> mx.array:

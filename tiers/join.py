@@ -23,6 +23,7 @@ import mlx.core as mx
 import numpy as np
 from xxhash import xxh3_64
 
+from . import page_rows
 from .layout import SLOT_OFFSET
 from .page import PageGeometry
 
@@ -125,8 +126,7 @@ def join_pages(
         group = range(first, min(first + per_group, g.num_layers))
         kv = _join_group(hosts, g, group, hashers, limits)
         kv = kv.view(mx.bfloat16) if g.dtype == "bfloat16" else kv
-        halves = mx.split(kv.reshape(2 * len(group), *kv.shape[2:]), 2 * len(group))  # views, lazy
-        layers.extend(zip(halves[0::2], halves[1::2]))  # (1, heads, tokens, dim) each
+        layers.extend(page_rows.rows(kv, g))  # views, lazy: (1, heads, tokens, dim)
     return Joined(layers, [None if h is None else h.intdigest() for h in hashers])
 
 
@@ -139,13 +139,14 @@ def _page_here(host: np.ndarray, geometry: PageGeometry, hasher: xxh3_64 | None)
     for layer in range(geometry.num_layers):
         if hasher is not None:
             hasher.update(host[layer].data)
-        layers.append((_device(host[layer, :1], geometry), _device(host[layer, 1:], geometry)))
+        keys, values = geometry.key_value(host, layer)
+        layers.append((_device(keys, geometry), _device(values, geometry)))
     return layers
 
 
 def _device(rows: np.ndarray, geometry: PageGeometry) -> mx.array:
     """A copy of ``rows`` as a new mlx array now, in the page's dtype."""
-    array = mx.array(rows)
+    array = mx.array(rows)  # a copy (of a strided view too: a fused row's K or V)
     return array.view(mx.bfloat16) if geometry.dtype == "bfloat16" else array
 
 
@@ -167,8 +168,9 @@ def _join_group(
 
 class JoinedPages:
     """A read-only file: a flat ``.npy`` holding, ``start`` bytes in, consecutive pages
-    joined along tokens for a range of layers (``shape``: ``(layers, 2, kv_heads,
-    pages * page_size, head_dim)``), then slack up to ``SLACK`` bytes.
+    of a uniform geometry joined along tokens for a range of layers (``shape``:
+    ``(layers, 2, kv_heads, pages * page_size, head_dim)``, or its fused form), then
+    slack up to ``SLACK`` bytes.
 
     Where the join starts: a read of the whole payload (what ``mx.load`` does) puts it
     at ``SLOT_OFFSET`` past a 4 KiB boundary of memory, where L2 slots start: a copy
@@ -205,9 +207,10 @@ class JoinedPages:
         self.hosts = [host[layers.start : layers.stop] for host in hosts]
         self.hashers = list(hashers) or [None] * len(hosts)
         self.hashed = False  # whether a whole-payload read hashed every page's layers
-        self.shape = (len(layers), 2, g.num_kv_heads, g.page_size * len(hosts), g.head_dim)
+        _, parts, heads, _, width = g.shape
+        self.shape = (len(layers), parts, heads, g.page_size * len(hosts), width)
         self.dtype = g.storage_dtype
-        self.run = g.page_size * g.head_dim * self.dtype.itemsize
+        self.run = g.page_size * width * self.dtype.itemsize
         self.limits = limits
         self.chunk = max(1, limits.hash_chunk * g.num_layers // g.nbytes)  # layers of a page hashed, then copied
         self.payload = len(hosts) * g.nbytes * len(layers) // g.num_layers  # bytes of the join

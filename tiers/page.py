@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from enum import Enum
 from functools import cached_property
-from typing import NewType
+from typing import Any, NewType
 
 import msgpack
 import numpy as np
@@ -206,9 +206,15 @@ class PageGeometry:
     Each segment has one row shape: ``num_kv_heads`` heads of ``head_dim`` for the
     global rows, and for the window rows ``window_kv_heads`` of ``window_head_dim``
     where a model's window layers differ (Gemma 4: 0, as the global rows). A page of
-    two row shapes is one flat array (``shape``: its values), each segment a
-    ``(rows, 2, kv_heads, tokens, head_dim)`` view of its part (``segment_shapes``,
-    ``part``), so every tier still holds one contiguous buffer a page.
+    two row shapes is one flat array (``shape``: its values), each segment a 5-d view
+    of its part (``segment_shapes``, ``part``), so every tier still holds one
+    contiguous buffer a page.
+
+    Where the global rows' values are narrower than their keys (``value_dim``:
+    multi-head latent attention keeps a latent as keys and a rope part as values), a
+    row is K and V side by side along the last axis, ``(1, kv_heads, tokens, head_dim +
+    value_dim)``: the page's axis 1 has one entry (``fused``), and ``key_value`` cuts
+    a row back into its K and V.
 
     Every window layer has the same window and keep. Layers of kind ``"state"`` are
     no rows of a page: their state after a page is a snapshot (``snapshot_nbytes``
@@ -223,6 +229,7 @@ class PageGeometry:
     kinds: tuple[LayerKind, ...] = ()
     window_kv_heads: int = 0  # the window rows' shape where it is not the global rows' (0: the same)
     window_head_dim: int = 0
+    value_dim: int = 0  # the global rows' values' head dim where it is not their keys' (0: the same)
 
     def __post_init__(self) -> None:
         windows = {(k.window, k.keep) for k in self.kinds if k.name == "window"}
@@ -262,25 +269,44 @@ class PageGeometry:
         """Whether every row has one shape (a page is then one 5-d array, ``shape``)."""
         return not self.window_kv_heads
 
+    @cached_property  # on every restore's path, once a layer
+    def fused(self) -> bool:
+        """Whether the global rows hold K and V side by side (``value_dim``)."""
+        return bool(self.value_dim) and self.value_dim != self.head_dim
+
+    def row_shape(self, segment: int) -> tuple[int, int, int]:
+        """(KV heads, key head dim, value head dim) of a segment's rows."""
+        if segment and self.window_kv_heads:
+            return (self.window_kv_heads, self.window_head_dim, self.window_head_dim)
+        return (self.num_kv_heads, self.head_dim, self.value_dim or self.head_dim)
+
     def segment_shapes(self, tokens: int = 0) -> tuple[tuple[int, int, int, int, int], ...]:
-        """Each segment's ``(rows, 2, kv_heads, tokens, head_dim)`` (``tokens`` 0: a
-        page's); one segment, the whole page, without window layers."""
-        n = tokens or self.page_size
-        if self.window is None:
-            return ((self.num_layers, 2, self.num_kv_heads, n, self.head_dim),)
-        heads, dim = (
-            (self.window_kv_heads, self.window_head_dim) if self.window_kv_heads else (self.num_kv_heads, self.head_dim)
-        )
-        return (
-            (self.global_rows, 2, self.num_kv_heads, n, self.head_dim),
-            (self.num_layers - self.global_rows, 2, heads, n, dim),
-        )
+        """Each segment's ``(rows, 2, kv_heads, tokens, head_dim)``, or ``(rows, 1,
+        kv_heads, tokens, head_dim + value_dim)`` where K and V differ in width
+        (``tokens`` 0: a page's); one segment, the whole page, without window layers."""
+        n, counts = tokens or self.page_size, (self.global_rows, self.num_layers - self.global_rows)
+        shapes = []
+        for segment, rows in enumerate(counts[: 1 if self.window is None else 2]):
+            heads, key_dim, value_dim = self.row_shape(segment)
+            fused = (1, key_dim + value_dim) if key_dim != value_dim else (2, key_dim)
+            shapes.append((rows, fused[0], heads, n, fused[1]))
+        return tuple(shapes)
 
     def part(self, segment: int) -> PageGeometry:
         """The uniform geometry of one segment's rows alone (all of kind global): what
         joining that segment of pages needs."""
-        rows, _, heads, _, dim = self.segment_shapes()[segment]
-        return PageGeometry(rows, heads, dim, self.page_size, self.dtype)
+        rows = self.segment_shapes()[segment][0]
+        heads, key_dim, value_dim = self.row_shape(segment)
+        fused = value_dim if value_dim != key_dim else 0
+        return PageGeometry(rows, heads, key_dim, self.page_size, self.dtype, value_dim=fused)
+
+    def key_value(self, rows: Any, row: int) -> tuple[Any, Any]:
+        """Row ``row``'s K and V, each ``(1, kv_heads, tokens, head_dim)``, of the rows
+        of a uniform page (numpy or mlx; views: one index expression each, as mlx makes
+        a view of a slice of an array but may copy a slice of a slice)."""
+        if self.fused:
+            return rows[row, :, :, :, : self.head_dim], rows[row, :, :, :, self.head_dim :]
+        return rows[row, :1], rows[row, 1:]
 
     def segment_array(self, page: np.ndarray, segment: int) -> np.ndarray:
         """Segment ``segment`` of a page's array (either ``shape``, in the storage
@@ -315,10 +341,12 @@ class PageGeometry:
 
     @cached_property  # on every restore's path; the geometry is frozen
     def shape(self) -> tuple[int, ...]:
-        """A page's array in every tier: ``(layers, 2, kv_heads, page_size, head_dim)``,
-        or its values flat when its segments differ in row shape (``uniform``)."""
+        """A page's array in every tier: ``(layers, 2, kv_heads, page_size, head_dim)``
+        (``fused``: ``(layers, 1, kv_heads, page_size, head_dim + value_dim)``), or its
+        values flat when its segments differ in row shape (``uniform``)."""
         if self.uniform:
-            return (self.num_layers, 2, self.num_kv_heads, self.page_size, self.head_dim)
+            _, parts, heads, size, width = self.segment_shapes()[0]
+            return (self.num_layers, parts, heads, size, width)
         return (sum(math.prod(shape) for shape in self.segment_shapes()),)
 
     @cached_property

@@ -1,9 +1,9 @@
 """A page's device array row by row, whatever its layout (``PageGeometry.shape``).
 
 An L1 page, full or partial, is one mlx array: ``(layers, 2, kv_heads, tokens,
-head_dim)`` when every row has one shape, its values flat when the window rows have
-a shape of their own (Gemma 4); each segment is then a 5-d view of its part
-(``PageGeometry.segment_shapes``). Whoever reads or makes such an array by its rows or
+head_dim)`` when every row has one shape (or its ``fused`` form), its values flat when
+the window rows have a shape of their own (Gemma 4); each segment is then a 5-d view
+of its part (``PageGeometry.segment_shapes``). Whoever reads or makes such an array by its rows or
 tokens goes through here, so the flat layout is known in one place.
 """
 
@@ -33,9 +33,31 @@ def segments(kv: mx.array, geometry: PageGeometry) -> list[mx.array]:
     return out
 
 
+def shapes(geometry: PageGeometry) -> list[PageGeometry]:
+    """The uniform geometry of each of ``segments``: the page's own when it is uniform."""
+    return [geometry] if geometry.uniform else [geometry.part(i) for i in range(len(geometry.segment_shapes()))]
+
+
 def rows(kv: mx.array, geometry: PageGeometry) -> list[tuple[mx.array, mx.array]]:
-    """Each row's K and V, ``(1, kv_heads, tokens, head_dim)`` views, in row order."""
-    return [(part[r, 0][None], part[r, 1][None]) for part in segments(kv, geometry) for r in range(part.shape[0])]
+    """Each row's K and V, ``(1, kv_heads, tokens, head_dim)`` views, in row order (of
+    ``kv``'s rows: a join's group of layers too)."""
+    return [pair for part, shape in zip(segments(kv, geometry), shapes(geometry)) for pair in _split(part, shape)]
+
+
+def _split(part: mx.array, shape: PageGeometry) -> list[tuple[mx.array, mx.array]]:
+    """The rows of one segment's 5-d array cut into K and V views by one ``mx.split``
+    (one lazy operation for them all: a restore's join makes these for every layer)."""
+    n, parts = part.shape[0], part.shape[1]
+    pieces = list(mx.split(part.reshape(n * parts, *part.shape[2:]), n * parts)) if n else []
+    if shape.fused:
+        return [(p[..., : shape.head_dim], p[..., shape.head_dim :]) for p in pieces]
+    return list(zip(pieces[0::2], pieces[1::2]))
+
+
+def row(keys: mx.array, values: mx.array, shape: PageGeometry) -> mx.array:
+    """One row of a page of the uniform geometry ``shape`` from its K and V, each
+    ``(kv_heads, tokens, head_dim)``: ``PageGeometry.key_value``'s inverse."""
+    return mx.concatenate([keys, values], axis=-1)[None] if shape.fused else mx.stack([keys, values])
 
 
 def joined(parts: list[mx.array], geometry: PageGeometry) -> mx.array:

@@ -204,9 +204,10 @@ class PageCodec:
         pages do not split into groups of ``GROUP``."""
         if codec not in BITS:
             return None
-        if not geometry.uniform:  # groups are cut by (layers, K or V): one row shape
+        if not geometry.uniform or geometry.fused:  # groups are cut by (layer, K or V): one row shape
             raise ValueError(
-                f"the {codec} codec needs one row shape in a page; this model's window rows have their own"
+                f"the {codec} codec needs pages whose rows have one shape, keys as wide as values; "
+                "this model's pages cannot be quantized"
             )
         layout = PageLayout(geometry.num_layers, geometry.dtype)
         layout.check(geometry.nbytes)

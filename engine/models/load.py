@@ -71,10 +71,15 @@ class LoadedModel:
                 "a snapshot is keyed by the attention pages before it, and this model has none"
             )
         global_shape, window_shape = (_row_shape([c for c, k in zip(cache, kinds) if k.name == n]) for n in GROUPS)
-        heads, head_dim = global_shape or window_shape or (0, 0)
+        heads, head_dim, value_dim = global_shape or window_shape or (0, 0, 0)  # the global rows', else every row's
         window_heads, window_dim = 0, 0  # the window rows' shape where it differs from the global rows'
         if global_shape and window_shape and window_shape != global_shape:
-            window_heads, window_dim = window_shape
+            window_heads, window_dim, window_values = window_shape
+            if window_values != window_dim:
+                raise ModelError(
+                    f"kvtier cannot page window layers whose keys and values differ in head dimension "
+                    f"({window_dim} and {window_values}) beside global layers of another shape"
+                )
         try:
             return PageGeometry(
                 num_layers=len(attention),
@@ -85,6 +90,7 @@ class LoadedModel:
                 kinds=kinds if any(k.name != "kv" for k in kinds) else (),
                 window_kv_heads=window_heads,
                 window_head_dim=window_dim,
+                value_dim=value_dim if value_dim != head_dim else 0,
             )
         except ValueError as err:
             raise ModelError(f"kvtier cannot page this model's layers: {err}") from None
@@ -114,22 +120,16 @@ class LoadedModel:
 GROUPS = ("kv", "window")  # the kinds of a page's two segments, each of one row shape (``PageGeometry``)
 
 
-def _row_shape(caches: list) -> tuple[int, int] | None:
-    """(KV heads, head dim) of one segment's attention layers (None: it has none);
-    ModelError when they differ, or when keys and values differ in head dimension."""
+def _row_shape(caches: list) -> tuple[int, int, int] | None:
+    """(KV heads, key head dim, value head dim) of one segment's attention layers (None:
+    it has none); ModelError when they differ."""
     shapes = sorted({(c.state[0].shape[1], c.state[0].shape[3], c.state[1].shape[3]) for c in caches})
     if len(shapes) > 1:
         described = ", ".join(f"{h} KV heads of {k}" + (f"/{v}" if v != k else "") for h, k, v in shapes)
         raise ModelError(f"kvtier cannot page attention layers of one kind with different shapes ({described})")
     if not shapes:
         return None
-    ((heads, key_dim, value_dim),) = shapes
-    if key_dim != value_dim:
-        raise ModelError(
-            f"kvtier cannot page {type(caches[0]).__name__} layers whose keys and values differ "
-            f"in head dimension ({key_dim} and {value_dim})"
-        )
-    return heads, key_dim
+    return shapes[0]
 
 
 def layer_kind(cache: object) -> LayerKind:

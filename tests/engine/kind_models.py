@@ -10,6 +10,9 @@ so that outputs depend on the context. Sizes are tiny so each test runs in secon
 - ``gemma4_text``: Gemma 4's layout: window layers of 32-wide heads, global layers
   of two 64-wide heads whose keys are their values (``attention_k_eq_v``), and the
   last layers sharing earlier layers' KV (no cache of their own);
+- ``deepseek_v3``: multi-head latent attention, a ``KVCache`` per layer whose keys
+  (the 32-wide latent) and values (the 16-wide rope part) differ in width, and a
+  mixture-of-experts layer after a dense one;
 - ``lfm2``: a recurrent hybrid, short-convolution layers (``ArraysCache``: one state
   array of the last ``conv_L_cache - 1`` inputs) between attention layers;
 - ``falcon_h1``: a ``CacheList`` (Mamba-2 state and KV) per layer;
@@ -74,6 +77,27 @@ CONFIGS = {
         "sliding_window": 32,
         "sliding_window_pattern": 2,
         "vocab_size": _VOCAB,
+    },
+    "deepseek_v3": {
+        "model_type": "deepseek_v3",
+        "vocab_size": _VOCAB,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "moe_intermediate_size": 32,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 2,
+        "kv_lora_rank": 32,
+        "q_lora_rank": None,
+        "qk_rope_head_dim": 16,
+        "qk_nope_head_dim": 32,
+        "v_head_dim": 32,
+        "n_routed_experts": 2,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 1,
+        "first_k_dense_replace": 1,
+        "rope_scaling": None,
+        "max_position_embeddings": 4096,
     },
     "lfm2": {
         "model_type": "lfm2",

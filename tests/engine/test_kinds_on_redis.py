@@ -1,7 +1,9 @@
 """Sliding-window, recurrent-hybrid and window-and-state models restored from Redis
-after a restart: the window segments and the state snapshots go through the same record
-format. RecurrentGemma has recurrent blocks and window-only attention (a snapshot and the
-window rows before it); Falcon-H1 a ``CacheList`` of a Mamba-2 state and KV per layer."""
+after a restart: the window segments, the state snapshots and the rows of two shapes
+(Gemma 4) or of keys wider than values (DeepSeek-V3) go through the same record
+format. RecurrentGemma has recurrent blocks and window-only attention (a snapshot and
+the window rows before it); Falcon-H1 a ``CacheList`` of a Mamba-2 state and KV per
+layer."""
 
 from __future__ import annotations
 
@@ -23,7 +25,10 @@ PAGE = 16
 GREEDY = SamplingParams(max_tokens=8)
 
 
-@pytest.mark.parametrize("architecture", ["gemma3_text", "gemma4_text", "lfm2", "recurrent_gemma", "falcon_h1"])
+ARCHITECTURES = ["gemma3_text", "gemma4_text", "deepseek_v3", "lfm2", "recurrent_gemma", "falcon_h1"]
+
+
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
 def test_restored_from_redis_after_a_restart(redis_server, tmp_path, architecture):  # noqa: F811
     loaded = load_model(str(write_model(tmp_path / architecture, architecture)))
     prompt = text_prompt(loaded, 150, seed=11)

@@ -163,6 +163,6 @@ def test_a_quantizing_codec_is_refused_before_any_work_on_pages_of_two_row_shape
         return
     assert done.returncode == 2 and not done.stdout and not list(tmp_path.iterdir())
     assert (
-        done.stderr
-        == "kvtier: error: the q8 codec needs one row shape in a page; this model's window rows have their own\n"
+        done.stderr == "kvtier: error: the q8 codec needs pages whose rows have one shape, keys as wide as values; "
+        "this model's pages cannot be quantized\n"
     )

@@ -1,5 +1,7 @@
 """Pages whose window rows have a shape of their own (Gemma 4): one flat array a page,
-each segment a 5-d view of its part, read and made row by row through ``page_rows``."""
+each segment a 5-d view of its part; rows whose keys are wider than their values
+(multi-head latent attention): K and V side by side. Read and made row by row through
+``page_rows``."""
 
 from __future__ import annotations
 
@@ -16,6 +18,10 @@ WINDOW = LayerKind("window", window=8)
 KINDS = (WINDOW, GLOBAL, WINDOW, GLOBAL, WINDOW)  # rows: the 2 global layers, then the 3 window layers
 TWO_SHAPES = PageGeometry(5, 2, 8, 4, "float32", KINDS, window_kv_heads=1, window_head_dim=4)
 ONE_SHAPE = PageGeometry(5, 2, 8, 4, "float32", KINDS)
+LATENT = PageGeometry(3, 1, 8, 4, "float32", value_dim=2)  # keys 8 wide, values 2
+GEOMETRIES = pytest.mark.parametrize(
+    "geometry", [TWO_SHAPES, ONE_SHAPE, LATENT], ids=["two shapes", "one shape", "latent"]
+)
 
 
 def segment_values(geometry: PageGeometry, tokens: int = 0) -> list[np.ndarray]:
@@ -27,6 +33,10 @@ def segment_values(geometry: PageGeometry, tokens: int = 0) -> list[np.ndarray]:
     return out
 
 
+def test_a_latent_row_is_its_keys_and_values_side_by_side():
+    assert LATENT.fused and LATENT.uniform and LATENT.shape == (3, 1, 1, 4, 10) and LATENT.nbytes == 3 * 4 * 10 * 4
+
+
 def test_a_page_of_two_row_shapes_is_flat_and_sized_by_its_segments():
     g = TWO_SHAPES
     global_bytes, window_bytes = 2 * 2 * 2 * 4 * 8 * 4, 3 * 2 * 1 * 4 * 4 * 4  # rows, K/V, heads, tokens, dim, float32
@@ -36,7 +46,7 @@ def test_a_page_of_two_row_shapes_is_flat_and_sized_by_its_segments():
     assert ONE_SHAPE.uniform and ONE_SHAPE.shape == (5, 2, 2, 4, 8) and len(set(ONE_SHAPE.segment_shapes())) == 2
 
 
-@pytest.mark.parametrize("geometry", [TWO_SHAPES, ONE_SHAPE], ids=["two shapes", "one shape"])
+@GEOMETRIES
 def test_segments_are_views_of_a_pages_array(geometry):
     parts = segment_values(geometry)
     page = np.concatenate([p.reshape(-1) for p in parts]).reshape(geometry.shape)
@@ -45,12 +55,28 @@ def test_segments_are_views_of_a_pages_array(geometry):
         assert np.shares_memory(view, page) and np.array_equal(view, part)
 
 
-@pytest.mark.parametrize("geometry", [TWO_SHAPES, ONE_SHAPE], ids=["two shapes", "one shape"])
+def expected_rows(parts: list[mx.array], geometry: PageGeometry) -> list[tuple[mx.array, mx.array]]:
+    """Each row's K and V, read off the segments' arrays by hand."""
+    if geometry.fused:
+        return [
+            (p[r, :, :, :, : geometry.head_dim], p[r, :, :, :, geometry.head_dim :])
+            for p in parts
+            for r in range(len(p))
+        ]
+    return [(p[r, 0][None], p[r, 1][None]) for p in parts for r in range(len(p))]
+
+
+@GEOMETRIES
 def test_a_device_page_row_by_row_and_cut_to_its_first_tokens(geometry):
     parts = [mx.array(p) for p in segment_values(geometry)]
     kv = page_rows.joined(parts, geometry)
     assert kv.shape == geometry.shape and page_rows.num_tokens(kv, geometry) == geometry.page_size
-    expected = [(part[r, 0][None], part[r, 1][None]) for part in parts for r in range(part.shape[0])]
+    expected = expected_rows(parts, geometry)
+    rebuilt, at = [], 0  # the page made again from each row's K and V
+    for shape in page_rows.shapes(geometry):
+        rebuilt.append(mx.stack([page_rows.row(k[0], v[0], shape) for k, v in expected[at : at + shape.num_layers]]))
+        at += shape.num_layers
+    assert mx.array_equal(page_rows.joined(rebuilt, geometry), kv)
     assert len(page_rows.rows(kv, geometry)) == geometry.num_layers
     for (k, v), (ek, ev) in zip(page_rows.rows(kv, geometry), expected):
         assert mx.array_equal(k, ek) and mx.array_equal(v, ev)
