@@ -45,12 +45,12 @@ def rows(kv: mx.array, geometry: PageGeometry) -> list[tuple[mx.array, mx.array]
 
 
 def _split(part: mx.array, shape: PageGeometry) -> list[tuple[mx.array, mx.array]]:
-    """The rows of one segment's 5-d array cut into K and V views by one ``mx.split``
-    (one lazy operation for them all: a restore's join makes these for every layer)."""
-    n, parts = part.shape[0], part.shape[1]
-    pieces = list(mx.split(part.reshape(n * parts, *part.shape[2:]), n * parts)) if n else []
+    """The rows of one segment's 5-d array cut into K and V views: by one ``mx.split``
+    where K and V are apart (one lazy operation for them all: a restore's join makes
+    these for every layer), else by ``PageGeometry.key_value``."""
     if shape.fused:
-        return [(p[..., : shape.head_dim], p[..., shape.head_dim :]) for p in pieces]
+        return [shape.key_value(part, r) for r in range(len(part))]
+    pieces = list(mx.split(part.reshape(2 * len(part), *part.shape[2:]), 2 * len(part))) if len(part) else []
     return list(zip(pieces[0::2], pieces[1::2]))
 
 
