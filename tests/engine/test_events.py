@@ -172,7 +172,12 @@ def test_a_requests_pages_arrive_keyed_by_their_chain_and_evictions_move_them(se
     second = text_prompt(loaded, 3 * PAGE + 5, 2)  # 3 more pages and a partial one: L1 holds 4 in all
     _complete(served, second)
     more = set(_keys(served, second))
-    events = reader.wait(lambda got: more <= _tiers(reader, got)["L1"] | _tiers(reader, got)["L2"], "the eviction")
+
+    def settled(got) -> bool:  # the second request's pages arrived, and each page L1 let go has arrived in L2
+        held = _tiers(reader, got)
+        return more <= held["L1"] | held["L2"] and keys - held["L1"] <= held["L2"]
+
+    events = reader.wait(settled, "the eviction")
     held = _tiers(reader, events)
     moved = keys - held["L1"]
     assert moved and moved <= held["L2"]  # evicted from L1, stored in L2
