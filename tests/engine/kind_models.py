@@ -10,6 +10,8 @@ so that outputs depend on the context. Sizes are tiny so each test runs in secon
 - ``gemma4_text``: Gemma 4's layout: window layers of 32-wide heads, global layers
   of two 64-wide heads whose keys are their values (``attention_k_eq_v``), and the
   last layers sharing earlier layers' KV (no cache of their own);
+- ``gpt_oss``: attention sinks (a learned logit per head that every query also
+  attends to) in window and global layers, and a mixture of experts;
 - ``deepseek_v3``: multi-head latent attention, a ``KVCache`` per layer whose keys
   (the 32-wide latent) and values (the 16-wide rope part) differ in width, and a
   mixture-of-experts layer after a dense one;
@@ -77,6 +79,20 @@ CONFIGS = {
         "sliding_window": 32,
         "sliding_window_pattern": 2,
         "vocab_size": _VOCAB,
+    },
+    "gpt_oss": {
+        "model_type": "gpt_oss",
+        "vocab_size": _VOCAB,
+        "hidden_size": 64,
+        "intermediate_size": 64,
+        "num_hidden_layers": 4,
+        "num_local_experts": 2,
+        "num_experts_per_tok": 1,
+        "head_dim": 32,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "sliding_window": 32,
+        "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
     },
     "deepseek_v3": {
         "model_type": "deepseek_v3",
