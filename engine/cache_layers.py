@@ -59,7 +59,7 @@ def page_kv(caches: list, geometry: PageGeometry, start: int, end: int) -> mx.ar
             return None
         held.append((keys[0, :, start - first : end - first], values[0, :, start - first : end - first]))
     parts, at = [], 0
-    for shape in page_rows.shapes(geometry):  # the page's, or each segment's of its own row shape
+    for shape in page_rows.shapes(geometry):  # the page's, or each block's of its own row shape
         parts.append(mx.stack([page_rows.row(k, v, shape) for k, v in held[at : at + shape.num_layers]]))
         at += shape.num_layers
     return page_rows.joined(parts, geometry)

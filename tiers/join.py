@@ -91,9 +91,31 @@ class Joined:
 
 
 def join_pages(
-    hosts: list[np.ndarray], geometry: PageGeometry, digest: Sequence[bool] = (), limits: JoinLimits = JoinLimits()
+    hosts: list[np.ndarray],
+    geometry: PageGeometry,
+    digest: Sequence[bool] = (),
+    limits: JoinLimits = JoinLimits(),
+    blocks: Sequence[int] | None = None,
 ) -> Joined:
-    """Per-layer K/V device arrays of consecutive pages, written in one pass.
+    """Per-layer K/V device arrays of consecutive pages (of their rows in ``blocks``,
+    consecutive blocks of a page: a record segment's; None: all), block by block
+    (``_join_block``); each page flagged in ``digest`` hashed over those rows' bytes
+    in order, which are one segment's checksum."""
+    blocks = range(len(geometry.blocks)) if blocks is None else blocks
+    if not blocks:
+        return Joined([], [None] * len(hosts))
+    hashers = [xxh3_64() if i < len(digest) and digest[i] else None for i in range(len(hosts))]
+    layers: list[tuple[mx.array, mx.array]] = []
+    for b in blocks:
+        layers += _join_block([geometry.block_array(host, b) for host in hosts], geometry.block(b), hashers, limits)
+    return Joined(layers, [None if h is None else h.intdigest() for h in hashers])
+
+
+def _join_block(
+    hosts: list[np.ndarray], geometry: PageGeometry, hashers: list[xxh3_64 | None], limits: JoinLimits
+) -> list[tuple[mx.array, mx.array]]:
+    """Per-layer K/V device arrays of consecutive pages of a uniform geometry (one
+    block's rows), written in one pass.
 
     One page is its own join (``_page_here``): copied layer by layer on this thread,
     each layer into arrays of its own, with no mlx evaluation: waking mlx's threads
@@ -115,10 +137,9 @@ def join_pages(
     """
     global _joined
     g = geometry
-    hashers = [xxh3_64() if i < len(digest) and digest[i] else None for i in range(len(hosts))]
     layer_bytes = len(hosts) * g.nbytes // g.num_layers
     if len(hosts) == 1:
-        return Joined(_page_here(hosts[0], g, hashers[0]), [None if h is None else h.intdigest() for h in hashers])
+        return _page_here(hosts[0], g, hashers[0])
     _joined = True
     per_group = max(1, min(g.num_layers, limits.max_buffer // layer_bytes))
     layers: list[tuple[mx.array, mx.array]] = []
@@ -127,7 +148,7 @@ def join_pages(
         kv = _join_group(hosts, g, group, hashers, limits)
         kv = kv.view(mx.bfloat16) if g.dtype == "bfloat16" else kv
         layers.extend(page_rows.rows(kv, g))  # views, lazy: (1, heads, tokens, dim)
-    return Joined(layers, [None if h is None else h.intdigest() for h in hashers])
+    return layers
 
 
 def _page_here(host: np.ndarray, geometry: PageGeometry, hasher: xxh3_64 | None) -> list[tuple[mx.array, mx.array]]:

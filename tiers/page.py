@@ -191,6 +191,38 @@ GLOBAL = LayerKind("kv")
 
 
 @dataclass(frozen=True)
+class RowShape:
+    """What one attention layer keeps of each token: ``heads`` KV heads, keys ``key_dim``
+    wide, values ``value_dim`` wide (multi-head latent attention keeps a latent as keys
+    and a narrower rope part as values)."""
+
+    heads: int
+    key_dim: int
+    value_dim: int
+
+    @property
+    def fused(self) -> bool:
+        """Whether a row holds K and V side by side along the last axis (their widths differ)."""
+        return self.key_dim != self.value_dim
+
+    def array(self, rows: int, tokens: int) -> tuple[int, int, int, int, int]:
+        """The shape of ``rows`` such rows of ``tokens`` tokens: ``(rows, 2, heads,
+        tokens, key_dim)``, K then V; fused, ``(rows, 1, heads, tokens, key_dim + value_dim)``."""
+        if self.fused:
+            return (rows, 1, self.heads, tokens, self.key_dim + self.value_dim)
+        return (rows, 2, self.heads, tokens, self.key_dim)
+
+
+@dataclass(frozen=True)
+class Block:
+    """Consecutive rows of a page of one kind (``"kv"`` or ``"window"``) and one row shape."""
+
+    kind: str
+    shape: RowShape
+    rows: int
+
+
+@dataclass(frozen=True)
 class PageGeometry:
     """Shape and dtype of one page's KV: ``(layers, 2, kv_heads, page_size, head_dim)``.
 
@@ -203,18 +235,15 @@ class PageGeometry:
     segment of every page, the window segment only of the pages a window still sees
     (``window_pages``).
 
-    Each segment has one row shape: ``num_kv_heads`` heads of ``head_dim`` for the
-    global rows, and for the window rows ``window_kv_heads`` of ``window_head_dim``
-    where a model's window layers differ (Gemma 4: 0, as the global rows). A page of
-    two row shapes is one flat array (``shape``: its values), each segment a 5-d view
-    of its part (``segment_shapes``, ``part``), so every tier still holds one
-    contiguous buffer a page.
-
-    Where the global rows' values are narrower than their keys (``value_dim``:
-    multi-head latent attention keeps a latent as keys and a rope part as values), a
-    row is K and V side by side along the last axis, ``(1, kv_heads, tokens, head_dim +
-    value_dim)``: the page's axis 1 has one entry (``fused``), and ``key_value`` cuts
-    a row back into its K and V.
+    ``shapes`` gives each attention layer's row shape in model order (empty: every one
+    ``num_kv_heads`` heads of ``head_dim``). Within a kind, rows are grouped by shape
+    (in order of first appearance), so a page is ``blocks`` of rows of one kind and one
+    shape. A page of one row shape is the 5-d array above; of several (Gemma 4's window
+    and global heads, DeepSeek-V3.2's indexer beside its latent), its values flat
+    (``shape``), each block a 5-d view of its part (``block_array``, ``block``), so
+    every tier still holds one contiguous buffer a page. A row whose keys and values
+    differ in width (``RowShape.fused``) is K and V side by side, and ``key_value``
+    cuts it back into the two.
 
     Every window layer has the same window and keep. Layers of kind ``"state"`` are
     no rows of a page: their state after a page is a snapshot (``snapshot_nbytes``
@@ -227,24 +256,41 @@ class PageGeometry:
     page_size: int
     dtype: str
     kinds: tuple[LayerKind, ...] = ()
-    window_kv_heads: int = 0  # the window rows' shape where it is not the global rows' (0: the same)
-    window_head_dim: int = 0
-    value_dim: int = 0  # the global rows' values' head dim where it is not their keys' (0: the same)
+    shapes: tuple[RowShape, ...] = ()
 
     def __post_init__(self) -> None:
+        if self.shapes and len(self.shapes) != self.num_layers:
+            raise ValueError(f"one row shape for each of the {self.num_layers} attention layers: {self.shapes}")
         windows = {(k.window, k.keep) for k in self.kinds if k.name == "window"}
         if len(windows) > 1 or len(self.rows) != self.num_layers:
             raise ValueError(f"one window and keep for every window layer, one kind per layer: {self.kinds}")
-        if (self.window_kv_heads or self.window_head_dim) and (
-            self.window is None or not self.global_rows or not self.window_kv_heads or not self.window_head_dim
-        ):
-            raise ValueError("a window row shape of its own needs global and window rows, and both its sizes")
+
+    @cached_property  # rows and blocks are read on every restore's path; the geometry is frozen
+    def _ordered(self) -> tuple[tuple[int, str, RowShape], ...]:
+        """(model layer, kind, row shape) of each row: global rows, then window rows, each
+        kind's grouped by shape in order of first appearance."""
+        kinds = self.kinds or (GLOBAL,) * self.num_layers
+        attention = [(i, k.name) for i, k in enumerate(kinds) if k.name != "state"]
+        shapes = self.shapes or (RowShape(self.num_kv_heads, self.head_dim, self.head_dim),) * len(attention)
+        layers = [(i, name, shape) for (i, name), shape in zip(attention, shapes)]
+        first = {(name, shape): n for n, (_, name, shape) in reversed(list(enumerate(layers)))}
+        return tuple(sorted(layers, key=lambda x: (x[1] != "kv", first[x[1], x[2]])))
 
     @property
     def rows(self) -> tuple[int, ...]:
         """The attention layer (model order) of each row of a page."""
-        kinds = self.kinds or (GLOBAL,) * self.num_layers
-        return tuple(i for name in ("kv", "window") for i, k in enumerate(kinds) if k.name == name)
+        return tuple(layer for layer, _, _ in self._ordered)
+
+    @cached_property
+    def blocks(self) -> tuple[Block, ...]:
+        """The page's rows as runs of one kind and one row shape, in row order."""
+        runs: list[Block] = []
+        for _, kind, shape in self._ordered:
+            if runs and (runs[-1].kind, runs[-1].shape) == (kind, shape):
+                runs[-1] = Block(kind, shape, runs[-1].rows + 1)
+            else:
+                runs.append(Block(kind, shape, 1))
+        return tuple(runs)
 
     @property
     def global_rows(self) -> int:
@@ -262,58 +308,51 @@ class PageGeometry:
         has window layers, else () (one segment, the whole page)."""
         if self.window is None:
             return ()
-        return tuple(math.prod(shape) * self.storage_dtype.itemsize for shape in self.segment_shapes())
+        sizes = [math.prod(shape) * self.storage_dtype.itemsize for shape in self.block_shapes()]
+        return tuple(sum(sizes[b] for b in self.segment_blocks(segment)) for segment in (0, 1))
 
-    @property
+    def segment_blocks(self, segment: int) -> list[int]:
+        """The blocks of a record segment (0: global rows, 1: window rows; 0 is the
+        whole page without window layers), in row order."""
+        kind = "window" if segment else "kv"
+        return [i for i, b in enumerate(self.blocks) if self.window is None or b.kind == kind]
+
+    @cached_property
     def uniform(self) -> bool:
         """Whether every row has one shape (a page is then one 5-d array, ``shape``)."""
-        return not self.window_kv_heads
+        return len({b.shape for b in self.blocks}) <= 1
 
     @cached_property  # on every restore's path, once a layer
     def fused(self) -> bool:
-        """Whether the global rows hold K and V side by side (``value_dim``)."""
-        return bool(self.value_dim) and self.value_dim != self.head_dim
+        """Whether a uniform page's rows hold K and V side by side (``RowShape.fused``)."""
+        return self.uniform and bool(self.blocks) and self.blocks[0].shape.fused
 
-    def row_shape(self, segment: int) -> tuple[int, int, int]:
-        """(KV heads, key head dim, value head dim) of a segment's rows."""
-        if segment and self.window_kv_heads:
-            return (self.window_kv_heads, self.window_head_dim, self.window_head_dim)
-        return (self.num_kv_heads, self.head_dim, self.value_dim or self.head_dim)
+    def block_shapes(self, tokens: int = 0) -> tuple[tuple[int, int, int, int, int], ...]:
+        """Each block's array shape (``RowShape.array``) for ``tokens`` tokens (0: a page's)."""
+        return tuple(b.shape.array(b.rows, tokens or self.page_size) for b in self.blocks)
 
-    def segment_shapes(self, tokens: int = 0) -> tuple[tuple[int, int, int, int, int], ...]:
-        """Each segment's ``(rows, 2, kv_heads, tokens, head_dim)``, or ``(rows, 1,
-        kv_heads, tokens, head_dim + value_dim)`` where K and V differ in width
-        (``tokens`` 0: a page's); one segment, the whole page, without window layers."""
-        n, counts = tokens or self.page_size, (self.global_rows, self.num_layers - self.global_rows)
-        shapes = []
-        for segment, rows in enumerate(counts[: 1 if self.window is None else 2]):
-            heads, key_dim, value_dim = self.row_shape(segment)
-            fused = (1, key_dim + value_dim) if key_dim != value_dim else (2, key_dim)
-            shapes.append((rows, fused[0], heads, n, fused[1]))
-        return tuple(shapes)
+    def block(self, index: int) -> PageGeometry:
+        """The uniform geometry of one block's rows alone (all of kind global): what
+        joining that block of pages needs."""
+        b = self.blocks[index]
+        shapes = (b.shape,) * b.rows if b.shape.fused else ()
+        return PageGeometry(b.rows, b.shape.heads, b.shape.key_dim, self.page_size, self.dtype, shapes=shapes)
 
-    def part(self, segment: int) -> PageGeometry:
-        """The uniform geometry of one segment's rows alone (all of kind global): what
-        joining that segment of pages needs."""
-        rows = self.segment_shapes()[segment][0]
-        heads, key_dim, value_dim = self.row_shape(segment)
-        fused = value_dim if value_dim != key_dim else 0
-        return PageGeometry(rows, heads, key_dim, self.page_size, self.dtype, value_dim=fused)
+    def block_array(self, page: np.ndarray, index: int) -> np.ndarray:
+        """Block ``index`` of a page's array (either ``shape``, in the storage dtype) as
+        its 5-d view."""
+        shapes, flat = self.block_shapes(), page.reshape(-1)
+        start = sum(math.prod(s) for s in shapes[:index])
+        return flat[start : start + math.prod(shapes[index])].reshape(shapes[index])
 
     def key_value(self, rows: Any, row: int) -> tuple[Any, Any]:
         """Row ``row``'s K and V, each ``(1, kv_heads, tokens, head_dim)``, of the rows
         of a uniform page (numpy or mlx; views: one index expression each, as mlx makes
         a view of a slice of an array but may copy a slice of a slice)."""
         if self.fused:
-            return rows[row, :, :, :, : self.head_dim], rows[row, :, :, :, self.head_dim :]
+            width = self.blocks[0].shape.key_dim
+            return rows[row, :, :, :, :width], rows[row, :, :, :, width:]
         return rows[row, :1], rows[row, 1:]
-
-    def segment_array(self, page: np.ndarray, segment: int) -> np.ndarray:
-        """Segment ``segment`` of a page's array (either ``shape``, in the storage
-        dtype) as its ``(rows, 2, kv_heads, tokens, head_dim)`` view."""
-        shapes, flat = self.segment_shapes(), page.reshape(-1)
-        start = sum(math.prod(s) for s in shapes[:segment])
-        return flat[start : start + math.prod(shapes[segment])].reshape(shapes[segment])
 
     def window_pages(self, pages: int) -> list[int]:
         """The pages of a ``pages``-page prefix whose window rows its restore reads: those
@@ -342,12 +381,12 @@ class PageGeometry:
     @cached_property  # on every restore's path; the geometry is frozen
     def shape(self) -> tuple[int, ...]:
         """A page's array in every tier: ``(layers, 2, kv_heads, page_size, head_dim)``
-        (``fused``: ``(layers, 1, kv_heads, page_size, head_dim + value_dim)``), or its
-        values flat when its segments differ in row shape (``uniform``)."""
-        if self.uniform:
-            _, parts, heads, size, width = self.segment_shapes()[0]
-            return (self.num_layers, parts, heads, size, width)
-        return (sum(math.prod(shape) for shape in self.segment_shapes()),)
+        (fused: ``(layers, 1, kv_heads, page_size, head_dim + value_dim)``), or its values
+        flat when its rows differ in shape (``uniform``)."""
+        if not self.uniform:
+            return (sum(math.prod(shape) for shape in self.block_shapes()),)
+        shape = self.blocks[0].shape if self.blocks else RowShape(self.num_kv_heads, self.head_dim, self.head_dim)
+        return shape.array(self.num_layers, self.page_size)
 
     @cached_property
     def storage_dtype(self) -> np.dtype:

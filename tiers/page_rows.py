@@ -1,10 +1,11 @@
 """A page's device array row by row, whatever its layout (``PageGeometry.shape``).
 
 An L1 page, full or partial, is one mlx array: ``(layers, 2, kv_heads, tokens,
-head_dim)`` when every row has one shape (or its ``fused`` form), its values flat when
-the window rows have a shape of their own (Gemma 4); each segment is then a 5-d view
-of its part (``PageGeometry.segment_shapes``). Whoever reads or makes such an array by its rows or
-tokens goes through here, so the flat layout is known in one place.
+head_dim)`` when every row has one shape (or its fused form), its values flat when rows
+differ in shape (Gemma 4's window and global heads); each block of rows of one shape
+is then a 5-d view of its part (``PageGeometry.block_shapes``). Whoever reads or makes
+such an array by its rows or tokens goes through here, so the flat layout is known in
+one place.
 """
 
 from __future__ import annotations
@@ -21,31 +22,31 @@ def num_tokens(kv: mx.array, geometry: PageGeometry) -> int:
     return kv.shape[3] if geometry.uniform else kv.size * geometry.page_size // math.prod(geometry.shape)
 
 
-def segments(kv: mx.array, geometry: PageGeometry) -> list[mx.array]:
-    """Each segment of a page's array as its ``(rows, 2, kv_heads, tokens, head_dim)``
-    view, in row order."""
+def blocks(kv: mx.array, geometry: PageGeometry) -> list[mx.array]:
+    """Each block of a page's array (``PageGeometry.blocks``) as its 5-d view, in row
+    order; a uniform page's whole array."""
     if geometry.uniform:
         return [kv]
     out, at = [], 0
-    for shape in geometry.segment_shapes(num_tokens(kv, geometry)):
+    for shape in geometry.block_shapes(num_tokens(kv, geometry)):
         out.append(kv[at : at + math.prod(shape)].reshape(shape))
         at += math.prod(shape)
     return out
 
 
 def shapes(geometry: PageGeometry) -> list[PageGeometry]:
-    """The uniform geometry of each of ``segments``: the page's own when it is uniform."""
-    return [geometry] if geometry.uniform else [geometry.part(i) for i in range(len(geometry.segment_shapes()))]
+    """The uniform geometry of each of ``blocks``: the page's own when it is uniform."""
+    return [geometry] if geometry.uniform else [geometry.block(i) for i in range(len(geometry.blocks))]
 
 
 def rows(kv: mx.array, geometry: PageGeometry) -> list[tuple[mx.array, mx.array]]:
     """Each row's K and V, ``(1, kv_heads, tokens, head_dim)`` views, in row order (of
     ``kv``'s rows: a join's group of layers too)."""
-    return [pair for part, shape in zip(segments(kv, geometry), shapes(geometry)) for pair in _split(part, shape)]
+    return [pair for part, shape in zip(blocks(kv, geometry), shapes(geometry)) for pair in _split(part, shape)]
 
 
 def _split(part: mx.array, shape: PageGeometry) -> list[tuple[mx.array, mx.array]]:
-    """The rows of one segment's 5-d array cut into K and V views: by one ``mx.split``
+    """The rows of one block's 5-d array cut into K and V views: by one ``mx.split``
     where K and V are apart (one lazy operation for them all: a restore's join makes
     these for every layer), else by ``PageGeometry.key_value``."""
     if shape.fused:
@@ -61,7 +62,7 @@ def row(keys: mx.array, values: mx.array, shape: PageGeometry) -> mx.array:
 
 
 def joined(parts: list[mx.array], geometry: PageGeometry) -> mx.array:
-    """A page's array from its segments' 5-d arrays (``segments``' inverse)."""
+    """A page's array from its blocks' 5-d arrays (``blocks``' inverse)."""
     if geometry.uniform:
         return mx.concatenate(parts) if len(parts) > 1 else parts[0]
     return mx.concatenate([part.reshape(-1) for part in parts])
@@ -69,4 +70,4 @@ def joined(parts: list[mx.array], geometry: PageGeometry) -> mx.array:
 
 def first_tokens(kv: mx.array, geometry: PageGeometry, n: int) -> mx.array:
     """The page's array of its first ``n`` tokens."""
-    return joined([part[:, :, :, :n] for part in segments(kv, geometry)], geometry)
+    return joined([part[:, :, :, :n] for part in blocks(kv, geometry)], geometry)

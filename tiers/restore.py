@@ -248,14 +248,14 @@ class Restorer:
         prefix again, before it."""
         g, split = self.geometry, self.geometry.global_rows
         read = set(g.window_pages(len(pages)))  # window rows joined, and checked, already
+        window_blocks = g.segment_blocks(1)
         n = bad
         while n:
             seen = g.window_pages(n)
             if l3 is not None:
                 l3.complete([pages[i].key for i in seen if pages[i].raw_l3])
             hash_now = [pages[i].raw_l3 and i not in read for i in seen]
-            hosts = [g.segment_array(pages[i].host, 1) for i in seen]
-            window = join_pages(hosts, g.part(1), hash_now, self.limits)
+            window = join_pages([pages[i].host for i in seen], g, hash_now, self.limits, window_blocks)
             failed = [i for i, d in zip(seen, window.digests) if d is not None and not self._window_ok(pages[i], d)]
             if not failed:
                 kept = n * g.page_size
@@ -317,16 +317,10 @@ class Restorer:
         a page's digest is then a pair (global, window or None when not read)."""
         g = self.geometry
         seen = g.window_pages(len(hosts))
-        parts = []
-        for segment, which in enumerate((range(len(hosts)), seen)):
-            part = g.part(segment)
-            parts.append(
-                join_pages(
-                    [g.segment_array(hosts[i], segment) for i in which], part, [hash_now[i] for i in which], self.limits
-                )
-                if part.num_layers
-                else Joined([], [None] * len(which))
-            )
+        parts = [
+            join_pages([hosts[i] for i in which], g, [hash_now[i] for i in which], self.limits, g.segment_blocks(s))
+            for s, which in enumerate((range(len(hosts)), seen))
+        ]
         window_digest = dict(zip(seen, parts[1].digests))
         digests: list[int | tuple[int | None, int | None] | None] = [
             None if not hash_now[i] else (_whole(parts[0].digests[i]), _whole(window_digest.get(i)))

@@ -27,7 +27,7 @@ from mlx_lm.utils import _download
 from mlx_lm.utils import load_tokenizer as mlx_load_tokenizer
 
 from kvtier.costmodel.profile import profile_key
-from kvtier.tiers.page import GLOBAL, LayerKind, Namespace, PageGeometry
+from kvtier.tiers.page import GLOBAL, LayerKind, Namespace, PageGeometry, RowShape
 
 from ..cache_layers import leaves
 from . import defaults
@@ -70,27 +70,17 @@ class LoadedModel:
                 "kvtier cannot serve a model of ArraysCache layers only: "
                 "a snapshot is keyed by the attention pages before it, and this model has none"
             )
-        global_shape, window_shape = (_row_shape([c for c, k in zip(cache, kinds) if k.name == n]) for n in GROUPS)
-        heads, head_dim, value_dim = global_shape or window_shape or (0, 0, 0)  # the global rows', else every row's
-        window_heads, window_dim = 0, 0  # the window rows' shape where it differs from the global rows'
-        if global_shape and window_shape and window_shape != global_shape:
-            window_heads, window_dim, window_values = window_shape
-            if window_values != window_dim:
-                raise ModelError(
-                    f"kvtier cannot page window layers whose keys and values differ in head dimension "
-                    f"({window_dim} and {window_values}) beside global layers of another shape"
-                )
+        shapes = tuple(RowShape(c.state[0].shape[1], c.state[0].shape[3], c.state[1].shape[3]) for c in attention)
+        first = shapes[0]  # num_kv_heads and head_dim: every row's when they share one shape
         try:
             return PageGeometry(
                 num_layers=len(attention),
-                num_kv_heads=heads,
-                head_dim=head_dim,
+                num_kv_heads=first.heads,
+                head_dim=first.key_dim,
                 page_size=page_size,
                 dtype=str(attention[0].state[0].dtype).removeprefix("mlx.core."),
                 kinds=kinds if any(k.name != "kv" for k in kinds) else (),
-                window_kv_heads=window_heads,
-                window_head_dim=window_dim,
-                value_dim=value_dim if value_dim != head_dim else 0,
+                shapes=shapes if set(shapes) != {RowShape(first.heads, first.key_dim, first.key_dim)} else (),
             )
         except ValueError as err:
             raise ModelError(f"kvtier cannot page this model's layers: {err}") from None
@@ -115,21 +105,6 @@ class LoadedModel:
         """Where this model's cost profile lives in a store (tenants share it): one per
         lossy codec (``codecs``), whose decode the profile's ``L3->L2`` measured."""
         return profile_key(self.namespace(geometry, codecs=codecs).digest())
-
-
-GROUPS = ("kv", "window")  # the kinds of a page's two segments, each of one row shape (``PageGeometry``)
-
-
-def _row_shape(caches: list) -> tuple[int, int, int] | None:
-    """(KV heads, key head dim, value head dim) of one segment's attention layers (None:
-    it has none); ModelError when they differ."""
-    shapes = sorted({(c.state[0].shape[1], c.state[0].shape[3], c.state[1].shape[3]) for c in caches})
-    if len(shapes) > 1:
-        described = ", ".join(f"{h} KV heads of {k}" + (f"/{v}" if v != k else "") for h, k, v in shapes)
-        raise ModelError(f"kvtier cannot page attention layers of one kind with different shapes ({described})")
-    if not shapes:
-        return None
-    return shapes[0]
 
 
 def layer_kind(cache: object) -> LayerKind:

@@ -15,6 +15,9 @@ so that outputs depend on the context. Sizes are tiny so each test runs in secon
 - ``deepseek_v3``: multi-head latent attention, a ``KVCache`` per layer whose keys
   (the 32-wide latent) and values (the 16-wide rope part) differ in width, and a
   mixture-of-experts layer after a dense one;
+- ``deepseek_v32``: the same with a lightning indexer (sparse attention over the top 8
+  keys): a ``CacheList`` per layer of the latent's cache and the indexer's 16-wide keys,
+  rows of two shapes in one kind;
 - ``lfm2``: a recurrent hybrid, short-convolution layers (``ArraysCache``: one state
   array of the last ``conv_L_cache - 1`` inputs) between attention layers;
 - ``falcon_h1``: a ``CacheList`` (Mamba-2 state and KV) per layer;
@@ -108,6 +111,30 @@ CONFIGS = {
         "qk_rope_head_dim": 16,
         "qk_nope_head_dim": 32,
         "v_head_dim": 32,
+        "n_routed_experts": 2,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 1,
+        "first_k_dense_replace": 1,
+        "rope_scaling": None,
+        "max_position_embeddings": 4096,
+    },
+    "deepseek_v32": {
+        "model_type": "deepseek_v32",
+        "vocab_size": _VOCAB,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "moe_intermediate_size": 32,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 2,
+        "kv_lora_rank": 32,
+        "q_lora_rank": 32,
+        "qk_rope_head_dim": 16,
+        "qk_nope_head_dim": 32,
+        "v_head_dim": 32,
+        "index_head_dim": 16,
+        "index_n_heads": 2,
+        "index_topk": 8,
         "n_routed_experts": 2,
         "n_shared_experts": 1,
         "num_experts_per_tok": 1,

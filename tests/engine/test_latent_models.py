@@ -1,7 +1,8 @@
 """Multi-head latent attention (DeepSeek-V3, Kimi K2, GLM-4.7-Flash): a ``KVCache`` per
 layer whose keys (a latent) are wider than its values (a rope part). A page row holds
-them side by side (``PageGeometry.fused``); restored from L1, L2 and LMDB after a
-restart with mlx-lm's own greedy output."""
+them side by side (``RowShape.fused``); DeepSeek-V3.2 adds an indexer's keys in each
+layer, rows of another shape (``PageGeometry.blocks``). Restored from L1, L2 and LMDB
+after a restart with mlx-lm's own greedy output."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from kvtier.engine.models.load import load_model
 from kvtier.engine.request import SamplingParams
 from kvtier.tiers.hierarchy import StoreConfig
 from kvtier.tiers.links import Link
-from kvtier.tiers.page import reusable_pages
+from kvtier.tiers.page import RowShape, reusable_pages
 
 from .. import cli
 from .conftest import mlx_lm_greedy, shared_start_after_restart, text_prompt
@@ -21,11 +22,12 @@ from .kind_models import CONFIGS, restoring_wins, write_model
 PAGE = 16
 GREEDY = SamplingParams(max_tokens=8)
 LATENT, ROPE = CONFIGS["deepseek_v3"]["kv_lora_rank"], CONFIGS["deepseek_v3"]["qk_rope_head_dim"]
+INDEXER = CONFIGS["deepseek_v32"]["index_head_dim"]
 
 
-@pytest.fixture(scope="module")
-def deepseek(tmp_path_factory):
-    return load_model(str(write_model(tmp_path_factory.mktemp("models") / "deepseek_v3", "deepseek_v3")))
+@pytest.fixture(scope="module", params=["deepseek_v3", "deepseek_v32"])
+def deepseek(tmp_path_factory, request):
+    return load_model(str(write_model(tmp_path_factory.mktemp("models") / request.param, request.param)))
 
 
 def make_engine(loaded, store_dir, l1_bytes: int = 1 << 26, answers: bool = False) -> Engine:
@@ -35,9 +37,15 @@ def make_engine(loaded, store_dir, l1_bytes: int = 1 << 26, answers: bool = Fals
 
 def test_a_page_row_is_the_latent_and_the_rope_part_side_by_side(deepseek):
     g = make_engine(deepseek, None).geometry
-    assert g.fused and (g.head_dim, g.value_dim) == (LATENT, ROPE)
-    assert g.shape == (2, 1, 1, PAGE, LATENT + ROPE)  # 2 layers, 1 latent "head"
-    assert g.bytes_per_token == 2 * (LATENT + ROPE) * 4  # float32: not a 2 x 32-wide K and V
+    latent = RowShape(1, LATENT, ROPE)
+    if deepseek.path.name == "deepseek_v3":
+        assert g.fused and set(g.shapes) == {latent}
+        assert g.shape == (2, 1, 1, PAGE, LATENT + ROPE)  # 2 layers, 1 latent "head"
+        assert g.bytes_per_token == 2 * (LATENT + ROPE) * 4  # float32: not a 2 x 32-wide K and V
+        return
+    indexer = RowShape(1, INDEXER, INDEXER)  # each layer's latent, then its indexer's keys
+    assert g.shapes == (latent, indexer) * 2 and g.rows == (0, 2, 1, 3) and not g.uniform
+    assert g.bytes_per_token == 2 * (LATENT + ROPE) * 4 + 2 * 2 * INDEXER * 4
 
 
 def test_restored_from_l1_l2_and_lmdb_equals_mlx_lm(deepseek, tmp_path):
