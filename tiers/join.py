@@ -101,13 +101,16 @@ def join_pages(
     consecutive blocks of a page: a record segment's; None: all), block by block
     (``_join_block``); each page flagged in ``digest`` hashed over those rows' bytes
     in order, which are one segment's checksum."""
-    blocks = range(len(geometry.blocks)) if blocks is None else blocks
-    if not blocks:
+    if blocks is not None and not blocks:
         return Joined([], [None] * len(hosts))
     hashers = [xxh3_64() if i < len(digest) and digest[i] else None for i in range(len(hosts))]
-    layers: list[tuple[mx.array, mx.array]] = []
-    for b in blocks:
-        layers += _join_block([geometry.block_array(host, b) for host in hosts], geometry.block(b), hashers, limits)
+    if blocks is None and geometry.uniform:  # every row at once: the page's own array
+        layers = _join_block(hosts, geometry, hashers, limits)
+    else:
+        layers = []
+        for b in range(len(geometry.blocks)) if blocks is None else blocks:
+            part = geometry.block(b)
+            layers += _join_block([geometry.block_array(host, b) for host in hosts], part, hashers, limits)
     return Joined(layers, [None if h is None else h.intdigest() for h in hashers])
 
 

@@ -334,9 +334,15 @@ class PageGeometry:
     def block(self, index: int) -> PageGeometry:
         """The uniform geometry of one block's rows alone (all of kind global): what
         joining that block of pages needs."""
-        b = self.blocks[index]
-        shapes = (b.shape,) * b.rows if b.shape.fused else ()
-        return PageGeometry(b.rows, b.shape.heads, b.shape.key_dim, self.page_size, self.dtype, shapes=shapes)
+        return self._block_geometries[index]
+
+    @cached_property  # made once: a restore joins block by block
+    def _block_geometries(self) -> tuple[PageGeometry, ...]:
+        made = []
+        for b in self.blocks:
+            shapes = (b.shape,) * b.rows if b.shape.fused else ()  # () where the default shape says it all
+            made.append(PageGeometry(b.rows, b.shape.heads, b.shape.key_dim, self.page_size, self.dtype, shapes=shapes))
+        return tuple(made)
 
     def block_array(self, page: np.ndarray, index: int) -> np.ndarray:
         """Block ``index`` of a page's array (either ``shape``, in the storage dtype) as
