@@ -1,20 +1,25 @@
 """TTFT of a long prompt on a sliding-window and a recurrent-hybrid model, restored from
 each tier against recomputing it (issue 23, item 9).
 
-    python bench/hybrid_ttft.py [--tokens 8192] [--page 256] [--models gemma3_text lfm2] [--keep DIR]
+    python bench/hybrid_ttft.py [--tokens 8192] [--page 256] [--models gemma3_text lfm2 ...] [--keep DIR]
 
 ``--keep DIR`` leaves the generated models in ``DIR/<architecture>`` (for example for
 ``bench/serve_head_to_head.py --model DIR/lfm2``, the agent workload against
 ``mlx_lm.server``); else they are written to a temporary directory.
 
-Two generated models (deterministic random weights, the mlx-lm layout, loaded with
+Generated models (deterministic random weights, the mlx-lm layout, loaded with
 ``mlx_lm.load``) whose caches have the shapes of real ones, so that the bytes stored,
-read and restored are a real model's:
+read and restored are a real model's (the first two by default):
 
 - ``gemma3_text`` like Gemma 3 1B: 26 layers, 4 query heads, 1 KV head of 256, a 512-token
   sliding window on five layers of six, a global layer every sixth;
 - ``lfm2`` like LFM2-1.2B: 16 layers, 10 short-convolution layers (state: the last 2
-  inputs) and 6 attention layers of 8 KV heads of 64.
+  inputs) and 6 attention layers of 8 KV heads of 64;
+- ``gemma4_text`` like Gemma 4 E2B: 35 layers, the last 20 sharing earlier layers' KV;
+  of the 15 with a cache, 12 sliding-window layers (512 tokens) of 1 KV head of 256 and
+  3 global ones of 1 KV head of 512 (rows of two shapes: a flat page);
+- ``deepseek_v3`` like DeepSeek-V2-Lite: 27 layers of multi-head latent attention, a
+  512-wide latent and a 64-wide rope part per token (K and V side by side in a row).
 
 Scaled down so that one run takes minutes on a shared 2-core CPU: the hidden sizes, query
 heads and MLP widths (``SIZES``: prefill compute, which only makes recomputing cheaper
@@ -63,6 +68,34 @@ SIZES = {
         "block_ff_dim": 512,
         "layer_types": ["conv", "conv", "full_attention"] * 4 + ["conv", "full_attention", "conv", "full_attention"],
     },
+    "gemma4_text": {  # KV as Gemma 4 E2B's; its hidden size 1536, 8 query heads, MLP 6144
+        "hidden_size": 256,
+        "num_hidden_layers": 35,
+        "num_kv_shared_layers": 20,
+        "intermediate_size": 256,
+        "num_attention_heads": 1,
+        "num_key_value_heads": 1,
+        "num_global_key_value_heads": None,
+        "attention_k_eq_v": False,
+        "head_dim": 256,
+        "global_head_dim": 512,
+        "sliding_window": 512,
+        "sliding_window_pattern": 5,
+        "max_position_embeddings": 32768,
+    },
+    "deepseek_v3": {  # KV as DeepSeek-V2-Lite's; its hidden size 2048, 16 query heads, experts
+        "hidden_size": 256,
+        "num_hidden_layers": 27,
+        "intermediate_size": 256,
+        "moe_intermediate_size": 64,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 2,
+        "kv_lora_rank": 512,
+        "qk_rope_head_dim": 64,
+        "qk_nope_head_dim": 64,
+        "v_head_dim": 64,
+        "max_position_embeddings": 32768,
+    },
 }
 
 
@@ -70,7 +103,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--page", type=int, default=256)
-    parser.add_argument("--models", nargs="+", default=list(SIZES), choices=list(SIZES))
+    parser.add_argument("--models", nargs="+", default=["gemma3_text", "lfm2"], choices=list(SIZES))
     parser.add_argument("--keep", type=Path, metavar="DIR", help="write the models here and leave them")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="kvtier-hybrid-ttft-") as tmp:
