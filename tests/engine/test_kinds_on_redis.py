@@ -25,7 +25,16 @@ PAGE = 16
 GREEDY = SamplingParams(max_tokens=8)
 
 
-ARCHITECTURES = ["gemma3_text", "gemma4_text", "deepseek_v3", "deepseek_v32", "lfm2", "recurrent_gemma", "falcon_h1"]
+ARCHITECTURES = [
+    "gemma3_text",
+    "gemma4_text",
+    "gpt_oss",
+    "deepseek_v3",
+    "deepseek_v32",
+    "lfm2",
+    "recurrent_gemma",
+    "falcon_h1",
+]
 
 
 @pytest.mark.parametrize("architecture", ARCHITECTURES)
