@@ -52,6 +52,20 @@ def text_prompt(loaded, n: int, seed: int = 0) -> list[int]:
     return loaded.tokenizer.encode(text)[:n]
 
 
+def chat_turns(loaded, engine, max_tokens: int):
+    """A 90-token prompt answered in 40 tokens on ``engine``, then the next turn: that
+    prompt, its answer and 20 new tokens, answered in ``max_tokens``; each answer checked
+    against mlx-lm's greedy one. Returns the next turn's request and how many tokens the
+    first turn held (its prompt and answer). The engine stays open."""
+    first = text_prompt(loaded, 90, seed=7)
+    (turn,) = engine.generate([first], SamplingParams(max_tokens=40))
+    second = first + turn.output + text_prompt(loaded, 20, seed=8)
+    (next_turn,) = engine.generate([second], SamplingParams(max_tokens=max_tokens))
+    assert turn.output == mlx_lm_greedy(loaded, first, 40)
+    assert next_turn.output == mlx_lm_greedy(loaded, second, max_tokens)
+    return next_turn, len(first) + len(turn.output)
+
+
 def stored_once(engine, prompt: list[int]) -> list:
     """Run ``prompt`` once on ``engine`` and close it (its pages flushed to the store);
     returns the prompt's page keys."""

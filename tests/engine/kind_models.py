@@ -118,30 +118,6 @@ CONFIGS = {
         "rope_scaling": None,
         "max_position_embeddings": 4096,
     },
-    "deepseek_v32": {
-        "model_type": "deepseek_v32",
-        "vocab_size": _VOCAB,
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "moe_intermediate_size": 32,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 2,
-        "num_key_value_heads": 2,
-        "kv_lora_rank": 32,
-        "q_lora_rank": 32,
-        "qk_rope_head_dim": 16,
-        "qk_nope_head_dim": 32,
-        "v_head_dim": 32,
-        "index_head_dim": 16,
-        "index_n_heads": 2,
-        "index_topk": 8,
-        "n_routed_experts": 2,
-        "n_shared_experts": 1,
-        "num_experts_per_tok": 1,
-        "first_k_dense_replace": 1,
-        "rope_scaling": None,
-        "max_position_embeddings": 4096,
-    },
     "lfm2": {
         "model_type": "lfm2",
         "vocab_size": _VOCAB,
@@ -243,6 +219,15 @@ CONFIGS = {
             "vocab_size": _VOCAB,
         },
     },
+}
+
+CONFIGS["deepseek_v32"] = {
+    **CONFIGS["deepseek_v3"],
+    "model_type": "deepseek_v32",
+    "q_lora_rank": 32,
+    "index_head_dim": 16,
+    "index_n_heads": 2,
+    "index_topk": 8,
 }
 
 

@@ -17,7 +17,7 @@ from kvtier.tiers.page import ChainRoot, snapshot_key
 
 from .. import cli
 from ..tiers.lmdb_files import damage_last_byte
-from .conftest import mlx_lm_greedy, stored_once, text_prompt
+from .conftest import chat_turns, mlx_lm_greedy, stored_once, text_prompt
 from .kind_models import restoring_wins, write_model
 
 PAGE = 16
@@ -158,16 +158,11 @@ def test_next_chat_turn_reuses_the_whole_previous_prompt(lfm2, tmp_path):
 def test_next_chat_turn_restores_the_previous_prompt_and_answer(lfm2):
     """With answers published (a server's setting): the answer's pages as they fill, and
     its end in L1 with the state after the whole turn."""
-    first = text_prompt(lfm2, 90, seed=7)
     engine = make_engine(lfm2, None, answers=True)
-    (turn,) = engine.generate([first], SamplingParams(max_tokens=40))
-    second = first + turn.output + text_prompt(lfm2, 20, seed=8)
-    (next_turn,) = engine.generate([second], GREEDY)
+    next_turn, previous = chat_turns(lfm2, engine, GREEDY.max_tokens)
     kept = engine.store.accounts.view().snapshots[0].pages
     engine.close()
-    assert turn.output == mlx_lm_greedy(lfm2, first, 40)
-    assert next_turn.output == mlx_lm_greedy(lfm2, second, GREEDY.max_tokens)
-    assert next_turn.sources()["L1"] == len(first) + len(turn.output)
+    assert next_turn.sources()["L1"] == previous
     assert kept == 6  # after pages 2, 4, 5 (the first prompt's last full page), 6, 8 (its answer), 9 (the second's)
 
 

@@ -16,7 +16,7 @@ from kvtier.tiers.links import Link
 from kvtier.tiers.page import RowShape, reusable_pages
 
 from .. import cli
-from .conftest import mlx_lm_greedy, shared_start_after_restart, text_prompt
+from .conftest import chat_turns, mlx_lm_greedy, shared_start_after_restart, text_prompt
 from .kind_models import CONFIGS, restoring_wins, write_model
 
 PAGE = 16
@@ -83,15 +83,10 @@ def test_a_shared_start_restores_at_another_length(deepseek, tmp_path):
 
 
 def test_next_chat_turn_reuses_the_previous_prompt_and_answer(deepseek):
-    first = text_prompt(deepseek, 90, seed=7)
     engine = make_engine(deepseek, None, answers=True)
-    (turn,) = engine.generate([first], SamplingParams(max_tokens=40))
-    second = first + turn.output + text_prompt(deepseek, 20, seed=8)
-    (next_turn,) = engine.generate([second], GREEDY)
+    next_turn, previous = chat_turns(deepseek, engine, GREEDY.max_tokens)
     engine.close()
-    assert turn.output == mlx_lm_greedy(deepseek, first, 40)
-    assert next_turn.output == mlx_lm_greedy(deepseek, second, GREEDY.max_tokens)
-    assert next_turn.sources()["L1"] == len(first) + len(turn.output)  # its pages and the partial page after them
+    assert next_turn.sources()["L1"] == previous  # its pages and the partial page after them
 
 
 def test_a_quantizing_codec_is_refused_in_one_line(deepseek, tmp_path):

@@ -19,7 +19,7 @@ from kvtier.tiers.page import reusable_pages
 
 from .. import cli
 from ..tiers.lmdb_files import damage_last_byte
-from .conftest import mlx_lm_greedy, shared_start_after_restart, stored_once, text_prompt
+from .conftest import chat_turns, mlx_lm_greedy, shared_start_after_restart, stored_once, text_prompt
 from .kind_models import CONFIGS, restoring_wins, write_model
 
 PAGE = 16
@@ -104,15 +104,10 @@ def test_window_model_shared_start_restores_at_another_length(windowed, tmp_path
 def test_next_chat_turn_restores_the_previous_prompt_and_answer(windowed):
     """With answers published (a server's setting), the answer's pages are published as
     they fill: by the end a window layer holds only its last tokens."""
-    first = text_prompt(windowed, 90, seed=7)
     engine = make_engine(windowed, None, answers=True)
-    (turn,) = engine.generate([first], SamplingParams(max_tokens=40))
-    second = first + turn.output + text_prompt(windowed, 20, seed=8)
-    (next_turn,) = engine.generate([second], GREEDY)
+    next_turn, previous = chat_turns(windowed, engine, GREEDY.max_tokens)
     engine.close()
-    assert turn.output == mlx_lm_greedy(windowed, first, 40)
-    assert next_turn.output == mlx_lm_greedy(windowed, second, GREEDY.max_tokens)
-    assert next_turn.sources()["L1"] == len(first) + len(turn.output)  # 8 pages and the partial page after them
+    assert next_turn.sources()["L1"] == previous  # 8 pages and the partial page after them
 
 
 def test_a_restored_and_a_fresh_request_in_one_batch(windowed, tmp_path):
