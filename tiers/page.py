@@ -273,8 +273,10 @@ class PageGeometry:
         attention = [(i, k.name) for i, k in enumerate(kinds) if k.name != "state"]
         shapes = self.shapes or (RowShape(self.num_kv_heads, self.head_dim, self.head_dim),) * len(attention)
         layers = [(i, name, shape) for (i, name), shape in zip(attention, shapes)]
-        first = {(name, shape): n for n, (_, name, shape) in reversed(list(enumerate(layers)))}
-        return tuple(sorted(layers, key=lambda x: (x[1] != "kv", first[x[1], x[2]])))
+        first: dict[tuple[str, RowShape], int] = {}  # where each (kind, shape) first appears
+        for n, (_, name, shape) in enumerate(layers):
+            first.setdefault((name, shape), n)
+        return tuple(sorted(layers, key=lambda x: (x[1] != "kv", first[x[1], x[2]])))  # stable: model order within
 
     @property
     def rows(self) -> tuple[int, ...]:
