@@ -304,7 +304,7 @@ class PageGeometry:
         """The kind of the window layers; None without any."""
         return next((k for k in self.kinds if k.name == "window"), None)
 
-    @property
+    @cached_property  # read for every page a window model's restore joins
     def segments(self) -> tuple[int, ...]:
         """Byte lengths of a page's segments: (global rows, window rows) when the model
         has window layers, else () (one segment, the whole page)."""
