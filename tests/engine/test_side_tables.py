@@ -19,6 +19,8 @@ import lmdb
 import msgpack
 import pytest
 
+from kvtier.tiers.l3 import lmdb_space
+
 from .. import cli
 from ..redis_servers import needs_redis, redis_server  # noqa: F401
 from .conftest import on_tiny_model
@@ -95,6 +97,15 @@ def test_the_store_has_every_kind_of_side_value(written):
     assert names >= {b"bytes_used", b"pages", b"access_seq", b"clock", b"capacity", b"user", b"counters", b"namespaces"}
 
 
+@pytest.fixture
+def steady_disk(monkeypatch) -> None:
+    """A filesystem whose free space does not move: a damaged cap falls back to the
+    default, which is half the free space on a small disk, and other tests write to
+    this one while the commands run (each command's warning names the cap it took)."""
+    monkeypatch.setattr(lmdb_space, "usage", lambda path: lmdb_space.Usage(1 << 40, 0, 1 << 40))
+
+
+@pytest.mark.usefixtures("steady_disk")
 @pytest.mark.parametrize("garbage", [GARBAGE, WRONG_SHAPE], ids=["garbage", "wrong-shape"])
 def test_each_damaged_side_value_is_one_warning_and_a_fallback_in_every_command(written, tmp_path, garbage):
     store, outputs = written
