@@ -31,8 +31,8 @@ from kvtier.tiers.l3.record import FORMAT_VERSION, RecordHeader, decode_record
 from kvtier.tiers.page import page_keys, reusable_pages
 
 from .. import cli
+from ..tiers.disk_pages import assert_consistent, damage_record
 from ..tiers.lmdb_files import raw_env
-from ..tiers.test_reliability import assert_consistent, damage_record
 from .conftest import on_tiny_model, text_prompt
 
 pytestmark = pytest.mark.slow  # starts processes or loads the real model

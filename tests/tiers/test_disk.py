@@ -7,7 +7,6 @@ or read the tier's ``census`` view while it is open.
 
 from __future__ import annotations
 
-import hashlib
 import random
 import subprocess
 import sys
@@ -19,11 +18,9 @@ import msgpack
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 from xxhash import xxh3_64_intdigest
 
 from kvtier.tiers.l3.base import StoreError
-from kvtier.tiers.l3.lmdb_admin import compact_store
 from kvtier.tiers.l3.lmdb_store import DiskTier
 from kvtier.tiers.l3.record import (
     FORMAT_VERSION,
@@ -34,54 +31,10 @@ from kvtier.tiers.l3.record import (
     decode_record,
 )
 
-from .lmdb_files import followed, raw_env, write_lock
+from .disk_pages import NS, RECORD_VALUES, TOKENS, assert_consistent, key, payload, poke
+from .lmdb_files import raw_env, write_lock
 
 REPO = Path(__file__).resolve().parents[2]
-NS = b"N" * 16
-TOKENS = list(range(8))
-
-
-def key(i: int) -> bytes:
-    return hashlib.blake2b(str(i).encode(), digest_size=16).digest()
-
-
-def payload(i: int, nbytes: int = 4096) -> bytes:
-    """bf16-like page bytes: normal floats, top 16 bits of float32 (compressible like real KV)."""
-    values = np.random.default_rng(i).standard_normal(nbytes // 2).astype(np.float32)
-    return (values.view(np.uint32) >> 16).astype(np.uint16).tobytes()
-
-
-def _scan(path: Path) -> dict:
-    """What is really stored, read with lmdb directly (the tier must be closed)."""
-    with raw_env(path) as (env, pages, meta):
-        with env.begin() as txn:
-            sizes = {bytes(k): len(v) for k, v in txn.cursor(db=pages)}
-            lru = {bytes(k) for k, _ in txn.cursor(db=env.open_db(b"lru", txn=txn))}
-            order = [bytes(k)[8:] for k, _ in txn.cursor(db=env.open_db(b"order", txn=txn))]
-            used = msgpack.unpackb(txn.get(b"bytes_used", db=meta))
-            npages = msgpack.unpackb(txn.get(b"pages", db=meta))
-            held = followed(env, txn, sizes)
-    return {"sizes": sizes, "lru": lru, "order": order, "followed": held, "bytes_used": used, "pages": npages}
-
-
-def _assert_consistent(path: Path, capacity: int) -> dict:
-    s = _scan(path)
-    assert s["bytes_used"] == sum(s["sizes"].values()) <= capacity
-    assert s["pages"] == len(s["sizes"])
-    assert s["lru"] == set(s["order"]) | s["followed"] == set(s["sizes"])  # leaf-first: followed ones wait
-    assert len(s["order"]) + len(s["followed"]) == len(s["sizes"])
-    return s
-
-
-def _poke(store: Path, k: bytes, value: bytes) -> None:
-    """Store a raw value behind the tier's back (the store closed), meta kept in step."""
-    with raw_env(store) as (env, pages, meta), env.begin(write=True) as txn:
-        old = txn.get(k, db=pages)
-        txn.put(k, value, db=pages)
-        used = msgpack.unpackb(txn.get(b"bytes_used", db=meta) or msgpack.packb(0))
-        count = msgpack.unpackb(txn.get(b"pages", db=meta) or msgpack.packb(0))
-        txn.put(b"bytes_used", msgpack.packb(used + len(value) - len(old or b"")), db=meta)
-        txn.put(b"pages", msgpack.packb(count + (old is None)), db=meta)
 
 
 @pytest.fixture
@@ -163,7 +116,7 @@ def test_capacity_is_never_exceeded_under_random_puts(store: Path) -> None:
             tier.flush()
             assert 0 < tier.counters.bytes_used <= capacity
     tier.close()
-    s = _assert_consistent(store, capacity)
+    s = assert_consistent(store, capacity)
     assert tier.counters.evictions > 0
     assert tier.counters.inserts - tier.counters.evictions == len(s["sizes"])
 
@@ -182,7 +135,7 @@ def test_eviction_is_least_recently_used_and_get_counts_as_use(store: Path) -> N
     assert [tier.contains(key(i)) for i in range(6)] == [True, False, False, True, True, True]
     assert tier.counters.evictions == 2
     tier.close()
-    _assert_consistent(store, 4 * record)
+    assert_consistent(store, 4 * record)
 
 
 def test_a_use_wakes_no_writer_and_is_committed_with_the_next_write(store: Path) -> None:
@@ -240,7 +193,7 @@ def test_map_full_never_reaches_the_caller(store: Path) -> None:
     got = tier.get(key(63), NS, TOKENS, 64 * 1024)
     assert got is None or got[0] == payload(63, 64 * 1024)
     tier.close()
-    _assert_consistent(store, 8 << 20)
+    assert_consistent(store, 8 << 20)
 
 
 def _store_records(store: Path, n: int, codec: str) -> dict[int, int]:
@@ -281,7 +234,7 @@ def test_corrupt_header_or_payload_is_a_miss_deleted_and_counted(store: Path, co
     assert not any(tier.contains(key(i)) for i in range(n))
     assert tier.counters.pages == 0 and tier.counters.bytes_used == 0
     tier.close()
-    _assert_consistent(store, 1 << 24)
+    assert_consistent(store, 1 << 24)
 
 
 def test_namespace_token_or_length_mismatch_is_a_miss(store: Path) -> None:
@@ -310,36 +263,12 @@ def test_a_raw_payload_of_the_wrong_length_is_refused_at_every_layer(store: Path
         with pytest.raises(CorruptRecord):
             decode_record(key(0), memoryview(value), NS, tokens, 4096, out)
     DiskTier(store, 1 << 20).close()
-    _poke(store, key(0), value)
+    poke(store, key(0), value)
     tier = DiskTier(store, 1 << 20)
     with tier.snapshot() as snap:
         assert snap.find(key(0), NS, TOKENS, 4096) is None
     assert tier.counters.checksum_failures == 1
     tier.close()
-
-
-_HEADER_KEYS = st.sampled_from(["v", "ns", "tok", "codec", "n", "xxh", "x"])
-_HEADER_VALUES = st.one_of(
-    st.integers(-2, 2**64 - 1),
-    st.binary(max_size=40),
-    st.text(max_size=12),
-    st.none(),
-    st.booleans(),
-    st.sampled_from(["raw", "zstd", "zstd-shuffle"]),
-    st.just(NS),
-    st.just(np.asarray(TOKENS, "<u4").tobytes()),
-)
-
-
-def _framed(header: dict, tail: bytes) -> bytes:
-    head = msgpack.packb(header, use_bin_type=True)
-    return len(head).to_bytes(4, "little") + head + tail
-
-
-RECORD_VALUES = st.one_of(
-    st.binary(max_size=300),
-    st.builds(_framed, st.dictionaries(_HEADER_KEYS, _HEADER_VALUES, max_size=7), st.binary(max_size=300)),
-)
 
 
 def test_arbitrary_record_values_never_raise(store: Path) -> None:
@@ -348,14 +277,14 @@ def test_arbitrary_record_values_never_raise(store: Path) -> None:
     @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
     @given(value=RECORD_VALUES)
     def check(value: bytes) -> None:
-        _poke(store, key(0), value)
+        poke(store, key(0), value)
         with DiskTier(store, 1 << 20) as tier:  # close commits the delete before the next poke
             assert tier.get(key(0), NS, TOKENS, 64) is None
 
     check()
     with DiskTier(store, 1 << 20) as tier:
         assert not tier.contains(key(0))
-    _assert_consistent(store, 1 << 20)
+    assert_consistent(store, 1 << 20)
 
 
 def test_other_format_version_is_refused_with_one_clear_line(store: Path) -> None:
@@ -444,14 +373,14 @@ def test_reads_and_caller_writes_run_while_the_writer_works(store: Path) -> None
         t.join()
     tier.close()
     assert not errors and tier.counters.checksum_failures == 0
-    assert _assert_consistent(store, 1 << 24)["pages"] == 100
+    assert assert_consistent(store, 1 << 24)["pages"] == 100
 
 
 _WRITER_SCRIPT = """
 import sys
 sys.path.insert(0, sys.argv[1])
 from pathlib import Path
-from tests.tiers.test_disk import NS, TOKENS, key, payload
+from tests.tiers.disk_pages import NS, TOKENS, key, payload
 from kvtier.tiers.l3.lmdb_store import DiskTier
 tier = DiskTier(Path(sys.argv[2]), 1 << 24, codec=sys.argv[4])
 for i in range(int(sys.argv[3])):
@@ -484,7 +413,7 @@ def test_two_processes_share_one_store(store: Path) -> None:
     assert tier.counters.pages == n and tier.counters.checksum_failures == 0
     assert tier.counters.inserts + child_inserts == n  # write-once across processes
     tier.close()
-    assert _assert_consistent(store, 1 << 24)["pages"] == n
+    assert assert_consistent(store, 1 << 24)["pages"] == n
 
 
 def test_writer_killed_mid_write_leaves_no_partial_page(store: Path) -> None:
@@ -503,7 +432,7 @@ def test_writer_killed_mid_write_leaves_no_partial_page(store: Path) -> None:
     assert len(present) == tier.counters.pages >= 50
     assert all(tier.get(key(i), NS, TOKENS, 4096)[0] == payload(i) for i in present)
     tier.close()
-    _assert_consistent(store, 1 << 26)
+    assert_consistent(store, 1 << 26)
 
 
 def test_read_through_touches_every_stored_byte(tmp_path):
@@ -518,170 +447,3 @@ def test_read_through_touches_every_stored_byte(tmp_path):
     with raw_env(tmp_path) as (env, pages, _), env.begin(db=pages) as txn:
         stored = {bytes(k): bytes(v) for k, v in txn.cursor()}
     assert read.digests == (xxh3_64_intdigest(stored[key(0)]), xxh3_64_intdigest(stored[key(1)]))
-
-
-# --- the store's own cap, namespaces, read-only opens and management (issues 11 and 12) ---
-
-
-def test_the_cap_is_the_stores_and_a_different_one_is_ignored_with_a_warning(store: Path, caplog) -> None:
-    tier = DiskTier(store, 8 * 4096 + 2048)
-    for i in range(8):
-        tier.put(key(i), NS, TOKENS, payload(i))
-    tier.close()
-    small = DiskTier(store, 2 * 4096)  # a second process with a smaller cap
-    assert "keeps its L3 cap" in caplog.text and small.counters.capacity == 8 * 4096 + 2048
-    small.put(key(99), NS, TOKENS, payload(99))
-    small.close()
-    s = _assert_consistent(store, 8 * 4096 + 2048)
-    assert len(s["sizes"]) == 8  # one eviction made room for one page; nothing more went
-    assert DiskTier(store).counters.capacity == 8 * 4096 + 2048  # no cap asked: the store's
-
-
-def test_resize_evicts_least_recently_used_down_to_the_new_cap(store: Path) -> None:
-    tier = DiskTier(store, 1 << 20)
-    for i in range(6):
-        tier.put(key(i), NS, TOKENS, payload(i))
-    tier.flush()
-    record = tier.counters.bytes_used // 6
-    assert tier.resize(2 * record) == 4
-    assert tier.counters.capacity == 2 * record and tier.counters.pages == 2
-    assert tier.get(key(5), NS, TOKENS, 4096) is not None and tier.get(key(0), NS, TOKENS, 4096) is None
-    tier.close()
-    _assert_consistent(store, 2 * record)
-
-
-def test_namespaces_are_counted_with_the_records_and_clear_takes_one(store: Path) -> None:
-    other = b"O" * 16
-    tier = DiskTier(store, 1 << 20)
-    tier.tables.describe_namespace(NS, {"model": "m", "page_size": 8})
-    for i in range(5):
-        tier.put(key(i), NS if i < 3 else other, TOKENS, payload(i))
-    tier.flush()
-    rows = tier.tables.namespaces()
-    assert (rows[NS]["pages"], rows[NS]["tokens"], rows[other]["pages"]) == (3, 24, 2)
-    assert rows[NS]["bytes"] + rows[other]["bytes"] == tier.counters.bytes_used
-    assert rows[NS]["about"] == {"model": "m", "page_size": 8} and rows[NS]["last_use"] > 0
-    assert tier.clear({other}) == (2, rows[other]["bytes"])
-    assert tier.get(key(3), other, TOKENS, 4096) is None and tier.get(key(0), NS, TOKENS, 4096) is not None
-    assert tier.tables.namespaces()[other]["pages"] == 0 and tier.counters.pages == 3
-    assert tier.clear()[0] == 3 and tier.counters.bytes_used == 0
-    tier.close()
-    _assert_consistent(store, 1 << 20)
-
-
-def test_a_store_holding_only_other_namespaces_says_so(store: Path, caplog) -> None:
-    tier = DiskTier(store, 1 << 20)
-    tier.tables.describe_namespace(NS, {"model": "a", "page_size": 16})
-    tier.put(key(0), NS, TOKENS, payload(0))
-    tier.flush()
-    tier.tables.describe_namespace(b"O" * 16, {"model": "a", "page_size": 32})
-    tier.close()
-    warnings = [r.getMessage() for r in caplog.records if "holds no pages for this model" in r.getMessage()]
-    assert len(warnings) == 1 and "page size 32" in warnings[0] and "page size 16" in warnings[0]
-
-
-def test_read_only_open_reads_and_never_writes(store: Path) -> None:
-    tier = DiskTier(store, 1 << 20)
-    tier.put(key(1), NS, TOKENS, payload(1))
-    tier.tables.add_persistent_counters({"requests": 1})
-    tier.close()
-    before = (store / "data.mdb").read_bytes()
-    reader = DiskTier(store, readonly=True)
-    assert reader.get(key(1), NS, TOKENS, 4096)[0] == payload(1)
-    assert reader.tables.persistent_counters() == {"requests": 1} and reader.counters.pages == 1
-    assert reader.put(key(2), NS, TOKENS, payload(2)) is False
-    reader.close()
-    reader.close()
-    assert (store / "data.mdb").read_bytes() == before
-    with pytest.raises(StoreError, match="no kvtier store"):
-        DiskTier(store / "missing", readonly=True)
-    assert not (store / "missing").exists()
-
-
-def test_reset_counters(store: Path) -> None:
-    tier = DiskTier(store, 1 << 20)
-    tier.tables.add_persistent_counters({"requests": 3})
-    tier.tables.reset_counters()
-    assert tier.tables.persistent_counters() == {}
-    tier.close()
-
-
-def test_a_page_larger_than_the_cap_is_dropped_at_put(store: Path) -> None:
-    tier = DiskTier(store, 0)
-    assert tier.put(key(0), NS, TOKENS, payload(0)) is False
-    assert tier.counters.writes_dropped == 1
-    tier.close()
-
-
-def test_compact_shrinks_the_file_and_keeps_every_page(store: Path) -> None:
-    other = b"O" * 16
-    tier = DiskTier(store, 1 << 22)
-    for i in range(40):
-        tier.put(key(i), other if i < 30 else NS, TOKENS, payload(i, 16384), wait=True)
-    tier.flush()
-    assert tier.clear({other})[0] == 30  # churn: 30 of 40 pages deleted, the file keeps its size
-    tier.close()
-    before, after = compact_store(store)
-    assert after < before / 2 and (store / "data.mdb").stat().st_size == after
-    tier = DiskTier(store)
-    assert [i for i in range(40) if tier.get(key(i), NS, TOKENS, 16384) is not None] == list(range(30, 40))
-    tier.close()
-    _assert_consistent(store, 1 << 22)
-
-
-def test_compact_refuses_while_another_process_has_the_store_open(store: Path) -> None:
-    DiskTier(store, 1 << 20).close()
-    holder = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            "import time; from kvtier.tiers.l3.lmdb_store import DiskTier; "
-            f"d = DiskTier({str(store)!r}); print('open', flush=True); time.sleep(60)",
-        ],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        assert holder.stdout.readline().strip() == "open"
-        with pytest.raises(StoreError, match="open in another process"):
-            compact_store(store)
-    finally:
-        holder.kill()
-        holder.wait()
-
-
-def test_a_store_from_before_the_namespaces_table_is_counted_on_open(store: Path) -> None:
-    tier = DiskTier(store, 1 << 20)
-    for i in range(3):
-        tier.put(key(i), NS, TOKENS, payload(i))
-    tier.close()
-    with raw_env(store) as (env, _, _meta):
-        with env.begin(write=True) as txn:
-            txn.drop(env.open_db(b"namespaces", txn=txn), delete=True)
-    with DiskTier(store, readonly=True) as reader:
-        assert reader.tables.namespaces() == {} and reader.counters.pages == 3
-    tier = DiskTier(store, 1 << 20)
-    row = tier.tables.namespaces()[NS]
-    assert (row["pages"], row["tokens"], row["bytes"]) == (3, 24, tier.counters.bytes_used)
-    tier.close()
-
-
-def test_a_read_ahead_holds_its_own_bytes_not_views_of_the_map(store: Path) -> None:
-    """What a snapshot read ahead (on a reader thread) is what the restore finds later on
-    the step loop, though the map under it changed: its bytes were copied as they were
-    read, so the step loop never touches (or faults on) the map for them."""
-    tier = DiskTier(store, 1 << 20)
-    data = [payload(i, 16384) for i in range(8)]
-    for i, d in enumerate(data):
-        tier.put(key(i), NS, TOKENS, d)
-    tier.flush()
-    keys = [key(i) for i in range(8)]
-    with tier.snapshot() as snapshot:
-        assert snapshot.read_ahead(keys, len(data[0]))[0] == keys
-    tier.clear()  # its pages freed once the snapshot ended: LMDB reuses them for the next writes
-    for i in range(100, 140):
-        tier.put(key(i), NS, TOKENS, payload(i, 16384))
-    tier.flush()
-    found = [snapshot.find(k, NS, TOKENS, len(d)) for k, d in zip(keys, data)]
-    assert [bytes(tier.check.verified(record)) for record in found if record is not None] == data
-    tier.close()
