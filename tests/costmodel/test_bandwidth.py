@@ -4,7 +4,7 @@ import pytest
 
 from kvtier.costmodel.bandwidth import Call, interleaved, measure
 
-from ..tiers.test_hierarchy import GEOMETRY
+from ..tiers.small_pages import GEOMETRY
 
 
 def test_rounds_interleave_every_row_and_each_keeps_its_own_timings():

@@ -23,7 +23,7 @@ from kvtier.tiers.tier import kv_to_host
 
 from ..redis_servers import needs_redis, redis_server  # noqa: F401
 from .lmdb_files import raw_env
-from .test_hierarchy import KV, NS, PAGE, joined, make_store, same_bytes
+from .small_pages import KV, NS, PAGE, joined, make_store, same_bytes
 
 SHARED = [7, 7, 7, 7]  # the second page of both prefixes
 A = [1, 2, 3, 4, *SHARED]

@@ -1,7 +1,7 @@
 """A store's persisted counters while a process runs: checkpoints and the close add
 each count exactly once (``tiers.checkpoints``)."""
 
-from .test_hierarchy import make_store, publish
+from .small_pages import make_store, publish
 
 
 def test_checkpoints_and_the_close_add_each_count_once(tmp_path):

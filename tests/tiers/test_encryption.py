@@ -22,8 +22,8 @@ from kvtier.tiers.page import Source, page_keys
 from kvtier.tiers.tier import kv_to_host
 
 from ..redis_servers import needs_redis, redis_server  # noqa: F401
+from .small_pages import GEOMETRY, KV, NS, PAGE, SMALL, TOKENS, joined, same_bytes
 from .test_bound_records import records
-from .test_hierarchy import GEOMETRY, KV, NS, PAGE, SMALL, TOKENS, joined, same_bytes
 
 SECRET = os.urandom(32)
 

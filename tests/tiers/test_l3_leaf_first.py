@@ -15,7 +15,7 @@ from kvtier.tiers.l3.redis_store import RedisTier
 from kvtier.tiers.page import page_keys
 
 from ..redis_servers import needs_redis, redis_server  # noqa: F401
-from .test_hierarchy import GEOMETRY, KV, NS, PAGE
+from .small_pages import GEOMETRY, KV, NS, PAGE
 
 PREFIX = 6  # pages of the shared prefix
 RECORD = 1 << 16  # large beside the few KiB a Redis server's own use varies by

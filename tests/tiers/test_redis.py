@@ -27,7 +27,7 @@ from kvtier.tiers.tier import kv_to_host
 
 from .. import cli
 from ..redis_servers import SlowProxy, free_port, needs_redis, redis_cluster, redis_server, redis_tls_server  # noqa: F401
-from .test_hierarchy import GEOMETRY, KEYS, KV, NS, PAGE, TOKENS
+from .small_pages import GEOMETRY, KEYS, KV, NS, PAGE, TOKENS
 
 pytestmark = [pytest.mark.slow, needs_redis]
 

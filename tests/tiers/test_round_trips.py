@@ -12,7 +12,7 @@ from kvtier.tiers.hierarchy import StoreConfig, TieredStore
 from kvtier.tiers.page import Source
 
 from ..redis_servers import SlowProxy, needs_redis, redis_server  # noqa: F401
-from .test_hierarchy import GEOMETRY, KEYS, KV, NS, PAGE, TOKENS
+from .small_pages import GEOMETRY, KEYS, KV, NS, PAGE, TOKENS
 
 pytestmark = [pytest.mark.slow, needs_redis]  # each starts a redis-server
 

@@ -8,7 +8,7 @@ import json
 from kvtier.tiers.links import Link
 from kvtier.tiers.page import Source
 
-from .test_hierarchy import GEOMETRY, KEYS, PAGE, TOKENS, make_store, publish
+from .small_pages import GEOMETRY, KEYS, PAGE, TOKENS, make_store, publish
 
 TIER_KEYS = [
     "capacity",

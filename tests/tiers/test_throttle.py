@@ -7,7 +7,7 @@ import pytest
 
 from kvtier.tiers.hierarchy import StoreConfig, TieredStore
 from kvtier.tiers.page import Source
-from tests.tiers.test_hierarchy import GEOMETRY, KEYS, NS, PAGE, SMALL, TOKENS, publish
+from tests.tiers.small_pages import GEOMETRY, KEYS, NS, PAGE, SMALL, TOKENS, publish
 
 PAGES = 8
 RATE = 16 * PAGE * PAGES  # bytes/s: the 8-page prefix (~2 KiB raw) takes >= 1/16 s from a throttled tier

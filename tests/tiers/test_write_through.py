@@ -20,7 +20,7 @@ from kvtier.tiers.store_config import open_l3_of
 from kvtier.tiers.tier import kv_to_host
 
 from ..redis_servers import needs_redis, redis_server  # noqa: F401
-from .test_hierarchy import GEOMETRY, KEYS, KV, NS, PAGE, page_tokens
+from .small_pages import GEOMETRY, KEYS, KV, NS, PAGE, page_tokens
 
 PAGES = 3
 TOKENS = [t for i in range(PAGES) for t in page_tokens(i)]
