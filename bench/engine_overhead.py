@@ -11,7 +11,9 @@ Three ways to run the same burst of unique prompts (nothing to reuse):
   codecs those of ``--l2-codec`` and ``--l3-codec`` (a quantizing L3 encodes every
   page that its flush writes).
 Runs are interleaved and repeated, each repeat in a rotated order (so a machine
-slowing down or speeding up favours none of them); the median of each is reported.
+slowing down or speeding up favours none of them); the median of each is reported,
+and the on/off ratio within each repeat (its median and range: how far the machine's
+noise moves one ratio).
 """
 
 from __future__ import annotations
@@ -108,6 +110,11 @@ def main() -> None:
     print(
         f"offload on / off time: {med['on'] / med['off']:.3f} (plus close/flush to L3: "
         f"{med['close'] / med['off']:.3f} of a run)"
+    )
+    paired = sorted(on / off for on, off in zip(times["on"], times["off"]))
+    print(
+        f"offload on / off within each repeat (adjacent runs, the same stretch of the machine): "
+        f"median {statistics.median(paired):.3f}, range {paired[0]:.3f}-{paired[-1]:.3f}"
     )
     print(f"time inside the store during offload-on runs (restore + publish): {med['store']:.2%} of the run")
 
