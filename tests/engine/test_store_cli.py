@@ -20,6 +20,7 @@ from kvtier.costmodel.plan import Profile
 from kvtier.tiers.l3.lmdb_store import DiskTier
 
 from .. import cli
+from ..tiers.lmdb_files import opened_elsewhere
 from .conftest import on_tiny_model
 from .kind_models import write_model
 
@@ -308,23 +309,9 @@ def test_store_ls_clear_resize_compact(tmp_path):
 
 
 def test_compact_refuses_a_store_in_use(store):
-    holder = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            "import sys, time; from kvtier.tiers.l3.lmdb_store import DiskTier; "
-            f"d = DiskTier({str(store)!r}); print('open', flush=True); time.sleep(60)",
-        ],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        assert holder.stdout.readline().strip() == "open"
+    with opened_elsewhere(store):
         done = kvtier("store", "compact", "--store", str(store), check=False)
-        assert done.returncode == 2 and "open in another process" in done.stderr
-    finally:
-        holder.kill()
-        holder.wait()
+    assert done.returncode == 2 and "open in another process" in done.stderr
 
 
 def test_stats_reset(tmp_path):

@@ -28,6 +28,22 @@ _HOLD = (
 
 
 @contextlib.contextmanager
+def opened_elsewhere(path: Path) -> Iterator[None]:
+    """The store at ``path`` held open by a tier in a process of its own, for the block."""
+    script = (
+        "import time; from kvtier.tiers.l3.lmdb_store import DiskTier; "
+        f"d = DiskTier({str(path)!r}); print('open', flush=True); time.sleep(60)"
+    )
+    holder = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "open"
+        yield
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+@contextlib.contextmanager
 def raw_env(path: Path) -> Iterator[tuple[lmdb.Environment, object, object]]:
     """The store at ``path`` (no tier may have it open) and its pages and meta databases."""
     env = lmdb.open(str(path), max_dbs=8, map_size=1 << 30)

@@ -5,8 +5,6 @@ As ``test_disk``, records are read or edited with the ``lmdb`` package, the tier
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,7 +14,7 @@ from kvtier.tiers.l3.lmdb_admin import compact_store
 from kvtier.tiers.l3.lmdb_store import DiskTier
 
 from .disk_pages import NS, TOKENS, assert_consistent, key, payload
-from .lmdb_files import raw_env
+from .lmdb_files import opened_elsewhere, raw_env
 
 
 @pytest.fixture
@@ -132,23 +130,8 @@ def test_compact_shrinks_the_file_and_keeps_every_page(store: Path) -> None:
 
 def test_compact_refuses_while_another_process_has_the_store_open(store: Path) -> None:
     DiskTier(store, 1 << 20).close()
-    holder = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            "import time; from kvtier.tiers.l3.lmdb_store import DiskTier; "
-            f"d = DiskTier({str(store)!r}); print('open', flush=True); time.sleep(60)",
-        ],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        assert holder.stdout.readline().strip() == "open"
-        with pytest.raises(StoreError, match="open in another process"):
-            compact_store(store)
-    finally:
-        holder.kill()
-        holder.wait()
+    with opened_elsewhere(store), pytest.raises(StoreError, match="open in another process"):
+        compact_store(store)
 
 
 def test_a_store_from_before_the_namespaces_table_is_counted_on_open(store: Path) -> None:
