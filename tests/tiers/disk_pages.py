@@ -30,7 +30,7 @@ def payload(i: int, nbytes: int = 4096) -> bytes:
     return (values.view(np.uint32) >> 16).astype(np.uint16).tobytes()
 
 
-def scan_store(path: Path) -> dict:
+def _scan_store(path: Path) -> dict:
     """What is really stored, read with lmdb directly (the tier must be closed)."""
     with raw_env(path) as (env, pages, meta):
         with env.begin() as txn:
@@ -45,10 +45,10 @@ def scan_store(path: Path) -> dict:
 
 
 def assert_consistent(path: Path, capacity: int) -> dict:
-    """What is stored (``scan_store``), checked: meta bytes_used and pages match the
+    """What is stored (``_scan_store``), checked: meta bytes_used and pages match the
     records (absent meta: nothing was ever committed), lru names exactly the records and
     order those no record follows (leaf-first), bytes within the cap."""
-    s = scan_store(path)
+    s = _scan_store(path)
     assert s["bytes_used"] == sum(s["sizes"].values()) <= capacity
     assert s["pages"] == len(s["sizes"])
     assert s["lru"] == set(s["order"]) | s["followed"] == set(s["sizes"])  # leaf-first: followed ones wait
@@ -67,8 +67,8 @@ def poke(store: Path, k: bytes, value: bytes) -> None:
         txn.put(b"pages", msgpack.packb(count + (old is None)), db=meta)
 
 
-HEADER_KEYS = st.sampled_from(["v", "ns", "tok", "codec", "n", "xxh", "x"])
-HEADER_VALUES = st.one_of(
+_HEADER_KEYS = st.sampled_from(["v", "ns", "tok", "codec", "n", "xxh", "x"])
+_HEADER_VALUES = st.one_of(
     st.integers(-2, 2**64 - 1),
     st.binary(max_size=40),
     st.text(max_size=12),
@@ -80,14 +80,14 @@ HEADER_VALUES = st.one_of(
 )
 
 
-def framed(header: dict, tail: bytes) -> bytes:
+def _framed(header: dict, tail: bytes) -> bytes:
     head = msgpack.packb(header, use_bin_type=True)
     return len(head).to_bytes(4, "little") + head + tail
 
 
 RECORD_VALUES = st.one_of(
     st.binary(max_size=300),
-    st.builds(framed, st.dictionaries(HEADER_KEYS, HEADER_VALUES, max_size=7), st.binary(max_size=300)),
+    st.builds(_framed, st.dictionaries(_HEADER_KEYS, _HEADER_VALUES, max_size=7), st.binary(max_size=300)),
 )
 
 

@@ -123,7 +123,7 @@ def _framed_ours(header: dict, data: bytes, kind: str, fix_checksum: bool) -> by
 
 
 ARBITRARY = st.one_of(
-    RECORD_VALUES,  # raw bytes, and random header dictionaries framed (from test_disk)
+    RECORD_VALUES,  # raw bytes, and random header dictionaries framed (tests.tiers.disk_pages)
     st.builds(
         _framed_ours,
         _HEADER_FOR_US,
