@@ -210,3 +210,16 @@ def normalized(text: str) -> list[str]:
         line = re.sub(r"^(L\d->L\d\s+\d+\s+\d+)\s+[\d.]+\s+[\d.]+\s*$", r"\1 S G", line)
         out.append(re.sub(r" +", " ", line).rstrip())
     return out
+
+
+def synopses(text: str) -> dict[str, set[str]]:
+    """``kvtier COMMAND [SUB]`` -> the long flags its synopsis lines name."""
+    found: dict[str, set[str]] = {}
+    current = None
+    for line in text.splitlines():
+        if head := re.match(r"kvtier ((?:store |bench )?[a-z-]+)", line):
+            current = head.group(1).strip()
+            found.setdefault(current, set())
+        if current:
+            found[current] |= set(re.findall(r"--[a-z0-9-]+", line))
+    return found

@@ -30,7 +30,8 @@ import kvtier
 from kvtier.engine.models.defaults import packaged_gguf
 
 from . import cli
-from .readme_blocks import BIN, CHECKOUT, README, Block, Shell, after, block, blocks, normalized, readme_env
+from . import readme_serve as serve
+from .readme_blocks import BIN, CHECKOUT, Block, Shell, after, block, blocks, normalized, readme_env, synopses
 from .redis_servers import free_port, needs_redis
 
 # The first line of each block (its start) -> the test that runs it, or why no test can.
@@ -235,16 +236,16 @@ def test_serve_snippets(shell):
             r"The model id is `--served-model-name`, else `--model` as given, else `([^`]+)`",
             after(block("kvtier serve [--host 127.0.0.1]")),
         )
-        check("model id", lambda: _assert_model_id(base, said.group(1)))
+        check("model id", lambda: serve.assert_model_id(base, said.group(1)))
         replies: dict[str, dict] = {}
-        check("curl chat", lambda: replies.update(curl=_curl_chat(shell)))
-        check("openai", lambda: _openai(shell))
-        check("usage json", lambda: _usage_shape(replies["curl"]["usage"]))
-        check("streamed usage", lambda: _streamed_usage(base, said.group(1)))
-        check("anthropic", lambda: _anthropic(shell))
-        check("metrics", lambda: _metrics(shell))
-        check("agents", lambda: _agents(shell))
-        check("dashboard", lambda: _dashboard(shell, base))
+        check("curl chat", lambda: replies.update(curl=serve.curl_chat(shell)))
+        check("openai", lambda: serve.openai_client(shell))
+        check("usage json", lambda: serve.usage_shape(replies["curl"]["usage"]))
+        check("streamed usage", lambda: serve.streamed_usage(base, said.group(1)))
+        check("anthropic", lambda: serve.anthropic_client(shell))
+        check("metrics", lambda: serve.metrics(shell))
+        check("agents", lambda: serve.agents(shell))
+        check("dashboard", lambda: serve.dashboard(shell, base))
     finally:
         status = server.stop()
     assert status == 0, "serve did not exit 0 on SIGTERM:\n" + "\n".join(server.lines[-20:])
@@ -288,96 +289,6 @@ def test_security_snippets(shell):
     assert status == 0, "serve did not exit 0 on SIGTERM:\n" + "\n".join(server.lines[-20:])
 
 
-def _dashboard(shell: Shell, base: str) -> None:
-    """The page the README says to open, and ``kvtier top --once`` on the same server."""
-    page = httpx.get(base + "/dashboard", timeout=30)
-    assert page.status_code == 200 and "<canvas" in page.text
-    printed = shell.run(block(".venv/bin/kvtier top --once").commands()[0]).stdout
-    for part in ("tiers", "last requests", "L3 namespaces"):
-        assert part in printed, printed
-
-
-def _assert_model_id(base: str, model_id: str) -> None:
-    ids = [m["id"] for m in httpx.get(f"{base}/v1/models", timeout=30).json()["data"]]
-    assert model_id in ids, f"/v1/models lists {ids}, the README says {model_id!r}"
-
-
-def _curl_chat(shell: Shell) -> dict:
-    reply = json.loads(shell.run(block("curl -s localhost:8000/v1/chat/completions").commands()[0]).stdout)
-    assert "error" not in reply, reply
-    assert reply["choices"][0]["message"]["content"], reply
-    return reply
-
-
-def _openai(shell: Shell) -> None:
-    printed = shell.python(block("from openai import OpenAI").text)
-    claims = re.findall(r"`((?:cached_tokens|sources)=[^`]+)`", after(block("from openai import OpenAI"), 400))
-    assert len(claims) == 2, claims
-    for claim in claims:
-        assert claim in printed, f"{claim!r} not in {printed!r}"
-
-
-def _usage_shape(usage: dict) -> None:
-    """The README's usage example: the keys a response has, and how its figures add up."""
-    text = block('{"prompt_tokens": 1650').text
-    example = json.loads(re.sub(r",\s*\.\.\.", "", text))
-
-    def keys(obj: dict, ours: dict, path: str = "") -> None:
-        for key, value in obj.items():
-            assert key in ours, f"usage has no {path}{key}: {ours}"
-            if isinstance(value, dict):
-                keys(value, ours[key], f"{path}{key}.")
-
-    keys(example, usage)
-    for u in (example, usage):
-        sources = u["prompt_tokens_details"]["sources"]
-        assert sum(sources.values()) == u["prompt_tokens"]
-        assert u["prompt_tokens_details"]["cached_tokens"] == sources["L1"] + sources["L2"] + sources["L3"]
-        assert u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"]
-
-
-def _streamed_usage(base: str, model_id: str) -> None:
-    body = {"model": model_id, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4, "stream": True}
-    with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=120) as response:
-        events = [line.removeprefix("data: ") for line in response.iter_lines() if line.startswith("data: ")]
-    assert events[-1] == "[DONE]", events[-3:]
-    usage = json.loads(events[-2]).get("usage") or {}
-    assert set(usage.get("prompt_tokens_details", {}).get("sources", {})) == {"L1", "L2", "L3", "recomputed"}, usage
-
-
-def _anthropic(shell: Shell) -> None:
-    printed = shell.python(block("from anthropic import Anthropic").text).strip()
-    claim = re.search(r"from the `anthropic` client,\s+prints `([^`]+)`", README.read_text(encoding="utf-8"))
-    assert printed == claim.group(1)
-
-
-def _agents(shell: Shell) -> None:
-    printed = shell.python(block("# one question asked twice").text).strip()
-    claim = re.search(r"prints `([^`]+)`: the second request left the cache", README.read_text(encoding="utf-8"))
-    assert printed == claim.group(1), printed
-
-
-def _metrics(shell: Shell) -> None:
-    command = block("curl -s localhost:8000/metrics").text
-    names = re.search(r"kvtier_\(([^)]+)\)", command).group(1).split("|")
-    printed = shell.run(command).stdout
-    for name in names:
-        assert re.search(rf"^kvtier_{name}(\{{|\s)", printed, re.M), f"no kvtier_{name} in:\n{printed}"
-
-
-def _synopses(text: str) -> dict[str, set[str]]:
-    """``kvtier COMMAND [SUB]`` -> the long flags its synopsis lines name."""
-    found: dict[str, set[str]] = {}
-    current = None
-    for line in text.splitlines():
-        if head := re.match(r"kvtier ((?:store |bench )?[a-z-]+)", line):
-            current = head.group(1).strip()
-            found.setdefault(current, set())
-        if current:
-            found[current] |= set(re.findall(r"--[a-z0-9-]+", line))
-    return found
-
-
 def _help(command: str) -> str:
     """``kvtier COMMAND -h``, in this process: the parser is the installed command's
     (``--version`` below checks the installed script itself)."""
@@ -394,15 +305,15 @@ def _usage_flags(command: str) -> set[str]:
 def test_flags_are_the_commands_flags():
     """Each synopsis of the Flags block names exactly the flags of that command's -h;
     serve's adds the engine flags of run, and its own block's are among them."""
-    synopses = _synopses(block("kvtier run   [--model PATH_OR_ID]").text)
-    listed = synopses.pop("serve")
-    del synopses["--version"]
-    for command, flags in synopses.items():
+    listed = synopses(block("kvtier run   [--model PATH_OR_ID]").text)
+    listed_serve = listed.pop("serve")
+    del listed["--version"]
+    for command, flags in listed.items():
         assert flags == _usage_flags(command), f"kvtier {command}"
     serve = _usage_flags("serve")
-    assert listed <= serve and serve - listed <= synopses["run"], sorted(serve ^ listed)
+    assert listed_serve <= serve and serve - listed_serve <= listed["run"], sorted(serve ^ listed_serve)
     serve_block = block("kvtier serve [--host 127.0.0.1]").text
-    assert _synopses(serve_block)["serve"] <= serve
+    assert synopses(serve_block)["serve"] <= serve
     options = " ".join(_help("serve").split("options:", 1)[1].split())
     shown = re.findall(r"\[(--[a-z-]+) (\d[\d.]*)\]", serve_block)  # the defaults it shows
     assert shown
