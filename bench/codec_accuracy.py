@@ -272,15 +272,18 @@ def restore_seconds(loaded, geometry, codec, where, kvs, tokens, rounds, cold=Fa
     for i, (key, kv) in enumerate(zip(keys, kvs)):
         writer.publish(key, tokens[i * PAGE : (i + 1) * PAGE], kv)
     writer.close()
-    reader: TieredStore | None = None
+
+    def opened() -> TieredStore:
+        if cold:
+            drop_from_page_cache(where)
+        return TieredStore(geometry, namespace, config)
+
+    reader = opened()
     best = float("inf")
-    for _ in range(rounds + 1):  # the first warms mlx's buffers (and, warm, the page cache)
-        if reader is None or cold:
-            if reader is not None:
-                reader.close()  # unmaps the files: the kernel keeps a page mapped anywhere
-            if cold:
-                drop_from_page_cache(where)
-            reader = TieredStore(geometry, namespace, config)
+    for round_ in range(rounds + 1):  # the first warms mlx's buffers (and, warm, the page cache)
+        if cold and round_:
+            reader.close()  # unmaps the files first: the kernel keeps a page mapped anywhere
+            reader = opened()
         reader.keeping.drop_l2()
         t0 = time.perf_counter()
         restored = reader.restore(keys, tokens)
@@ -288,7 +291,6 @@ def restore_seconds(loaded, geometry, codec, where, kvs, tokens, rounds, cold=Fa
         best = min(best, time.perf_counter() - t0)
         assert restored.sources == [Source.L3] * len(keys), restored.sources
         reader.release(restored.keys)
-    assert reader is not None
     links = reader.stats().links
     read = links["L3->L1"].bytes + links["L3->L2"].bytes
     pages = links["L3->L1"].pages + links["L3->L2"].pages
